@@ -1,0 +1,1 @@
+"""Gin configuration files shipped with t5lite (mapped from the repository's configs/)."""

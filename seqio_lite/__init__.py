@@ -1,0 +1,1 @@
+"""seqio_lite: seqio-style tasks and deterministic data pipelines without TensorFlow."""

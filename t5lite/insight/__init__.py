@@ -1,0 +1,1 @@
+"""Reports that show how a model is split: sharding, memory, communication."""

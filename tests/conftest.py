@@ -1,0 +1,27 @@
+"""Shared test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
+
+import os
+
+# NOTE: must run before the first `import jax` of the test session; conftest.py is imported by
+# pytest before any test module, so this is the one place that can guarantee it.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def require_devices(n: int) -> None:
+    """Skips the calling test when fewer than `n` devices exist."""
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices, only {jax.device_count()} present")
+
+
+@pytest.fixture
+def devices8():
+    require_devices(8)
+    return jax.devices()[:8]
