@@ -1,0 +1,669 @@
+"""Checkpoint policy: step directories, async saves, atomic commit, keep rules, restore.
+
+Raw array I/O lives in `tensorstore_io.py`; this module decides what goes where and when.
+
+Layout of one checkpoint (no pickle anywhere; every file opens with plain tools):
+
+    <directory>/checkpoint_<step>/
+        metadata.json   format, format_version, step, tree (nested dicts/lists whose leaves are
+                        array paths), arrays {path: {shape, dtype, logical_axes, dir}}
+        extra.json      the trainer's JSON state (step, rng, data iterator state, ...)
+        arrays/<dir>/   one zarr3 array per leaf (see `tensorstore_io`), e.g.
+                        arrays/params.encoder.layers_0.mlp.wi.kernel
+        COMMIT          written last; a directory without it is not a checkpoint
+
+A save is written to `checkpoint_<step>.tmp`; after every process has written its shards,
+process 0 writes the metadata and `COMMIT` (fsynced) and renames the directory to its final
+name. A crash at any point leaves at most a `.tmp` directory, which restore ignores and
+`CheckpointManager` removes. An existing committed step is never overwritten.
+
+Trainer loop:
+
+    mgr = CheckpointManager(workdir, save_period=1000, keep=3, keep_period=10000)
+    mgr.install_preemption_handler()
+    state, extra = mgr.restore(abstract_state) if mgr.latest_step() is not None else (init, {})
+    for step in range(start, num_steps + 1):
+        state = train_step(state, batch)
+        if mgr.maybe_save(step, state, extra={"step": step, ...}, is_final=step == num_steps):
+            break  # preempted: the checkpoint is committed, exit cleanly
+    mgr.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from t5lite import tensorstore_io as tsio
+
+FORMAT = "t5lite.checkpoint"
+FORMAT_VERSION = 1
+COMMIT_FILE = "COMMIT"
+METADATA_FILE = "metadata.json"
+EXTRA_FILE = "extra.json"
+TMP_SUFFIX = ".tmp"
+DELETING_SUFFIX = ".deleting"
+_STEP_RE = re.compile(r"^checkpoint_(\d+)$")
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or restored; the message names the directory and array."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree paths
+
+
+def _key_str(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return "/".join(_key_str(k) for k in path)
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """(path, leaf) pairs with '/'-joined key paths, and the treedef."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(_path_str(p), x) for p, x in leaves], treedef
+
+
+def _tree_json(tree: Any) -> Any:
+    """The tree's structure as JSON: dicts and lists of array paths."""
+
+    def build(path: tuple, node: Any) -> Any:
+        if node is None:
+            return None
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[
+            0
+        ]
+        if len(children) == 1 and children[0][0] == ():
+            return _path_str(path)
+        if not children:
+            return [] if isinstance(node, list | tuple) else {}
+        keys = [p[0] for p, _ in children]
+        if all(hasattr(k, "idx") for k in keys):
+            return [build((*path, k), c) for k, (_, c) in zip(keys, children)]
+        return {_key_str(k): build((*path, k), c) for k, (_, c) in zip(keys, children)}
+
+    return build((), tree)
+
+
+def _array_dir(path: str, taken: set[str]) -> str:
+    """A file-system-safe, unique directory name for an array path."""
+    name = re.sub(r"[^A-Za-z0-9_.\-]", "_", path.replace("/", ".")) or "_root"
+    base, n = name, 1
+    while name in taken:
+        name, n = f"{base}.{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _logical_axes_by_path(logical_axes: Any) -> dict[str, Any]:
+    if logical_axes is None:
+        return {}
+    leaves = jax.tree_util.tree_flatten_with_path(
+        logical_axes,
+        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec | tuple),
+    )[0]
+    return {_path_str(p): None if x is None else [a for a in x] for p, x in leaves}
+
+
+# ---------------------------------------------------------------------------------------------
+# Directory helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    """Whether `path` is a committed checkpoint directory."""
+    return (Path(path) / COMMIT_FILE).is_file()
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps of the committed checkpoints under `directory`, ascending."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    steps = []
+    for p in d.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and is_committed(p):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _is_process0() -> bool:
+    return jax.process_index() == 0
+
+
+def _barrier(name: str, background: bool = False) -> None:
+    """All processes wait here; a no-op with one process.
+
+    NOTE: `sync_global_devices` runs a device computation, which must not race the trainer's
+    steps from the writer thread; there the coordination service's barrier is used instead.
+    """
+    if jax.process_count() == 1:
+        return
+    if not background:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, 30 * 60 * 1000)
+
+
+# ---------------------------------------------------------------------------------------------
+# Restore
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """Reads and checks the metadata of a committed checkpoint.
+
+    Args:
+      path: a `checkpoint_<step>` directory.
+
+    Returns:
+      The parsed `metadata.json`.
+
+    Raises:
+      CheckpointError: missing or uncommitted directory, unreadable metadata, newer format.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint directory {p} does not exist")
+    if not is_committed(p):
+        raise CheckpointError(f"checkpoint directory {p} is not committed (no {COMMIT_FILE})")
+    try:
+        meta = json.loads((p / METADATA_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {p}: cannot read {METADATA_FILE}: {e}") from e
+    version = meta.get("format_version")
+    if meta.get("format") != FORMAT or not isinstance(version, int):
+        raise CheckpointError(f"checkpoint {p}: {METADATA_FILE} is not a {FORMAT} file")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {p} has format version {version}, newer than this t5lite reads "
+            f"({FORMAT_VERSION}); upgrade t5lite"
+        )
+    return meta
+
+
+def _castable(src: np.dtype, dst: np.dtype) -> bool:
+    if src == dst:
+        return True
+    # Only float <-> float casts (fp32 -> bf16 parameters); anything else is a wrong target.
+    return jax.dtypes.issubdtype(src, np.floating) and jax.dtypes.issubdtype(dst, np.floating)
+
+
+def restore_checkpoint(
+    path: str | os.PathLike,
+    target: Any = None,
+    *,
+    extra: bool = True,
+    strict: bool = True,
+    assignment_map: Sequence[tuple[str, str | None]] | None = None,
+    params_only: bool = False,
+    params_key: str = "params",
+    concurrency: int = 32,
+) -> tuple[Any, dict | None]:
+    """Restores one committed checkpoint directory onto the shardings of `target`.
+
+    Args:
+      path: a committed `checkpoint_<step>` directory.
+      target: tree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` (abstract) or arrays
+        (concrete: their values are the fresh initialisation used where nothing is restored).
+        Leaves with a sharding come back as global jax.Arrays with that sharding, on any mesh and
+        process count; leaves without one (numpy, sharding=None) as numpy arrays. Stored floats
+        are cast to the target dtype. None: a nested dict of numpy arrays, as stored.
+      extra: also return the JSON state saved with the arrays.
+      strict: a target leaf missing from the checkpoint is an error; otherwise it keeps its
+        concrete target value (fresh initialisation).
+      assignment_map: (regex, replacement) pairs; the first regex that fully matches a target
+        path maps it to `re.sub(regex, replacement, path)` in the checkpoint, or, with None,
+        keeps the target's value. Paths are '/'-joined keys, e.g. 'params/encoder/wi/kernel'.
+      params_only: restore only leaves under `params_key`; the rest keep their target values and
+        the extra state is not returned (fine-tuning from a pretrained checkpoint).
+      params_key: first path component of the parameters.
+      concurrency: TensorStore I/O concurrency.
+
+    Returns:
+      (state with the structure of `target`, extra dict or None).
+
+    Raises:
+      CheckpointError: naming the array, for any missing, corrupt or mismatching input.
+    """
+    p = Path(path)
+    meta = read_metadata(p)
+    arrays = meta["arrays"]
+    ctx = tsio.make_context(concurrency)
+
+    def read(requests: list[tuple[str, tuple, Any, Any]]) -> list[Any]:
+        items = [(str(p / "arrays" / arrays[src]["dir"]), s, d, sh) for src, s, d, sh in requests]
+        try:
+            return tsio.read_arrays(items, ctx)
+        except ValueError:
+            pass
+        # Re-read one at a time to name the culprit (errors are rare; clarity beats speed here).
+        out = []
+        for (src, *_), item in zip(requests, items):
+            try:
+                out.extend(tsio.read_arrays([item], ctx))
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint {p}: array '{src}' cannot be read: {e}") from e
+        return out
+
+    if target is None:
+        paths = list(arrays)
+        values = read(
+            [(a, tuple(arrays[a]["shape"]), np.dtype(arrays[a]["dtype"]), None) for a in paths]
+        )
+        by_path = dict(zip(paths, values))
+        tree = jax.tree_util.tree_map(lambda a: by_path[a], meta["tree"])
+        return tree, _read_extra(p) if extra else None
+
+    leaves, treedef = _flatten(target)
+    rules = [(re.compile(r), repl) for r, repl in (assignment_map or [])]
+    requests, slots, out = [], [], []
+    for tpath, leaf in leaves:
+        src: str | None = tpath
+        for rx, repl in rules:
+            if rx.fullmatch(tpath):
+                src = None if repl is None else rx.sub(repl, tpath)
+                break
+        skip = params_only and tpath.split("/")[0] != params_key
+        if src is not None and not skip and src not in arrays and strict:
+            raise CheckpointError(
+                f"checkpoint {p}: array '{src}' (for target '{tpath}') is missing; "
+                "pass strict=False to keep fresh initialisation for missing parameters"
+            )
+        if src is None or skip or src not in arrays:
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise CheckpointError(
+                    f"checkpoint {p}: target '{tpath}' is not restored (missing or excluded) "
+                    "and has no initial value; pass a concrete array for it in `target`"
+                )
+            out.append(leaf)
+            continue
+        info = arrays[src]
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if tuple(info["shape"]) != shape:
+            raise CheckpointError(
+                f"checkpoint {p}: array '{src}' has shape {tuple(info['shape'])}, "
+                f"target '{tpath}' expects {shape}"
+            )
+        if not _castable(np.dtype(info["dtype"]), dtype):
+            raise CheckpointError(
+                f"checkpoint {p}: array '{src}' has dtype {info['dtype']}, target '{tpath}' "
+                f"expects {dtype}; only float-to-float casts are done on restore"
+            )
+        sharding = getattr(leaf, "sharding", None)
+        requests.append((src, shape, dtype, sharding))
+        slots.append(len(out))
+        out.append(None)
+    for i, v in zip(slots, read(requests)):
+        out[i] = v
+    state = jax.tree_util.tree_unflatten(treedef, out)
+    return state, (_read_extra(p) if extra and not params_only else None)
+
+
+def _read_extra(p: Path) -> dict:
+    f = p / EXTRA_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {p}: cannot read {EXTRA_FILE}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Manager
+
+
+class CheckpointManager:
+    """Saves and restores `checkpoint_<step>` directories under one directory.
+
+    Args:
+      directory: where step directories live (created if absent).
+      save_period: `maybe_save` saves when `step % save_period == 0` (0: only final/preemption).
+      keep: number of most recent checkpoints to keep (None: all).
+      keep_period: also keep every checkpoint whose step is a multiple of this, forever.
+      async_save: `save` returns once arrays are copied to host; disk writes overlap the next
+        steps. An error surfaces at the next `save`, `wait` or `close`.
+      concurrency: TensorStore I/O concurrency.
+      chunk_bytes: upper bound on one stored chunk.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_period: int = 0,
+        keep: int | None = None,
+        keep_period: int | None = None,
+        async_save: bool = True,
+        concurrency: int = 32,
+        chunk_bytes: int = tsio.DEFAULT_CHUNK_BYTES,
+    ):
+        self.directory = Path(directory)
+        self.save_period = save_period
+        self.keep = keep
+        self.keep_period = keep_period
+        self.async_save = async_save
+        self.concurrency = concurrency
+        self.chunk_bytes = chunk_bytes
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+        self._pending: concurrent.futures.Future | None = None
+        self._preempted = threading.Event()
+        self._saves = 0
+        if _is_process0():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._cleanup()
+        # Pending writes finish (and their errors are reported) before the interpreter exits.
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return committed_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> Path:
+        """The final directory of `step`."""
+        return self.directory / f"checkpoint_{step}"
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        extra: dict | None = None,
+        logical_axes: Any = None,
+    ) -> None:
+        """Saves `state` (a tree of arrays) and `extra` (JSON) as `checkpoint_<step>`.
+
+        Returns once device data is copied to host (async) or the checkpoint is committed.
+
+        Args:
+          step: the training step; its checkpoint must not already exist.
+          state: tree of jax.Arrays (any sharding), numpy arrays or scalars.
+          extra: JSON-serialisable dict (data iterator state, rng as ints, step, ...).
+          logical_axes: optional parallel tree of logical-axis PartitionSpecs, stored in metadata.
+
+        Raises:
+          CheckpointError: the step exists, the state cannot be stored, or a previous async
+            save failed.
+        """
+        self.wait()
+        step = int(step)
+        final = self.step_dir(step)
+        if final.exists():
+            raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+        leaves, _ = _flatten(state)
+        axes = _logical_axes_by_path(logical_axes)
+        taken: set[str] = set()
+        meta_arrays: dict[str, dict] = {}
+        staged = []
+        try:
+            extra_json = json.dumps(extra if extra is not None else {}, indent=1)
+        except TypeError as e:
+            raise CheckpointError(
+                f"extra state for step {step} is not JSON-serialisable: {e}"
+            ) from e
+        for path, leaf in leaves:
+            try:
+                host = tsio.stage_to_host(leaf)
+            except TypeError as e:
+                raise CheckpointError(f"cannot save array '{path}': {e}") from e
+            d = _array_dir(path, taken)
+            meta_arrays[path] = {
+                "shape": list(host.shape),
+                "dtype": host.dtype.name,
+                "logical_axes": axes.get(path),
+                "dir": d,
+            }
+            staged.append((d, host))
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tree": _tree_json(state),
+            "arrays": meta_arrays,
+            "process_count": jax.process_count(),
+        }
+        tmp = self.directory / f"checkpoint_{step}{TMP_SUFFIX}"
+        if _is_process0():
+            if tmp.exists():  # Left by a crashed save of the same step: never committed.
+                shutil.rmtree(tmp)
+            (tmp / "arrays").mkdir(parents=True)
+        self._saves += 1
+        _barrier(f"t5lite_ckpt_{step}_{self._saves}_mkdir")
+        n = self._saves
+        job = lambda: self._write_and_commit(step, n, tmp, final, staged, meta, extra_json)
+        if self.async_save:
+            self._pending = self._executor.submit(job)
+        else:
+            job()
+
+    def _write_and_commit(self, step, n, tmp, final, staged, meta, extra_json) -> None:
+        """Writes this process's shards, then (process 0) metadata, marker and rename."""
+        ctx = tsio.make_context(self.concurrency, sync=True)
+        items = [(str(tmp / "arrays" / d), h) for d, h in staged]
+        try:
+            tsio.write_arrays(items, ctx, self.chunk_bytes)
+        except ValueError as e:
+            raise CheckpointError(f"writing checkpoint {tmp} failed: {e}") from e
+        _barrier(f"t5lite_ckpt_{step}_{n}_written", background=True)
+        if _is_process0():
+            (tmp / EXTRA_FILE).write_text(extra_json)
+            _write_json(tmp / METADATA_FILE, meta)
+            _write_json(tmp / COMMIT_FILE, {"step": step, "time": time.time()})
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+            self._apply_keep_policy()
+        _barrier(f"t5lite_ckpt_{step}_{n}_committed", background=True)
+
+    def wait(self) -> None:
+        """Blocks until the pending save is committed; re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"asynchronous checkpoint save failed: {e!r}") from e
+
+    def _apply_keep_policy(self) -> None:
+        steps = self.all_steps()
+        if self.keep is None:
+            return
+        keep = set(steps[-self.keep :]) if self.keep > 0 else set()
+        if self.keep_period:
+            keep |= {s for s in steps if s % self.keep_period == 0}
+        for s in steps:
+            if s not in keep:
+                d = self.step_dir(s)
+                # Rename first: a crash mid-delete leaves a '.deleting' dir, never a half
+                # checkpoint that still looks committed.
+                gone = d.with_name(d.name + DELETING_SUFFIX)
+                os.rename(d, gone)
+                shutil.rmtree(gone)
+
+    def _cleanup(self) -> None:
+        """Removes uncommitted leftovers of crashed saves or deletes (process 0)."""
+        for p in self.directory.iterdir():
+            name = p.name
+            for suffix in (TMP_SUFFIX, DELETING_SUFFIX):
+                if name.endswith(suffix) and _STEP_RE.match(name[: -len(suffix)]) and p.is_dir():
+                    log.info("removing uncommitted checkpoint directory %s", p)
+                    shutil.rmtree(p, ignore_errors=True)
+
+    # -- policy -------------------------------------------------------------------------------
+
+    def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        """On SIGTERM, `maybe_save` saves at the next step and tells the trainer to stop.
+
+        Must be called from the main thread. With several processes JAX's preemption sync point
+        (set up by `jax.distributed.initialize`) makes all processes agree on the step.
+        """
+        for sig in signals:
+            signal.signal(sig, lambda *_: self._preempted.set())
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption signal arrived (agreed across processes at `step`)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            try:
+                return multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:
+                pass
+        return self._preempted.is_set()
+
+    def should_save(self, step: int, is_final: bool = False) -> bool:
+        """The save policy: period, final step, or preemption."""
+        if self.reached_preemption(step) or is_final:
+            return True
+        return bool(self.save_period) and step % self.save_period == 0
+
+    def maybe_save(
+        self,
+        step: int,
+        state: Any,
+        extra: dict | None = None,
+        logical_axes: Any = None,
+        is_final: bool = False,
+    ) -> bool:
+        """Saves if the policy says so; returns True when the trainer must stop (preempted).
+
+        On preemption or at the final step the save is waited for (committed) before returning.
+
+        Args:
+          step: current step (after the update).
+          state: train state tree.
+          extra: JSON state.
+          logical_axes: optional logical-axis tree.
+          is_final: the last training step.
+
+        Returns:
+          True if a preemption signal arrived: the checkpoint is committed, exit cleanly.
+        """
+        preempted = self.reached_preemption(step)
+        if self.should_save(step, is_final) and not self.step_dir(step).exists():
+            self.save(step, state, extra, logical_axes)
+        if preempted or is_final:
+            self.wait()
+        return preempted
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        target: Any = None,
+        step: int | str | os.PathLike | None = None,
+        *,
+        extra: bool = True,
+        strict: bool = True,
+        assignment_map: Sequence[tuple[str, str | None]] | None = None,
+        params_only: bool = False,
+    ) -> tuple[Any, dict | None]:
+        """Restores the latest committed step, a given step, or a checkpoint path.
+
+        Args:
+          target: see `restore_checkpoint`.
+          step: None (latest), a step number, or a path to a `checkpoint_<step>` directory.
+          extra, strict, assignment_map, params_only: see `restore_checkpoint`.
+
+        Returns:
+          (state, extra).
+
+        Raises:
+          CheckpointError: no checkpoint, or any bad input (names the array).
+        """
+        self.wait()
+        if _is_process0() and self.directory.is_dir():
+            self._cleanup()
+        if step is None:
+            latest = self.latest_step()
+            if latest is None:
+                raise CheckpointError(f"no committed checkpoint in {self.directory}")
+            path = self.step_dir(latest)
+        elif isinstance(step, int | np.integer):
+            path = self.step_dir(int(step))
+        else:
+            path = Path(step)
+        return restore_checkpoint(
+            path,
+            target,
+            extra=extra,
+            strict=strict,
+            assignment_map=assignment_map,
+            params_only=params_only,
+            concurrency=self.concurrency,
+        )
+
+    def close(self) -> None:
+        """Waits for the pending save and stops the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    mgr = ref()
+    if mgr is not None and mgr._pending is not None:
+        try:
+            mgr.close()
+        except CheckpointError as e:
+            log.error("checkpoint save pending at exit failed: %s", e)

@@ -1,0 +1,253 @@
+"""Raw array I/O on TensorStore: one jax.Array <-> one zarr3 array on disk.
+
+This module knows nothing about steps, commits or trees (that is `checkpoints.py`); it only turns
+sharded arrays into TensorStore writes and TensorStore reads back into sharded arrays.
+
+On-disk array format (plain zarr v3, readable with `tensorstore` alone):
+  - driver `zarr3`, codecs `bytes` (little endian, uncompressed) + `crc32c` (a checksum per chunk,
+    so a flipped bit or a truncated chunk is an error instead of silently wrong weights);
+  - chunk shape derived from the array's shape and dtype only (see `chunk_shape_for`), never from
+    the mesh, so any mesh can read what any other mesh wrote;
+  - every chunk is written: readers open with `fill_missing_data_reads=False`, so a deleted chunk
+    file is an error rather than a block of zeros.
+
+    >>> ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": ".../arrays/params.w"}})
+
+Writes: each process writes only its addressable shards whose `replica_id == 0`, so no element is
+written twice. Reads: each process reads only the index ranges its own devices need, once per
+distinct range (replicas share one read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+# A chunk of ~16 MiB keeps per-file overhead small against disk bandwidth while still splitting
+# large parameters into pieces that shards of typical meshes (powers of two) line up with.
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+
+Index = tuple[tuple[int, int], ...]  # per dimension [start, stop)
+
+
+def make_context(concurrency: int = 32, sync: bool = True) -> ts.Context:
+    """A TensorStore context shared by all arrays of one save or restore.
+
+    Args:
+      concurrency: limit on concurrent file operations and on data-copy threads.
+      sync: fsync each file before a write is reported done. Keep on for checkpoints: the commit
+        marker must never be durable before the data it vouches for.
+
+    Returns:
+      A `ts.Context`.
+    """
+    return ts.Context(
+        {
+            "file_io_concurrency": {"limit": concurrency},
+            "data_copy_concurrency": {"limit": concurrency},
+            "file_io_sync": sync,
+            # Checkpoint data is read or written once: caching it only costs memory.
+            "cache_pool": {"total_bytes_limit": 0},
+        }
+    )
+
+
+def chunk_shape_for(
+    shape: Sequence[int], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES
+) -> list[int]:
+    """A mesh-independent chunk shape: halve the largest dimension until a chunk fits.
+
+    Even dimensions are halved first, so for power-of-two shard counts every shard boundary is
+    also a chunk boundary (no two processes ever write the same chunk).
+
+    Args:
+      shape: array shape.
+      itemsize: bytes per element.
+      target_bytes: upper bound on one chunk's size (unless a single element row exceeds it).
+
+    Returns:
+      The chunk shape, one entry ≥ 1 per dimension.
+    """
+    chunk = [max(1, int(d)) for d in shape]
+    while int(np.prod(chunk, dtype=np.int64)) * itemsize > target_bytes:
+        even = [i for i, c in enumerate(chunk) if c > 1 and c % 2 == 0]
+        odd = [i for i, c in enumerate(chunk) if c > 1]
+        if not odd:
+            break
+        i = max(even or odd, key=lambda j: chunk[j])
+        chunk[i] = (chunk[i] + 1) // 2
+    return chunk
+
+
+def array_spec(path: str, shape: Sequence[int] | None = None, dtype: Any = None, **kw) -> dict:
+    """The TensorStore spec of one checkpoint array at directory `path`.
+
+    Args:
+      path: local directory of the array.
+      shape: when given (with `dtype`), the spec creates the array with a derived chunk shape.
+      dtype: numpy-compatible dtype of the array to create.
+      **kw: `chunk_bytes` to override `DEFAULT_CHUNK_BYTES`.
+
+    Returns:
+      A JSON spec for `ts.open`.
+    """
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": path},
+        "fill_missing_data_reads": False,
+    }
+    if shape is not None:
+        dt = np.dtype(dtype)
+        chunks = chunk_shape_for(shape, dt.itemsize, kw.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+        spec["metadata"] = {
+            "shape": list(shape),
+            "data_type": dt.name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "crc32c"},
+            ],
+        }
+    return spec
+
+
+def _index(idx: tuple[slice, ...], shape: Sequence[int]) -> Index:
+    """Turns a shard's tuple of slices into concrete [start, stop) pairs."""
+    out = []
+    for s, d in zip(idx, shape):
+        start, stop, _ = s.indices(d)
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _slices(index: Index) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in index)
+
+
+@dataclasses.dataclass
+class HostShards:
+    """Host copies of the pieces of one array that this process must write."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: list[tuple[Index, np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for _, p in self.pieces)
+
+
+def stage_to_host(x: Any) -> HostShards:
+    """Copies the shards this process owns (replica_id == 0) of `x` to host memory.
+
+    The copy is what makes async saves safe: the caller may donate or overwrite `x` the moment
+    this returns. Non-jax leaves (numpy arrays, Python scalars) are written by process 0 only.
+
+    Args:
+      x: a jax.Array (any sharding), numpy array or scalar.
+
+    Returns:
+      The `HostShards` to pass to `write_arrays`.
+    """
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            raise TypeError(
+                f"cannot checkpoint an array of dtype {x.dtype}; store typed PRNG keys as "
+                "jax.random.key_data(key)"
+            )
+        shards = [s for s in x.addressable_shards if s.replica_id == 0]
+        # Start every device->host transfer before blocking on the first one.
+        for s in shards:
+            s.data.copy_to_host_async()
+        pieces = [(_index(s.index, x.shape), np.array(s.data, copy=True)) for s in shards]
+        return HostShards(tuple(x.shape), np.dtype(x.dtype), pieces)
+    arr = np.array(x, copy=True)
+    pieces = [] if jax.process_index() != 0 else [(tuple((0, d) for d in arr.shape), arr)]
+    return HostShards(tuple(arr.shape), arr.dtype, pieces)
+
+
+def write_arrays(
+    items: Sequence[tuple[str, HostShards]],
+    context: ts.Context,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Creates (or joins, across processes) each array and writes this process's pieces.
+
+    All opens and all writes are issued before any is awaited, so TensorStore overlaps them.
+
+    Args:
+      items: (array directory, host shards) pairs.
+      context: from `make_context`.
+      chunk_bytes: chunk size bound passed to `chunk_shape_for`.
+    """
+    opens = [
+        ts.open(
+            array_spec(path, h.shape, h.dtype, chunk_bytes=chunk_bytes),
+            create=True,
+            # Several processes create the same array with identical metadata; TensorStore's
+            # conditional writes make the second create an open.
+            open=True,
+            context=context,
+        )
+        for path, h in items
+    ]
+    writes = []
+    for fut, (_, h) in zip(opens, items):
+        store = fut.result()
+        for index, piece in h.pieces:
+            writes.append(store[_slices(index)].write(piece))
+    for w in writes:
+        w.result()
+
+
+def read_arrays(
+    items: Sequence[tuple[str, tuple[int, ...], Any, jax.sharding.Sharding | None]],
+    context: ts.Context,
+) -> list[Any]:
+    """Reads arrays onto shardings; each process reads only what its devices hold.
+
+    Args:
+      items: (array directory, expected shape, target dtype, target sharding or None). With a
+        sharding the result is a global jax.Array; with None, a host numpy array of the whole
+        array. The stored dtype is cast to the target dtype after reading.
+      context: from `make_context`.
+
+    Returns:
+      One array per item, in order.
+
+    Raises:
+      ValueError: from TensorStore, for a missing, truncated or corrupt array or chunk.
+    """
+    stores = [
+        ts.open(array_spec(path), open=True, read=True, context=context) for path, *_ in items
+    ]
+    plans = []
+    for fut, (_, shape, _dtype, sharding) in zip(stores, items):
+        store = fut.result()
+        if tuple(store.shape) != tuple(shape):
+            raise ValueError(f"stored shape {tuple(store.shape)} != expected {tuple(shape)}")
+        if sharding is None:
+            dev_index = {None: tuple((0, d) for d in shape)}
+        else:
+            dev_index = {
+                d: _index(i, shape)
+                for d, i in sharding.addressable_devices_indices_map(shape).items()
+            }
+        # Replicas of a range share one read.
+        reads = {idx: store[_slices(idx)].read() for idx in set(dev_index.values())}
+        plans.append((dev_index, reads))
+    out = []
+    for (dev_index, reads), (_, shape, dtype, sharding) in zip(plans, items):
+        host = {idx: np.asarray(r.result()).astype(dtype, copy=False) for idx, r in reads.items()}
+        if sharding is None:
+            out.append(next(iter(host.values())))
+            continue
+        devices = list(dev_index)
+        bufs = jax.device_put([host[dev_index[d]] for d in devices], devices)
+        out.append(jax.make_array_from_single_device_arrays(shape, sharding, bufs))
+    return out

@@ -1,0 +1,78 @@
+"""Child process for the checkpoint tests (crash, preemption, multi-process).
+
+    python checkpoint_helper.py loop DIR        save steps 1, 2, ... forever (killed by the test)
+    python checkpoint_helper.py train DIR       train-like loop with a SIGTERM handler
+    python checkpoint_helper.py multi DIR PORT PID   one of 2 processes x 4 devices saving step 7
+
+The state at step s is `state_at(s)`, so the parent can check a restored step bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def state_at(step: int, mesh: jax.sharding.Mesh, n: int = 24) -> dict:
+    """A deterministic tree of sharded arrays for `step` (n arrays of 64x256 fp32)."""
+    out = {}
+    for i in range(n):
+        host = np.arange(64 * 256, dtype=np.float32).reshape(64, 256) * (step + 1) + i
+        out[f"w{i}"] = host
+    sh = NamedSharding(mesh, P("data", "model"))
+    return {
+        "params": {
+            k: jax.make_array_from_callback(v.shape, sh, lambda ix, v=v: v[ix])
+            for k, v in out.items()
+        }
+    }
+
+
+def main() -> None:
+    mode, directory = sys.argv[1], sys.argv[2]
+    from t5lite.checkpoints import CheckpointManager
+
+    if mode == "multi":
+        port, pid = int(sys.argv[3]), int(sys.argv[4])
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
+        mesh = jax.make_mesh((2, 4), ("data", "model"))
+        mgr = CheckpointManager(directory, async_save=True)
+        mgr.save(7, state_at(7, mesh, n=4), extra={"step": 7, "pid_count": jax.process_count()})
+        mgr.close()
+        print("DONE", flush=True)
+        return
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    if mode == "loop":
+        mgr = CheckpointManager(directory, async_save=False)
+        step = 1
+        while True:
+            mgr.save(step, state_at(step, mesh), extra={"step": step})
+            if step == 1:
+                print("READY", flush=True)
+            step += 1
+    if mode == "train":
+        mgr = CheckpointManager(directory, save_period=1000)
+        mgr.install_preemption_handler()
+        step = 0
+        while True:
+            step += 1
+            time.sleep(0.01)  # a "train step"
+            if step == 5:
+                print("READY", flush=True)
+            if mgr.maybe_save(step, state_at(step, mesh, n=2), extra={"step": step}):
+                mgr.close()
+                print(f"PREEMPTED {step}", flush=True)
+                sys.exit(0)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

@@ -1,0 +1,466 @@
+"""Checkpoints: round trip, resharding, async, atomic commit, keep policy, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from conftest import require_devices
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5lite import tensorstore_io as tsio
+from t5lite.checkpoints import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointManager,
+    committed_steps,
+)
+
+HELPER = Path(__file__).with_name("checkpoint_helper.py")
+REPO = HELPER.parent.parent
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: dict
+
+
+def mesh(shape):
+    require_devices(8)
+    return jax.make_mesh(shape, ("data", "model"))
+
+
+def make_state(m) -> TrainState:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 32), dtype=np.float32)
+    w[0, 0], w[0, 1] = np.nan, -0.0  # bit-exactness, not just closeness
+    emb = rng.standard_normal((64, 8), dtype=np.float32)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(m, spec))
+    return TrainState(
+        step=put(np.array(7, np.int32), P()),
+        params={
+            "dense": {"kernel": put(w, P("data", "model")), "bias": put(w[0], P("model"))},
+            "embed": put(emb, P("model", None)),
+            "scale": put(rng.standard_normal(8).astype(jnp.bfloat16), P()),
+        },
+        opt_state={"mu": put(w * 2, P(None, "model")), "count": put(np.arange(4), P("data"))},
+    )
+
+
+LOGICAL = {
+    "step": P(),
+    "params": {
+        "dense": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
+        "embed": P("vocab", "embed"),
+        "scale": P("embed"),
+    },
+}
+
+
+def abstract(state, specs_for=None, m=None):
+    """ShapeDtypeStructs of `state`, resharded to `specs_for(path)` on mesh `m` if given."""
+
+    def f(path, x):
+        sh = x.sharding if m is None else NamedSharding(m, specs_for(jax.tree_util.keystr(path)))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    return jax.tree_util.tree_map_with_path(f, state)
+
+
+def assert_bit_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_round_trip_bit_exact(tmp_path):
+    m = mesh((2, 4))
+    state = make_state(m)
+    extra = {"step": 7, "rng": [0, 42], "data": {"epoch": 1, "offsets": [3, 5]}}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(7, state, extra=extra, logical_axes=LOGICAL)
+        mgr.wait()
+        assert mgr.latest_step() == 7 and mgr.all_steps() == [7]
+        restored, got_extra = mgr.restore(abstract(state))
+    assert isinstance(restored, TrainState)
+    assert_bit_equal(restored, state)
+    assert got_extra == extra
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert x.sharding == y.sharding
+    # The layout is plain: metadata is JSON, each array opens with plain tensorstore.
+    d = tmp_path / "checkpoint_7"
+    meta = json.loads((d / "metadata.json").read_text())
+    assert meta["format_version"] == FORMAT_VERSION and meta["step"] == 7
+    kernel = meta["arrays"]["params/dense/kernel"]
+    assert kernel["logical_axes"] == ["embed", "mlp"] and kernel["shape"] == [16, 32]
+    assert meta["tree"]["params"]["dense"]["kernel"] == "params/dense/kernel"
+    store = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(d / "arrays" / kernel["dir"])},
+        }
+    ).result()
+    assert (
+        np.asarray(store.read().result()).tobytes()
+        == np.asarray(state.params["dense"]["kernel"]).tobytes()
+    )
+    # No target: nested dicts of numpy arrays as stored.
+    raw, _ = CheckpointManager(tmp_path).restore(None)
+    assert (
+        np.asarray(raw["params"]["embed"]).tobytes() == np.asarray(state.params["embed"]).tobytes()
+    )
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8), (4, 2)])
+def test_restore_on_other_meshes_and_rules(tmp_path, shape):
+    state = make_state(mesh((2, 4)))
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, state)
+    m2 = mesh(shape)
+    # Different rules: swap which mesh axis shards which dimension.
+    rules = {
+        "['params']['dense']['kernel']": P("model", "data"),
+        "['params']['embed']": P(("data", "model"), None),
+        "['opt_state']['mu']": P("data", None),
+    }
+    target = abstract(state, lambda k: rules.get(k, P()), m2)
+    restored, _ = mgr.restore(target)
+    assert_bit_equal(restored, state)
+    for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+        assert x.sharding == t.sharding
+
+
+def test_dtype_cast_params_only_and_assignment_map(tmp_path):
+    m = mesh((2, 4))
+    state = make_state(m)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(3, state, extra={"step": 3})
+    kernel = state.params["dense"]["kernel"]
+
+    # fp32 -> bf16 on restore.
+    target = abstract(state)
+    target = target.replace(
+        params={
+            **target.params,
+            "embed": jax.ShapeDtypeStruct((64, 8), jnp.bfloat16, sharding=kernel.sharding),
+        }
+    )
+    restored, _ = mgr.restore(target)
+    assert restored.params["embed"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        restored.params["embed"], np.asarray(state.params["embed"]).astype(jnp.bfloat16)
+    )
+
+    # Params only: optimizer state and step keep their fresh values, no extra state.
+    fresh = jax.tree.map(jnp.zeros_like, state)
+    restored, extra = mgr.restore(fresh, params_only=True)
+    assert extra is None
+    assert_bit_equal(restored.params, state.params)
+    assert_bit_equal(restored.opt_state, fresh.opt_state)
+    assert int(restored.step) == 0
+
+    # A renamed parameter via the regex assignment map; a new parameter falls back to init.
+    new = {"mlp": {"wi": jnp.zeros_like(kernel)}, "new_bias": jnp.ones(3)}
+    with pytest.raises(CheckpointError, match=r"'params/mlp/wi'.*missing"):
+        mgr.restore({"params": new}, extra=False)
+    amap = [(r"params/mlp/wi", r"params/dense/kernel"), (r"params/new_.*", None)]
+    restored, _ = mgr.restore({"params": new}, assignment_map=amap)
+    assert_bit_equal(restored["params"]["mlp"]["wi"], kernel)
+    np.testing.assert_array_equal(restored["params"]["new_bias"], np.ones(3))
+    # Non-strict: missing parameters keep their initial value.
+    restored, _ = mgr.restore(
+        {"params": {"dense": {"kernel": kernel * 0}, "extra_w": jnp.ones(2)}}, strict=False
+    )
+    assert_bit_equal(restored["params"]["dense"]["kernel"], kernel)
+    np.testing.assert_array_equal(restored["params"]["extra_w"], np.ones(2))
+    with pytest.raises(
+        CheckpointError, match=r"target 'params/extra_w' is not restored.*no initial value"
+    ):
+        mgr.restore({"params": {"extra_w": jax.ShapeDtypeStruct((2,), jnp.float32)}}, strict=False)
+
+
+def test_async_saves_hold_their_step_despite_donation(tmp_path):
+    m = mesh((2, 4))
+    sh = NamedSharding(m, P("data", "model"))
+    x = jax.device_put(np.zeros((64, 64), np.float32), sh)
+    host = {"counter": np.zeros(4, np.int64)}
+    # Donation lets XLA overwrite the buffers the previous save copied from.
+    step_fn = jax.jit(lambda s: s + 1.0, donate_argnums=0, out_shardings=sh)
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    for step in range(1, 6):
+        x = step_fn(x)
+        host["counter"][:] = step
+        mgr.save(step, {"x": x, "host": host["counter"]}, extra={"step": step})
+        host["counter"][:] = -1  # mutate the numpy leaf right after save returns
+    mgr.wait()
+    for step in range(1, 6):
+        tgt = {
+            "x": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=sh),
+            "host": np.zeros(4, np.int64),
+        }
+        got, extra = mgr.restore(tgt, step=step)
+        assert extra == {"step": step}
+        np.testing.assert_array_equal(got["x"], np.full((64, 64), step, np.float32))
+        np.testing.assert_array_equal(got["host"], np.full(4, step))
+
+
+def test_async_failure_surfaces_at_wait(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    mgr.save(1, {"s": np.array(["not", "numeric"])})  # zarr3 cannot store unicode strings
+    with pytest.raises(CheckpointError, match=r"checkpoint_1\.tmp"):
+        mgr.wait()
+    assert mgr.all_steps() == []
+    mgr.save(1, {"s": np.arange(3)})  # the failed attempt's temp dir is replaced
+    mgr.close()
+    assert mgr.all_steps() == [1]
+
+
+def test_keep_last_n_and_keep_period(tmp_path):
+    mgr = CheckpointManager(tmp_path, save_period=2, keep=2, keep_period=4, async_save=True)
+    state = {"w": jnp.arange(4.0)}
+    for step in range(1, 12):
+        mgr.maybe_save(step, state, is_final=step == 11)
+    mgr.close()
+    # Saved 2,4,6,8,10 and final 11; keep the last two plus multiples of 4.
+    assert mgr.all_steps() == [4, 8, 10, 11]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"checkpoint_{s}" for s in (10, 11, 4, 8)]
+
+
+def test_existing_step_is_never_overwritten(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(5, {"w": jnp.ones(3)})
+    with pytest.raises(CheckpointError, match="checkpoint_5 already exists"):
+        mgr.save(5, {"w": jnp.zeros(3)})
+    got, _ = mgr.restore({"w": jnp.zeros(3)})
+    np.testing.assert_array_equal(got["w"], np.ones(3))
+
+
+def test_uncommitted_dirs_are_ignored_and_cleaned(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, {"w": jnp.ones(3)})
+    (tmp_path / "checkpoint_2.tmp" / "arrays").mkdir(parents=True)
+    (tmp_path / "checkpoint_3").mkdir()  # no COMMIT: not ours to trust (nor to delete)
+    assert mgr.latest_step() == 1
+    got, _ = mgr.restore({"w": jnp.zeros(3)})
+    np.testing.assert_array_equal(got["w"], np.ones(3))
+    assert not (tmp_path / "checkpoint_2.tmp").exists()
+    with pytest.raises(CheckpointError, match="checkpoint_3 is not committed"):
+        mgr.restore({"w": jnp.zeros(3)}, step=3)
+
+
+# --- bad input: one clear error naming the array, nothing deleted ---------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    m = mesh((2, 4))
+    # 8 MiB kernel -> several chunks of at most 1 MiB.
+    w = jax.device_put(
+        np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024),
+        NamedSharding(m, P("data", "model")),
+    )
+    mgr = CheckpointManager(tmp_path, async_save=False, chunk_bytes=1 << 20)
+    mgr.save(1, {"params": {"w": w, "b": jnp.ones(4)}})
+    d = tmp_path / "checkpoint_1"
+    files_before = sorted(str(p) for p in d.rglob("*"))
+    yield mgr, {"params": {"w": w, "b": jnp.ones(4)}}, d
+    assert sorted(str(p) for p in d.rglob("*")) == files_before  # nothing deleted
+
+
+def chunk_files(d: Path, leaf: str = "params.w") -> list[Path]:
+    return sorted(p for p in (d / "arrays" / leaf / "c").rglob("*") if p.is_file())
+
+
+def test_bad_missing_directory(tmp_path):
+    mgr = CheckpointManager(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint in .*empty"):
+        mgr.restore({"w": jnp.ones(1)})
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nowhere does not exist"):
+        mgr.restore({"w": jnp.ones(1)}, step=tmp_path / "nowhere")
+
+
+def test_bad_truncated_chunk(saved):
+    mgr, state, d = saved
+    f = chunk_files(d)[3]
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        CheckpointError, match=r"array 'params/w' cannot be read.*(Not enough data|truncat)"
+    ):
+        mgr.restore(state)
+
+
+def test_bad_corrupt_chunk(saved):
+    mgr, state, d = saved
+    f = chunk_files(d)[1]
+    data = bytearray(f.read_bytes())
+    data[1234] ^= 0x10
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r"array 'params/w' cannot be read.*[Dd]igest mismatch"
+    ):
+        mgr.restore(state)
+
+
+def test_bad_missing_chunk(saved):
+    mgr, state, d = saved
+    f = chunk_files(d)[0]
+    data = f.read_bytes()
+    f.unlink()
+    try:
+        with pytest.raises(CheckpointError, match=r"array 'params/w' cannot be read.*missing"):
+            mgr.restore(state)
+    finally:
+        f.write_bytes(data)
+
+
+def test_bad_shape_and_dtype_mismatch(saved):
+    mgr, state, _ = saved
+    with pytest.raises(
+        CheckpointError,
+        match=r"array 'params/b' has shape \(4,\), target 'params/b' expects \(5,\)",
+    ):
+        mgr.restore({"params": {**state["params"], "b": jnp.ones(5)}})
+    with pytest.raises(
+        CheckpointError,
+        match=r"array 'params/b' has dtype float32, target 'params/b' expects int32",
+    ):
+        mgr.restore({"params": {**state["params"], "b": jnp.ones(4, jnp.int32)}})
+
+
+def test_bad_newer_format_version(saved):
+    mgr, state, d = saved
+    f = d / "metadata.json"
+    original = f.read_text()
+    meta = json.loads(original)
+    meta["format_version"] = FORMAT_VERSION + 1
+    f.write_text(json.dumps(meta))
+    try:
+        with pytest.raises(CheckpointError, match=f"format version {FORMAT_VERSION + 1}, newer"):
+            mgr.restore(state)
+    finally:
+        f.write_text(original)
+
+
+# --- crash safety and preemption, in subprocesses ---------------------------------------------
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def wait_ready(proc: subprocess.Popen, word: str = "READY") -> None:
+    line = proc.stdout.readline()
+    assert word in line, (
+        f"child said {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+    )
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
+    from checkpoint_helper import state_at
+
+    m = mesh((2, 4))
+    rnd = random.Random(0)
+    partial = 0
+    for trial in range(3):
+        d = tmp_path / f"t{trial}"
+        proc = subprocess.Popen(
+            [sys.executable, str(HELPER), "loop", str(d)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_ready(proc)  # step 1 is committed; saves of steps 2, 3, ... run back to back
+        time.sleep(rnd.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        steps = committed_steps(d)
+        partial += bool(list(d.glob("*.tmp")))
+        assert steps and steps == list(range(1, steps[-1] + 1))
+        mgr = CheckpointManager(d)
+        target = abstract(state_at(1, m))
+        restored, extra = mgr.restore(target)
+        assert_bit_equal(restored, state_at(steps[-1], m))
+        assert extra == {"step": steps[-1]}
+        assert not list(d.glob("*.tmp"))  # the partial save was cleaned up
+    assert partial >= 1  # at least one kill landed inside a save
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    from checkpoint_helper import state_at
+
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPER), "train", str(tmp_path)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    step = int(out.split("PREEMPTED")[1])
+    assert committed_steps(tmp_path) == [step]
+    m = mesh((2, 4))
+    restored, extra = CheckpointManager(tmp_path).restore(abstract(state_at(1, m, n=2)))
+    assert_bit_equal(restored, state_at(step, m, n=2))
+    assert extra == {"step": step}
+
+
+def test_two_processes_save_one_restores(tmp_path):
+    from checkpoint_helper import state_at
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = child_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), "multi", str(tmp_path), str(port), str(pid)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in range(2)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "DONE" in out, err[-3000:]
+    m = mesh((4, 2))
+    target = abstract(state_at(7, m, n=4))
+    restored, extra = CheckpointManager(tmp_path).restore(target)
+    assert_bit_equal(restored, state_at(7, m, n=4))
+    assert extra == {"step": 7, "pid_count": 2}
+
+
+def test_chunk_shape_is_mesh_independent():
+    assert tsio.chunk_shape_for((2048, 1024), 4, 1 << 20) == [512, 512]
+    assert tsio.chunk_shape_for((3, 5), 4, 1 << 20) == [3, 5]
+    assert tsio.chunk_shape_for((), 4) == []
+    assert tsio.chunk_shape_for((0, 7), 4) == [1, 7]
