@@ -1,0 +1,271 @@
+"""Feature converters: task features (`inputs`, `targets`) -> model features, packed or padded.
+
+Model feature names follow t5x/seqio:
+
+- `EncDecFeatureConverter`: encoder_input_tokens, decoder_target_tokens, decoder_input_tokens,
+  decoder_loss_weights (+ encoder/decoder_segment_ids, encoder/decoder_positions when packed);
+- `LMFeatureConverter`: decoder_target_tokens, decoder_input_tokens, decoder_loss_weights
+  (+ decoder_segment_ids, decoder_positions when packed);
+- `PrefixLMFeatureConverter`: the LM features + decoder_causal_attention; loss on targets only.
+
+A converter works in two steps so the loader can pack greedily: `convert_example` turns one task
+example into unpadded 1-D model features (with `decoder_input_tokens` already shifted right
+*within the example*, so packing cannot leak a token across a segment boundary), and
+`make_batch` lays rows of such examples out into `[batch, length]` arrays. With packing, segment
+ids count from 1 per row (0 is padding) and positions restart at 0 in each segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+Example = dict[str, Any]
+# Feature group -> model length; packing fills each group of a row independently.
+GroupLengths = dict[str, int]
+
+_OVERLONG = ("trim", "drop", "error")
+
+
+def _shift_right(x: np.ndarray) -> np.ndarray:
+    """[0, x0, x1, ..., x_{n-2}]: the decoder input for targets x (BOS id is 0, as in T5)."""
+    out = np.zeros_like(x)
+    out[1:] = x[:-1]
+    return out
+
+
+class FeatureConverter:
+    """Base class. Subclasses set `TASK_FEATURES`, `GROUPS` and implement `_convert`.
+
+    Args:
+      pack: pack several examples per row (segment ids, positions) instead of one padded row.
+      overlong: what to do with a task feature longer than its length: "trim" (default, as the
+        feature spec says), "drop" (skip the example; counted by the loader) or "error".
+    """
+
+    TASK_FEATURES: tuple[str, ...] = ()
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {}  # group -> model features sharing its length
+
+    def __init__(self, pack: bool = True, overlong: str = "trim"):
+        if overlong not in _OVERLONG:
+            raise ValueError(f"overlong must be one of {_OVERLONG}, got {overlong!r}")
+        self.pack = pack
+        self.overlong = overlong
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(pack={self.pack}, overlong={self.overlong!r})"
+
+    @property
+    def name(self) -> str:
+        """Identity used in iterator-state fingerprints."""
+        return repr(self)
+
+    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+        """Model length of each feature group."""
+        raise NotImplementedError
+
+    def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
+        raise NotImplementedError
+
+    def convert_example(self, example: Example, task_feature_lengths: Mapping[str, int]) -> Example:
+        """Trims (per `overlong`) and converts one example; `{}` means "dropped"."""
+        missing = [k for k in self.TASK_FEATURES if k not in task_feature_lengths]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: sequence_length lacks {missing}")
+        ex = {}
+        for k in self.TASK_FEATURES:
+            if k not in example:
+                raise ValueError(
+                    f"{type(self).__name__} needs task feature {k!r}; example has {sorted(example)}"
+                )
+            ids = np.asarray(example[k], dtype=np.int32).reshape(-1)
+            limit = task_feature_lengths[k]
+            if ids.size > limit:
+                if self.overlong == "drop":
+                    return {}
+                if self.overlong == "error":
+                    raise ValueError(
+                        f"Feature {k!r} has length {ids.size} > sequence_length {limit} "
+                        "(set overlong='trim' or 'drop' to allow)"
+                    )
+                ids = ids[:limit]
+            ex[k] = ids
+        return self._convert(ex)
+
+    def example_lengths(self, converted: Example) -> dict[str, int]:
+        """Length of each group in one converted example."""
+        return {g: len(converted[names[0]]) for g, names in self.GROUPS.items()}
+
+    def make_batch(
+        self, rows: Sequence[Sequence[Example]], batch_size: int, lengths: GroupLengths
+    ) -> dict[str, np.ndarray]:
+        """Lays `rows` (each a list of converted examples) out as `[batch_size, length]` arrays.
+
+        Rows beyond `len(rows)` are all padding. Without packing each row holds one example.
+        """
+        out: dict[str, np.ndarray] = {}
+        for group, names in self.GROUPS.items():
+            length = lengths[group]
+            arrays = {n: np.zeros((batch_size, length), np.int32) for n in names}
+            seg = np.zeros((batch_size, length), np.int32)
+            pos = np.zeros((batch_size, length), np.int32)
+            for r, row in enumerate(rows):
+                if not self.pack and len(row) > 1:
+                    raise ValueError("unpacked rows hold one example each")
+                start = 0
+                for s, ex in enumerate(row, start=1):
+                    n = len(ex[names[0]])
+                    for name in names:
+                        arrays[name][r, start : start + n] = ex[name]
+                    seg[r, start : start + n] = s
+                    pos[r, start : start + n] = np.arange(n)
+                    start += n
+            out.update(arrays)
+            if self.pack:
+                out[f"{group}_segment_ids"] = seg
+                out[f"{group}_positions"] = pos
+        return out
+
+    def unpack(self, batch: Mapping[str, np.ndarray]) -> list[Example]:
+        """Inverse of `make_batch`: the converted examples, row by row, segment by segment."""
+        examples: list[Example] = []
+        first = next(iter(self.GROUPS))
+        nrows = batch[self.GROUPS[first][0]].shape[0]
+        for r in range(nrows):
+            if self.pack:
+                segs = {g: batch[f"{g}_segment_ids"][r] for g in self.GROUPS}
+                nseg = int(segs[first].max())
+                for s in range(1, nseg + 1):
+                    ex = {}
+                    for g, names in self.GROUPS.items():
+                        sel = segs[g] == s
+                        ex.update({n: batch[n][r][sel] for n in names})
+                    examples.append(ex)
+            else:
+                ex = {}
+                for names in self.GROUPS.values():
+                    # A row's length is up to its last non-pad target/input token.
+                    key = batch[names[0]][r]
+                    n = int(np.max(np.nonzero(key)[0]) + 1) if key.any() else 0
+                    ex.update({name: batch[name][r][:n] for name in names})
+                if any(len(v) for v in ex.values()):
+                    examples.append(ex)
+        return examples
+
+
+class EncDecFeatureConverter(FeatureConverter):
+    """Encoder-decoder (T5): inputs -> encoder, targets -> decoder."""
+
+    TASK_FEATURES = ("inputs", "targets")
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "encoder": ("encoder_input_tokens",),
+        "decoder": ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights"),
+    }
+
+    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+        return {
+            "encoder": task_feature_lengths["inputs"],
+            "decoder": task_feature_lengths["targets"],
+        }
+
+    def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
+        targets = ex["targets"]
+        return {
+            "encoder_input_tokens": ex["inputs"],
+            "decoder_target_tokens": targets,
+            "decoder_input_tokens": _shift_right(targets),
+            "decoder_loss_weights": (targets != 0).astype(np.int32),
+        }
+
+
+class LMFeatureConverter(FeatureConverter):
+    """Decoder-only language model on `targets`."""
+
+    TASK_FEATURES = ("targets",)
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "decoder": ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights")
+    }
+
+    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+        return {"decoder": task_feature_lengths["targets"]}
+
+    def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
+        targets = ex["targets"]
+        return {
+            "decoder_target_tokens": targets,
+            "decoder_input_tokens": _shift_right(targets),
+            "decoder_loss_weights": (targets != 0).astype(np.int32),
+        }
+
+
+class PrefixLMFeatureConverter(FeatureConverter):
+    """Decoder-only on `inputs ++ targets`: full attention over the prefix, loss on targets only.
+
+    `decoder_causal_attention` is 1 on the inputs and on the first target position (which reads
+    the last input token through the shifted `decoder_input_tokens`), as in seqio.
+    """
+
+    TASK_FEATURES = ("inputs", "targets")
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "decoder": (
+            "decoder_target_tokens",
+            "decoder_input_tokens",
+            "decoder_loss_weights",
+            "decoder_causal_attention",
+        )
+    }
+
+    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+        return {"decoder": task_feature_lengths["inputs"] + task_feature_lengths["targets"]}
+
+    def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
+        inputs, targets = ex["inputs"], ex["targets"]
+        seq = np.concatenate([inputs, targets]).astype(np.int32)
+        positions = np.arange(seq.size)
+        return {
+            "decoder_target_tokens": seq,
+            "decoder_input_tokens": _shift_right(seq),
+            "decoder_loss_weights": ((positions >= inputs.size) & (seq != 0)).astype(np.int32),
+            "decoder_causal_attention": (positions < inputs.size + 1).astype(np.int32),
+        }
+
+
+class RowPacker:
+    """Greedy first-fit packing of converted examples into the rows of one batch.
+
+    `add` places an example in the first row with room in every group; it returns False when no
+    row has room (the batch is full; the example should start the next batch). Without packing
+    each row takes one example.
+    """
+
+    def __init__(self, converter: FeatureConverter, batch_size: int, lengths: GroupLengths):
+        self._conv = converter
+        self._batch_size = batch_size
+        self._lengths = lengths
+        self.rows: list[list[Example]] = []
+        self._fill: list[dict[str, int]] = []
+
+    def add(self, example: Example) -> bool:
+        """Places `example`; False if the batch has no room for it."""
+        need = self._conv.example_lengths(example)
+        if self._conv.pack:
+            for row, fill in zip(self.rows, self._fill):
+                if all(fill[g] + need[g] <= self._lengths[g] for g in need):
+                    row.append(example)
+                    for g in need:
+                        fill[g] += need[g]
+                    return True
+        if len(self.rows) < self._batch_size:
+            self.rows.append([example])
+            self._fill.append(dict(need))
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self) -> dict[str, np.ndarray]:
+        """The arrays for the rows placed so far."""
+        return self._conv.make_batch(self.rows, self._batch_size, self._lengths)
