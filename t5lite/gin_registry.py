@@ -2,6 +2,8 @@
 
 Library modules never import gin; importing this module registers them (the CLI and notebooks do),
 so a gin file can say `Partitioner.logical_axis_rules = @standard_logical_axis_rules()`.
+The names below are the configurable versions; call them (not the library originals) to have gin
+bindings applied.
 """
 
 import gin
@@ -9,9 +11,19 @@ import gin
 from t5lite import partitioning
 
 # --- partitioning -------------------------------------------------------------------------
-gin.external_configurable(partitioning.standard_logical_axis_rules, module="t5lite")
-gin.external_configurable(partitioning.data_parallel_logical_axis_rules, module="t5lite")
-gin.external_configurable(partitioning.create_mesh, module="t5lite")
-gin.external_configurable(partitioning.Partitioner, module="t5lite")
+standard_logical_axis_rules = gin.external_configurable(
+    partitioning.standard_logical_axis_rules, module="t5lite"
+)
+data_parallel_logical_axis_rules = gin.external_configurable(
+    partitioning.data_parallel_logical_axis_rules, module="t5lite"
+)
+create_mesh = gin.external_configurable(partitioning.create_mesh, module="t5lite")
+Partitioner = gin.external_configurable(partitioning.Partitioner, module="t5lite")
 
 # --- models (network configs and constructors) ----------------------------------------------
+from t5lite import network  # noqa: E402
+
+T5Config = gin.external_configurable(network.T5Config, module="network")
+DecoderOnlyConfig = gin.external_configurable(network.DecoderOnlyConfig, module="network")
+EncoderDecoder = gin.external_configurable(network.EncoderDecoder, module="network")
+DecoderOnly = gin.external_configurable(network.DecoderOnly, module="network")

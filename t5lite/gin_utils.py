@@ -1,0 +1,53 @@
+"""Finding and parsing gin files: the CLI's configuration layer, usable from notebooks too."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import gin
+
+# Packaged configs: `t5lite.configs` after an install; the repository's configs/ in a checkout.
+_CONFIG_DIRS = (
+    Path(__file__).resolve().parent / "configs",
+    Path(__file__).resolve().parent.parent / "configs",
+)
+
+
+class ConfigError(ValueError):
+    """A gin file that cannot be found or a binding gin rejects."""
+
+
+def find_gin_file(name: str) -> str:
+    """Resolves `name` against the working directory, then the packaged `configs/`."""
+    candidates = [Path(name)]
+    candidates += [d / name for d in _CONFIG_DIRS]
+    candidates += [d / name.removeprefix("configs/") for d in _CONFIG_DIRS]
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise ConfigError(
+        f"gin file {name!r} not found in {os.getcwd()} or the packaged configs "
+        f"({', '.join(str(d) for d in _CONFIG_DIRS if d.is_dir())})"
+    )
+
+
+def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
+    """Parses files (with `include`s resolved the same way) and `NAME=VALUE` bindings.
+
+    Raises ConfigError with gin's message (naming the binding) on any mistake, before anything
+    is built or compiled.
+    """
+    from t5lite import gin_registry  # noqa: F401  (registers the configurables)
+
+    for d in _CONFIG_DIRS:
+        if d.is_dir() and str(d) not in gin.config._LOCATION_PREFIXES:
+            gin.add_config_file_search_path(str(d))
+    try:
+        gin.parse_config_files_and_bindings(
+            [find_gin_file(f) for f in gin_files], list(bindings), finalize_config=False
+        )
+    except (ValueError, KeyError, NameError, TypeError, OSError) as e:
+        msg = str(e).strip().splitlines()
+        raise ConfigError(" ".join(line.strip() for line in msg if line.strip())) from e

@@ -1,0 +1,136 @@
+"""Collectives in compiled HLO text: what kind, how many bytes, over which mesh axes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import re
+
+import numpy as np
+from jax.sharding import Mesh
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+# `%name = <result shape> <op>(` where op may carry an async `-start` suffix; `-done` halves of
+# async pairs are skipped so each collective counts once.
+_OP_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+_ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
+_GROUPS_RE = re.compile(r"replica_groups=(\{[\{\}\d, ]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS_RE = re.compile(r"source_target_pairs=\{([\{\}\d, ]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of a compiled program."""
+
+    kind: str  # one of KINDS
+    bytes: int  # size of its result (for async starts: of the arrays it produces)
+    axes: tuple[str, ...] | None  # mesh axes it communicates over; None if not identifiable
+    groups: tuple[tuple[int, ...], ...]
+
+
+def _result_bytes(shape_text: str, kind: str) -> int:
+    arrays = [
+        math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
+        for dt, dims in _ARRAY_RE.findall(shape_text)
+    ]
+    if not arrays:
+        return 0
+    # An async start returns (operands..., results...) tuples; the results are the second half.
+    if shape_text.lstrip().startswith("(") and kind in ("all-gather", "collective-permute"):
+        return sum(arrays[len(arrays) // 2 :]) if len(arrays) > 1 else arrays[0]
+    return sum(arrays)
+
+
+def _parse_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    if text.startswith("["):  # iota form: [G,S]<=[dims]T(perm)
+        m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+        assert m is not None
+        out_shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(out_shape))
+    return tuple(
+        tuple(int(i) for i in g.split(",") if i.strip())
+        for g in re.findall(r"\{([\d, ]*)\}", text)
+        if g.strip()
+    )
+
+
+def _axis_groups(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> frozenset:
+    """Device groups (by flat mesh position) that vary over `axes` with the other axes fixed."""
+    names = list(mesh_shape)
+    ids = np.arange(math.prod(mesh_shape.values())).reshape(list(mesh_shape.values()))
+    keep = [names.index(a) for a in axes]
+    rest = [i for i in range(len(names)) if i not in keep]
+    moved = ids.transpose(rest + keep).reshape(-1, math.prod(mesh_shape[a] for a in axes))
+    return frozenset(frozenset(int(i) for i in row) for row in moved)
+
+
+def _identify_axes(
+    groups: tuple[tuple[int, ...], ...], mesh: Mesh | None
+) -> tuple[str, ...] | None:
+    if mesh is None or not groups:
+        return None
+    shape = {k: v for k, v in mesh.shape.items()}
+    want = frozenset(frozenset(g) for g in groups)
+    names = [n for n in shape if shape[n] > 1]
+    for r in range(1, len(names) + 1):
+        for axes in itertools.combinations(names, r):
+            if _axis_groups(shape, axes) == want:
+                return axes
+    return None
+
+
+def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
+    """Every collective in compiled HLO text, with bytes and (given the mesh) mesh axes.
+
+    Group ids in SPMD-partitioned HLO are positions in `mesh.devices.flat`.
+    """
+    out = []
+    for line in hlo_text.splitlines():
+        m = _OP_RE.match(line)
+        if not m:
+            continue
+        kind = m.group("op")
+        groups: tuple[tuple[int, ...], ...] = ()
+        g = _GROUPS_RE.search(line)
+        if g:
+            groups = _parse_groups(g.group(1))
+        elif kind == "collective-permute":
+            p = _PAIRS_RE.search(line)
+            if p:
+                groups = tuple(
+                    tuple(int(i) for i in pair.split(","))
+                    for pair in re.findall(r"\{(\d+,\d+)\}", "{" + p.group(1) + "}")
+                )
+        axes = _identify_axes(groups, mesh) if kind != "collective-permute" else None
+        out.append(Collective(kind, _result_bytes(m.group("shape"), kind), axes, groups))
+    return out
+
+
+def count_collectives(hlo_text: str, mesh: Mesh | None = None) -> dict[str, int]:
+    """Number of collectives of each kind (kinds with none are present with 0)."""
+    counts = collections.Counter(c.kind for c in parse_collectives(hlo_text, mesh))
+    return {k: counts.get(k, 0) for k in KINDS}
+
+
+def count_collectives_by_axes(
+    hlo_text: str, mesh: Mesh
+) -> dict[tuple[str, tuple[str, ...] | None], int]:
+    """Counts keyed by (kind, mesh axes)."""
+    return dict(collections.Counter((c.kind, c.axes) for c in parse_collectives(hlo_text, mesh)))
