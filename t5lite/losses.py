@@ -1,0 +1,147 @@
+"""Loss functions.
+
+`cross_entropy_with_logits` works on vocab-sharded logits without gathering them (Megatron's fused
+vocab-parallel cross-entropy): every step is either elementwise over [B, L, V] or a reduction over
+V, so GSPMD turns the reductions into all-reduces of [B, L] and never all-gathers [B, L, V].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def cross_entropy_with_logits(
+    logits: Array, targets: Array, z_loss: float = 0.0
+) -> tuple[Array, Array]:
+    """Per-token softmax cross-entropy with an optional z-loss, in fp32.
+
+    Args:
+      logits: [B, L, V] unnormalized scores (any float dtype; computed in fp32). May be sharded
+        over V.
+      targets: [B, L] int target ids.
+      z_loss: coefficient of the auxiliary `z_loss * logsumexp(logits)**2` term (PaLM / t5x),
+        which keeps the softmax normalizer near 1.
+
+    Returns:
+      (loss, z_loss_term), both [B, L] fp32; `loss` already includes `z_loss_term`.
+      Padding is not masked here: weight the result by `targets > 0` (or loss weights).
+    """
+    logits_BLV = logits.astype(jnp.float32)
+    vocab = logits_BLV.shape[-1]
+    # Max over V: one all-reduce(max) of [B, L] when V is sharded. No gradient flows through it
+    # (the logsumexp is invariant to the shift).
+    max_BL1 = jax.lax.stop_gradient(jnp.max(logits_BLV, axis=-1, keepdims=True))
+    shifted_BLV = logits_BLV - max_BL1
+    log_z_BL = jnp.log(jnp.sum(jnp.exp(shifted_BLV), axis=-1)) + max_BL1[..., 0]
+    # NOTE: the target logit is picked with a one-hot product and a sum over V rather than
+    # take_along_axis: a gather across a sharded V would make GSPMD all-gather the logits.
+    one_hot_BLV = jax.nn.one_hot(targets, vocab, dtype=jnp.float32)
+    target_logit_BL = jnp.sum(logits_BLV * one_hot_BLV, axis=-1)
+    loss_BL = log_z_BL - target_logit_BL
+    z_loss_BL = z_loss * jnp.square(log_z_BL)
+    return loss_BL + z_loss_BL, z_loss_BL
+
+
+# --- weighted sequence losses (label smoothing, normalisation) ------------------------------
+
+LOSS_NORMALIZATIONS = ("sum", "per_real_token", "per_sequence")
+
+
+def weighted_cross_entropy(
+    logits: Array,
+    targets: Array,
+    weights: Array | None = None,
+    **kwargs: Any,
+) -> tuple[Array, dict[str, Array]]:
+    """`cross_entropy_terms` normalised: (numerator / loss_denominator, metrics)."""
+    numerator, metrics = cross_entropy_terms(logits, targets, weights, **kwargs)
+    return numerator / jnp.maximum(metrics["loss_denominator"], 1.0), metrics
+
+
+def cross_entropy_terms(
+    logits: Array,
+    targets: Array,
+    weights: Array | None = None,
+    *,
+    z_loss: float = 1e-4,
+    label_smoothing: float = 0.0,
+    normalization: str = "per_real_token",
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The training loss of a batch as numerator / denominator, plus summable metrics.
+
+    Args:
+      logits: [B, L, V] (may be vocab-sharded; never gathered).
+      targets: [B, L] int ids.
+      weights: [B, L] loss weights (default: `targets > 0`).
+      z_loss: coefficient of `logsumexp(logits)**2` (1e-4 as in T5.1.1).
+      label_smoothing: mass spread uniformly over the other V-1 ids; the constant entropy of the
+        smoothed distribution is subtracted so a perfect model still scores 0 (as t5x does).
+      normalization: "sum" (t5x's default, no normalising factor), "per_real_token" (divide by
+        the number of weighted target tokens) or "per_sequence" (mean over examples of each
+        example's mean token loss; packed examples are told apart by `segment_ids`).
+      segment_ids: [B, L] packing ids, used by "per_sequence".
+
+    Returns:
+      (numerator, metrics): the loss is `numerator / metrics["loss_denominator"]`. The trainer
+      sums both over microbatches, so gradient accumulation reproduces the big-batch gradient
+      exactly for every normalisation. Metrics are sums over the batch: `loss_sum`, `z_loss_sum`,
+      `weight_sum`, `correct_sum` (argmax hits), `num_sequences`, `loss_denominator` (loss =
+      numerator / loss_denominator).
+    """
+    if normalization not in LOSS_NORMALIZATIONS:
+        raise ValueError(
+            f"loss normalization must be one of {LOSS_NORMALIZATIONS}, got {normalization!r}"
+        )
+    weights_BL = (
+        (targets > 0).astype(jnp.float32) if weights is None else weights.astype(jnp.float32)
+    )
+    loss_BL, z_BL = cross_entropy_with_logits(logits, targets, z_loss)
+    if label_smoothing:
+        # -sum_v soft_v log p_v = log_z - (confidence - low) * logit_t - low * sum_v logit_v:
+        # only reductions over V, so vocab-sharded logits stay sharded.
+        vocab = logits.shape[-1]
+        confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+        logits_BLV = logits.astype(jnp.float32)
+        log_z_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+        target_logit_BL = log_z_BL - (loss_BL - z_BL)
+        smooth_BL = (
+            log_z_BL - (confidence - low) * target_logit_BL - low * jnp.sum(logits_BLV, axis=-1)
+        )
+        entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20))
+        loss_BL = smooth_BL - entropy + z_BL
+    weighted_BL = loss_BL * weights_BL
+    correct_BL = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weights_BL
+    b, length = targets.shape
+    if segment_ids is None:
+        seq_ids_BL = jnp.broadcast_to(jnp.arange(b)[:, None] * length + 1, (b, length))
+        seq_ids_BL = jnp.where(weights_BL > 0, seq_ids_BL, 0)
+    else:
+        seq_ids_BL = jnp.where(segment_ids > 0, jnp.arange(b)[:, None] * length + segment_ids, 0)
+    flat_ids = seq_ids_BL.reshape(-1)
+    tokens_per_seq = jax.ops.segment_sum(weights_BL.reshape(-1), flat_ids, b * length + 1)
+    num_sequences = jnp.sum(tokens_per_seq[1:] > 0).astype(jnp.float32)
+    weight_sum = jnp.sum(weights_BL)
+    if normalization == "sum":
+        # A denominator of 0 stays 0 when summed over microbatches; the divisor is max(den, 1).
+        numerator, denominator = jnp.sum(weighted_BL), jnp.zeros([], jnp.float32)
+    elif normalization == "per_real_token":
+        numerator, denominator = jnp.sum(weighted_BL), weight_sum
+    else:
+        per_token = weighted_BL.reshape(-1) / jnp.maximum(tokens_per_seq[flat_ids], 1.0)
+        numerator = jnp.sum(jnp.where(flat_ids > 0, per_token, 0.0))
+        denominator = num_sequences
+    metrics = {
+        "loss_sum": jnp.sum(weighted_BL),
+        "z_loss_sum": jnp.sum(z_BL * weights_BL),
+        "weight_sum": weight_sum,
+        "correct_sum": jnp.sum(correct_BL),
+        "num_sequences": num_sequences,
+        "loss_denominator": denominator,
+    }
+    return numerator, metrics

@@ -1,0 +1,214 @@
+"""Train and eval steps: partitioned, donated, microbatched, deterministic.
+
+The `Trainer` turns a model (loss over a batch), an optimizer definition and a `Partitioner`
+into three jitted functions with explicit shardings: `init` (state born sharded), `train_step`
+(donates the state) and `eval_step`. Batch features carry the logical axes ('batch', 'length').
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+from jax.sharding import PartitionSpec
+
+from t5lite import optimizers
+from t5lite.models import FEATURE_AXES, BaseModel
+from t5lite.partitioning import Partitioner, logical_axes_of
+
+PyTree = Any
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step updates. The dropout RNG is not stored: it is `fold_in(seed, step)`."""
+
+    step: Array  # int32 scalar: number of updates applied
+    params: PyTree
+    opt_state: PyTree
+
+
+class Trainer:
+    """Builds the partitioned init / train / eval functions for one model on one mesh.
+
+    Args:
+      model: the model (loss, metrics, optimizer definition).
+      partitioner: mesh + rules.
+      batch_size: global batch size (examples per step, all microbatches together).
+      lengths: feature lengths, e.g. `{"inputs": 64, "targets": 32}`.
+      num_microbatches: gradient accumulation: the batch is split into this many microbatches
+        whose gradients are summed in fp32 before one update.
+      seed: drives initialisation and dropout (`fold_in(seed, step)`).
+    """
+
+    def __init__(
+        self,
+        model: BaseModel,
+        partitioner: Partitioner,
+        *,
+        batch_size: int,
+        lengths: Mapping[str, int],
+        num_microbatches: int = 1,
+        seed: int = 0,
+    ):
+        if num_microbatches < 1 or batch_size % num_microbatches:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} must divide the batch size {batch_size}"
+            )
+        partitioner.get_data_layout(batch_size)  # validates batch vs. data-parallel size
+        if num_microbatches > 1:
+            partitioner.get_data_layout(batch_size // num_microbatches)
+        self.model = model
+        self.partitioner = partitioner
+        self.batch_size = batch_size
+        self.lengths = dict(lengths)
+        self.num_microbatches = num_microbatches
+        self.seed = seed
+
+        dummy = model.dummy_batch(batch_size, self.lengths)
+        self.batch_abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.items()}
+        rng = jax.random.PRNGKey(seed)
+        boxed = jax.eval_shape(model.init, rng, self.batch_abstract)
+        self.params_axes = logical_axes_of(boxed)["params"]
+        params_abstract = meta.unbox(boxed)["params"]
+        self.tx = model.optimizer.create(self.params_axes)
+        opt_axes = optimizers.optimizer_state_axes(
+            model.optimizer, self.tx, params_abstract, self.params_axes
+        )
+        self.state_axes = TrainState(
+            step=PartitionSpec(), params=self.params_axes, opt_state=opt_axes
+        )
+        self.state_abstract = jax.eval_shape(self._init_state, rng)
+        self.state_shardings = partitioner.shardings(self.state_abstract, self.state_axes)
+        self.batch_shardings = partitioner.shardings(
+            self.batch_abstract, {k: PartitionSpec(*FEATURE_AXES) for k in self.batch_abstract}
+        )
+        self._init = partitioner.partition(
+            self._init_state, in_axis_resources=None, out_axis_resources=self.state_shardings
+        )
+        self.train_step = partitioner.partition(
+            self._train_step,
+            in_axis_resources=(self.state_shardings, self.batch_shardings),
+            out_axis_resources=(self.state_shardings, None),
+            donate_argnums=(0,),
+        )
+        self.eval_step = partitioner.partition(
+            self._eval_step,
+            in_axis_resources=(self.state_shardings.params, self.batch_shardings),
+            out_axis_resources=None,
+        )
+
+    # --- state ------------------------------------------------------------------------------
+
+    def _init_state(self, rng: Array) -> TrainState:
+        batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in self.batch_abstract.items()}
+        params = meta.unbox(self.model.init(rng, batch))["params"]
+        return TrainState(jnp.zeros([], jnp.int32), params, self.tx.init(params))
+
+    def init_state(self) -> TrainState:
+        """A fresh train state, born sharded (never whole on one device)."""
+        return self._init(jax.random.PRNGKey(self.seed))
+
+    def abstract_state(self) -> TrainState:
+        """`ShapeDtypeStruct`s with shardings: the restore target of a checkpoint."""
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.state_abstract,
+            self.state_shardings,
+        )
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _grads(self, params: PyTree, batch: Mapping[str, Array], rng: Array):
+        """Summed-loss gradients over microbatches, divided once by the total normaliser.
+
+        Splitting the loss as numerator / denominator makes k microbatches give exactly the
+        gradient of one big batch, whatever the loss normalisation.
+        """
+
+        grad_fn = jax.grad(self.model.loss_terms, has_aux=True)
+        k = self.num_microbatches
+        if k == 1:
+            grads, metrics = grad_fn(params, batch, rng)
+        else:
+            mbs = {n: x.reshape(k, x.shape[0] // k, *x.shape[1:]) for n, x in batch.items()}
+
+            def body(carry, i_mb):
+                acc, msum = carry
+                i, mb = i_mb
+                g, m = grad_fn(params, mb, jax.random.fold_in(rng, i))
+                acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+                return (acc, jax.tree_util.tree_map(jnp.add, msum, m)), None
+
+            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            m_abstract = jax.eval_shape(
+                lambda: grad_fn(params, {n: x[0] for n, x in mbs.items()}, rng)[1]
+            )
+            m0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), m_abstract)
+            (grads, metrics), _ = jax.lax.scan(body, (zeros, m0), (jnp.arange(k), mbs))
+            grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
+        den = jnp.maximum(metrics["loss_denominator"], 1.0)  # as in BaseModel.loss_fn
+        grads = jax.tree_util.tree_map(lambda g: g / den, grads)
+        return grads, metrics
+
+    def _train_step(self, state: TrainState, batch: Mapping[str, Array]):
+        rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), state.step)
+        grads, metrics = self._grads(state.params, batch, rng)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = jax.tree_util.tree_map(jnp.add, state.params, updates)
+        metrics = dict(metrics)
+        metrics["grad_norm"] = global_norm(grads)
+        metrics["learning_rate"] = self.model.optimizer.learning_rate_at(state.step)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _eval_step(self, params: PyTree, batch: Mapping[str, Array]):
+        return self.model.eval_fn(params, batch)
+
+    # --- data -------------------------------------------------------------------------------
+
+    def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, Array]:
+        """This process's numpy batch -> global arrays with the batch sharding."""
+        local = {k: v for k, v in local_batch.items() if k in self.batch_abstract}
+        missing = set(self.batch_abstract) - set(local)
+        if missing:
+            # Features a converter does not produce (e.g. no packing) default to what they mean.
+            n = next(iter(local.values())).shape[0]
+            for k in sorted(missing):
+                shape = (n, *self.batch_abstract[k].shape[1:])
+                local[k] = _default_feature(k, local, shape)
+        return self.partitioner.host_local_to_global(local, self.batch_size)
+
+
+def global_norm(tree: PyTree) -> Array:
+    return jnp.sqrt(
+        sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))
+    )
+
+
+def _default_feature(name: str, batch: Mapping[str, np.ndarray], shape: tuple[int, ...]):
+    if name == "decoder_loss_weights":
+        return (batch["decoder_target_tokens"] > 0).astype(np.int32)
+    return np.zeros(shape, np.int32)
+
+
+def summarize(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Summable step metrics -> the numbers a person reads."""
+    m = {k: float(v) for k, v in metrics.items()}
+    w = max(m.get("weight_sum", 0.0), 1e-9)
+    out = {
+        "loss": m["loss_sum"] / w,
+        "z_loss": m.get("z_loss_sum", 0.0) / w,
+        "accuracy": m["correct_sum"] / w,
+        "target_tokens": m["weight_sum"],
+        "sequences": m.get("num_sequences", 0.0),
+    }
+    for k in ("grad_norm", "learning_rate"):
+        if k in m:
+            out[k] = m[k]
+    return out

@@ -1,0 +1,115 @@
+"""Trainer: loss goes down, gradient accumulation equals one big batch, optimizers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5lite import network, optimizers, partitioning
+from t5lite.models import EncoderDecoderModel
+from t5lite.trainer import Trainer, summarize
+
+TINY = network.T5Config(
+    vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+    head_dim=8, mlp_dim=32,
+)  # fmt: skip
+LENGTHS = {"inputs": 8, "targets": 8}
+
+
+def _batch(n, seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(2, 32, size=(n, 8)).astype(np.int32)
+    targets = inputs[:, ::-1].copy()
+    targets[:, -2:] = 0  # some padding
+    dec_in = np.concatenate([np.zeros((n, 1), np.int32), targets[:, :-1]], axis=1)
+    return {
+        "encoder_input_tokens": inputs,
+        "decoder_input_tokens": dec_in,
+        "decoder_target_tokens": targets,
+        "decoder_loss_weights": (targets > 0).astype(np.int32),
+    }
+
+
+def _trainer(k=1, num_partitions=2, optimizer=None, batch_size=16):
+    require_devices(8)
+    part = partitioning.Partitioner(num_partitions=num_partitions)
+    model = EncoderDecoderModel(TINY, optimizer=optimizer or optimizers.AdamW(1e-2))
+    return Trainer(model, part, batch_size=batch_size, lengths=LENGTHS, num_microbatches=k)
+
+
+def test_loss_goes_down_and_state_is_sharded():
+    tr = _trainer()
+    state = tr.init_state()
+    wi = state.params["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+    assert wi.sharding == NamedSharding(tr.partitioner.mesh, P(None, "model"))
+    mu = state.opt_state[1][0].mu["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+    assert mu.sharding == wi.sharding  # optimizer state sharded like its parameter
+    batch = tr.global_batch(_batch(16))
+    losses = []
+    for _ in range(30):
+        state, metrics = tr.train_step(state, batch)
+        losses.append(summarize(metrics)["loss"])
+    assert int(state.step) == 30
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("normalization", ["sum", "per_real_token", "per_sequence"])
+def test_gradient_accumulation_equals_big_batch(normalization):
+    import dataclasses
+
+    batch = _batch(16, seed=3)
+    grads = {}
+    for k in (1, 4):
+        tr = _trainer(k=k)
+        tr.model = dataclasses.replace(tr.model, loss_normalization=normalization)
+        state = tr.init_state()
+        g, m = jax.jit(tr._grads)(state.params, tr.global_batch(batch), jax.random.PRNGKey(0))
+        grads[k] = (g, float(m["loss_denominator"]))
+    assert grads[1][1] == grads[4][1]
+    for a, b in zip(jax.tree_util.tree_leaves(grads[1][0]), jax.tree_util.tree_leaves(grads[4][0])):
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(a)))))
+
+
+def test_train_step_with_microbatches_matches_single_batch():
+    batch = _batch(16, seed=5)
+    out = {}
+    for k in (1, 2):
+        tr = _trainer(k=k)
+        state = tr.init_state()
+        for _ in range(3):
+            state, m = tr.train_step(state, tr.global_batch(batch))
+        out[k] = state.params
+    for a, b in zip(jax.tree_util.tree_leaves(out[1]), jax.tree_util.tree_leaves(out[2])):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_adafactor_matches_optax_for_a_factored_matrix():
+    # embed (ROW) x mlp (COLUMN) with mlp the larger dim: optax factors the same way.
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (4, 6))}
+    axes = {"w": P("embed", "mlp")}
+    ours = optimizers.Adafactor(learning_rate=0.1, min_dim_size_to_factor=1).create(axes)
+    ref = optax.adafactor(0.1, min_dim_size_to_factor=1)
+    s1, s2 = ours.init(params), ref.init(params)
+    p1 = p2 = params
+    for i in range(3):
+        g = {"w": jax.random.normal(jax.random.PRNGKey(i + 1), (4, 6))}
+        u1, s1 = ours.update(g, s1, p1)
+        u2, s2 = ref.update(g, s2, p2)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    np.testing.assert_allclose(p1["w"], p2["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_adafactor_state_is_factored_and_sharded_by_logical_axes():
+    tr = _trainer(optimizer=optimizers.Adafactor(min_dim_size_to_factor=8), num_partitions=2)
+    state = tr.init_state()
+    st = state.opt_state
+    wi = state.params["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]  # [embed 16, mlp 32]
+    v_row = st.v_row["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+    v_col = st.v_col["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+    assert wi.shape == (16, 32) and v_row.shape == (16,) and v_col.shape == (32,)
+    assert v_col.sharding == NamedSharding(tr.partitioner.mesh, P("model"))
+    assert v_row.sharding == NamedSharding(tr.partitioner.mesh, P(None))
