@@ -81,7 +81,7 @@ def test_train_step_with_microbatches_matches_single_batch():
         tr = _trainer(k=k)
         state = tr.init_state()
         for _ in range(3):
-            state, m = tr.train_step(state, tr.global_batch(batch))
+            state, _ = tr.train_step(state, tr.global_batch(batch))
         out[k] = state.params
     for a, b in zip(jax.tree_util.tree_leaves(out[1]), jax.tree_util.tree_leaves(out[2])):
         np.testing.assert_allclose(a, b, atol=1e-5)
