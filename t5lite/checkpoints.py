@@ -241,7 +241,7 @@ def restore_checkpoint(
     assignment_map: Sequence[tuple[str, str | None]] | None = None,
     params_only: bool = False,
     params_key: str = "params",
-    concurrency: int = 32,
+    concurrency: int = 64,
 ) -> tuple[Any, dict | None]:
     """Restores one committed checkpoint directory onto the shardings of `target`.
 
@@ -377,7 +377,7 @@ class CheckpointManager:
         keep: int | None = None,
         keep_period: int | None = None,
         async_save: bool = True,
-        concurrency: int = 32,
+        concurrency: int = 64,
         chunk_bytes: int = tsio.DEFAULT_CHUNK_BYTES,
     ):
         self.directory = Path(directory)
@@ -488,7 +488,7 @@ class CheckpointManager:
 
     def _write_and_commit(self, step, n, tmp, final, staged, meta, extra_json) -> None:
         """Writes this process's shards, then (process 0) metadata, marker and rename."""
-        ctx = tsio.make_context(self.concurrency, sync=True)
+        ctx = tsio.make_context(self.concurrency)
         items = [(str(tmp / "arrays" / d), h) for d, h in staged]
         try:
             tsio.write_arrays(items, ctx, self.chunk_bytes)

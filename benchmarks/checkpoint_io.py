@@ -1,0 +1,299 @@
+"""Checkpoint save/restore throughput: t5lite (TensorStore) vs Orbax StandardCheckpointer.
+
+A tree of fp32 arrays (default 1 GiB) sharded over a 2x4 mesh of fake CPU devices is saved and
+restored by both libraries in the same run, alternating which goes first. Both saves are timed
+from the call to "committed and readable by a new process" (t5lite: `save` + `wait`; Orbax:
+`save` + `wait_until_finished`, both with fsync and an atomic rename); both restores from the call
+to every shard on device. Raw disk write rate = the same bytes written with plain file writes and
+fsync. Page cache is not dropped (it is shared with other users of the machine): restores read
+warm files on both sides alike.
+
+    python benchmarks/checkpoint_io.py [--size_gib 1] [--reps 3] [--smoke] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5lite.checkpoints import CheckpointManager
+
+GIB = 1 << 30
+
+
+def make_tree(size_gib: float) -> dict:
+    """fp32 arrays of 64 MiB (or smaller for small sizes), over a 2x4 mesh, mixed layouts."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    total = int(size_gib * GIB)
+    cols = 4096 if total >= 16 * 64 * 1024 * 1024 else 512
+    rows = 4096 if cols == 4096 else 512
+    n = max(1, total // (rows * cols * 4))
+    # Fully sharded (2D) params, plus model-sharded ones replicated over `data` as in 1D layouts.
+    specs = [P("data", "model"), P("data", "model"), P(None, "model"), P("model", None)]
+    tree = {}
+    for i in range(n):
+        sh = NamedSharding(mesh, specs[i % len(specs)])
+        tree[f"layer_{i:02d}"] = {
+            "w": jax.make_array_from_callback(
+                (rows, cols),
+                sh,
+                lambda idx, i=i: np.random.default_rng(i).random((rows, cols), np.float32)[idx],
+            )
+        }
+    return tree
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def raw_write(tree, d: Path) -> float:
+    """Seconds to write every array's bytes once with plain file I/O and fsync."""
+    d.mkdir(parents=True)
+    host = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    t0 = time.perf_counter()
+    for i, a in enumerate(host):
+        with open(d / f"{i}.bin", "wb") as f:
+            f.write(memoryview(a).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def t5lite_save(tree, d: Path) -> tuple[float, float]:
+    mgr = CheckpointManager(d, async_save=True)
+    t0 = time.perf_counter()
+    mgr.save(1, tree)
+    blocking = time.perf_counter() - t0
+    mgr.wait()
+    total = time.perf_counter() - t0
+    mgr.close()
+    return total, blocking
+
+
+def t5lite_restore(target, d: Path):
+    t0 = time.perf_counter()
+    out, _ = CheckpointManager(d).restore(target, extra=False)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0, out
+
+
+def orbax_save(tree, d: Path) -> tuple[float, float]:
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    t0 = time.perf_counter()
+    ckptr.save(d / "1", tree)
+    blocking = time.perf_counter() - t0
+    ckptr.wait_until_finished()
+    total = time.perf_counter() - t0
+    ckptr.close()
+    return total, blocking
+
+
+def orbax_restore(target, d: Path):
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    t0 = time.perf_counter()
+    out = ckptr.restore(d / "1", target)
+    jax.block_until_ready(out)
+    elapsed = time.perf_counter() - t0
+    ckptr.close()
+    return elapsed, out
+
+
+def readable_by_new_process(d: Path) -> bool:
+    """A fresh interpreter opens the committed checkpoint with plain tensorstore."""
+    code = (
+        "import json,sys,tensorstore as ts;d=sys.argv[1]+'/checkpoint_1';"
+        "m=json.load(open(d+'/metadata.json'));a=next(iter(m['arrays'].values()));"
+        "s=ts.open({'driver':'zarr3','kvstore':{'driver':'file','path':d+'/arrays/'+a['dir']}})"
+        ".result();print(list(s.shape)==a['shape'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True)
+    return out.stdout.strip() == "True"
+
+
+def bit_equal(a, b) -> bool:
+    return all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def figure(name, value, unit, reference=None, goal=None):
+    ratio = None if reference in (None, 0) else value / reference
+    met = None
+    if goal is not None and ratio is not None:
+        met = bool(ratio >= float(goal.split(">=")[1]))
+    return {
+        "name": name,
+        "value": round(value, 4),
+        "unit": unit,
+        "reference": None if reference is None else round(reference, 4),
+        "ratio": None if ratio is None else round(ratio, 3),
+        "goal": goal,
+        "met": met,
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size_gib", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny tree, 1 repetition (CI)")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint_io.json"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_gib, args.reps = 1 / 64, 1
+    try:
+        import orbax.checkpoint  # noqa: F401
+
+        have_orbax = True
+    except ImportError:
+        have_orbax = False
+        print("orbax-checkpoint not installed (pip install -e .[bench]): t5lite figures only")
+
+    tree = make_tree(args.size_gib)
+    size = nbytes(tree) / GIB
+    target = abstract(tree)
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    t: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "raw",
+            "ours_save",
+            "ours_block",
+            "ours_restore",
+            "ob_save",
+            "ob_block",
+            "ob_restore",
+        )
+    }
+    checks = {}
+    try:
+        for rep in range(args.reps):
+            runs = ["ours", "orbax"] if rep % 2 == 0 else ["orbax", "ours"]
+            for who in runs:
+                d = scratch / f"{who}_{rep}"
+                if who == "ours":
+                    total, block = t5lite_save(tree, d)
+                    t["ours_save"].append(total)
+                    t["ours_block"].append(block)
+                    if rep == 0:
+                        checks["t5lite_readable_by_new_process"] = readable_by_new_process(d)
+                    el, out = t5lite_restore(target, d)
+                    t["ours_restore"].append(el)
+                    if rep == 0:
+                        checks["t5lite_bit_exact"] = bit_equal(out, tree)
+                elif have_orbax:
+                    total, block = orbax_save(tree, d)
+                    t["ob_save"].append(total)
+                    t["ob_block"].append(block)
+                    el, out = orbax_restore(target, d)
+                    t["ob_restore"].append(el)
+                    if rep == 0:
+                        checks["orbax_bit_exact"] = bit_equal(out, tree)
+                del out
+                shutil.rmtree(d)
+            t["raw"].append(raw_write(tree, scratch / f"raw_{rep}"))
+            shutil.rmtree(scratch / f"raw_{rep}")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in t.items() if v}
+    rate = lambda k: size / med[k]
+    ob = have_orbax
+    figures = [
+        figure(
+            "t5lite_save", rate("ours_save"), "GiB/s", rate("ob_save") if ob else None, ">= 2.0"
+        ),
+        figure(
+            "t5lite_restore",
+            rate("ours_restore"),
+            "GiB/s",
+            rate("ob_restore") if ob else None,
+            ">= 2.0",
+        ),
+        figure("t5lite_save_fraction_of_raw_disk", rate("ours_save") / rate("raw"), "fraction"),
+        figure("t5lite_save_blocking", med["ours_block"], "s", med["ob_block"] if ob else None),
+        figure("raw_disk_write_fsync", rate("raw"), "GiB/s"),
+    ]
+    if ob:
+        figures += [
+            figure("orbax_save", rate("ob_save"), "GiB/s", 0.28),
+            figure("orbax_restore", rate("ob_restore"), "GiB/s", 0.42),
+        ]
+    versions = {
+        p: importlib.metadata.version(p)
+        for p in ("jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpoint")
+        if _installed(p)
+    }
+    record = {
+        "benchmark": "checkpoint_io",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+        f"{platform.platform()}; 2x4 mesh of fake CPU devices",
+        "versions": versions,
+        "config": {
+            "size_gib": round(size, 4),
+            "reps": args.reps,
+            "arrays": len(jax.tree.leaves(tree)),
+        },
+        "checks": checks,
+        "figures": figures,
+    }
+    print(f"\ncheckpoint_io: {size:.3f} GiB fp32, {args.reps} reps (medians), checks {checks}")
+    print(f"{'name':36s} {'value':>9s} {'unit':8s} {'reference':>9s} {'ratio':>7s} goal")
+    for f in figures:
+        ref = "" if f["reference"] is None else f"{f['reference']:.3f}"
+        ratio = "" if f["ratio"] is None else f"{f['ratio']:.2f}"
+        goal = "" if f["goal"] is None else f"{f['goal']} {'met' if f['met'] else 'NOT met'}"
+        print(f"{f['name']:36s} {f['value']:9.3f} {f['unit']:8s} {ref:>9s} {ratio:>7s} {goal}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _installed(p: str) -> bool:
+    try:
+        importlib.metadata.version(p)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
