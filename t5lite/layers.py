@@ -1,0 +1,452 @@
+"""Transformer primitives with logical axis annotations (Flax linen).
+
+Every parameter is created with its logical axes (`nn.with_logical_partitioning`) and activations
+are constrained with logical names at block boundaries, so the rules table alone decides the
+layout. Nothing here names a mesh axis.
+
+Shape letters: B=batch, L=query length, S=key length, D=embed, H=heads, G=kv_heads,
+R=H // G (query heads per kv head), K=kv (head width), F=mlp, V=vocab, N=relpos_buckets.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+Array = jax.Array
+DType = Any
+Initializer = Callable[..., Array]
+
+# NOTE: masked logits get this bias (fp32) instead of -inf, so fully masked rows (padding queries)
+# give a uniform softmax rather than NaN.
+_MASK_VALUE = -1e10
+
+default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+def _canonicalize_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return tuple(x) if isinstance(x, Sequence) else (x,)
+
+
+def _normalize_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    return tuple(ax if ax >= 0 else ndim + ax for ax in axes)
+
+
+class DenseGeneral(nn.Module):
+    """A bias-free linear map over one or more input axes, with logical kernel axes.
+
+    Attributes:
+      features: output feature shape (int or tuple).
+      kernel_axes: logical names of the kernel dims, input dims first then output dims.
+      axis: input axes contracted (default last).
+      dtype: computation dtype of the activations.
+      param_dtype: storage dtype of the kernel.
+      kernel_init: initializer of the kernel (fan-in computed over all contracted dims).
+    """
+
+    features: int | Sequence[int]
+    kernel_axes: tuple[str, ...]
+    axis: int | Sequence[int] = -1
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+
+    @nn.compact
+    def __call__(self, inputs: Array) -> Array:
+        """Contracts `axis` of `inputs` with the kernel; output dims are appended last."""
+        features = _canonicalize_tuple(self.features)
+        axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
+        in_shape = tuple(inputs.shape[ax] for ax in axis)
+        n_in = len(in_shape)
+        if len(self.kernel_axes) != n_in + len(features):
+            raise ValueError(f"kernel_axes {self.kernel_axes} do not match {in_shape}+{features}")
+
+        def init(key, shape, dtype):
+            # Fan-in/out over flattened contracted/output dims, as for a 2D kernel.
+            flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
+            return self.kernel_init(key, flat, dtype).reshape(shape)
+
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(init, self.kernel_axes),
+            in_shape + features,
+            jnp.dtype(self.param_dtype),
+        )
+        kernel = jnp.asarray(kernel, jnp.dtype(self.dtype))
+        inputs = jnp.asarray(inputs, jnp.dtype(self.dtype))
+        contract = (axis, tuple(range(n_in)))
+        return jax.lax.dot_general(inputs, kernel, (contract, ((), ())))
+
+
+class Embed(nn.Module):
+    """Token embedding table [V, D] with logical axes ('vocab', 'embed').
+
+    Attributes:
+      num_embeddings: vocabulary size V.
+      features: embedding width D.
+      one_hot: look up with a one-hot matmul; with the table sharded over `vocab` this is
+        Megatron's vocab-parallel embedding (partial sums + one all-reduce, no table gather).
+    """
+
+    num_embeddings: int
+    features: int
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    one_hot: bool = False
+    embedding_init: Initializer = nn.initializers.normal(stddev=1.0)
+
+    def setup(self) -> None:
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, ("vocab", "embed")),
+            (self.num_embeddings, self.features),
+            jnp.dtype(self.param_dtype),
+        )
+
+    def __call__(self, tokens_BL: Array) -> Array:
+        """Embeds int tokens [B, L] -> [B, L, D] in `dtype`."""
+        dtype = jnp.dtype(self.dtype)
+        table_VD = jnp.asarray(self.embedding, dtype)
+        if self.one_hot:
+            one_hot_BLV = jax.nn.one_hot(tokens_BL, self.num_embeddings, dtype=dtype)
+            one_hot_BLV = nn.with_logical_constraint(one_hot_BLV, ("batch", "length", "vocab"))
+            return jnp.einsum("blv,vd->bld", one_hot_BLV, table_VD)
+        return jnp.take(table_VD, tokens_BL, axis=0)
+
+    def attend(self, query_BLD: Array) -> Array:
+        """Tied output projection [B, L, D] -> fp32 logits [B, L, V]."""
+        dtype = jnp.dtype(self.dtype)
+        table_VD = jnp.asarray(self.embedding, dtype)
+        return jnp.einsum(
+            "bld,vd->blv", query_BLD.astype(dtype), table_VD, preferred_element_type=jnp.float32
+        )
+
+
+class RMSNorm(nn.Module):
+    """T5 / Llama RMS layer norm: no mean subtraction, no bias; computed in fp32."""
+
+    epsilon: float = 1e-6
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BLD: Array) -> Array:
+        """Normalizes the last axis; returns `dtype`."""
+        x = jnp.asarray(x_BLD, jnp.float32)
+        mean2 = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        y = x * jax.lax.rsqrt(mean2 + self.epsilon)
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (x.shape[-1],),
+            jnp.dtype(self.param_dtype),
+        )
+        return (y * jnp.asarray(scale, jnp.float32)).astype(jnp.dtype(self.dtype))
+
+
+def relative_position_bucket(
+    relative_position: np.ndarray, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
+    """T5 relative-position bucketing (static numpy; matches mesh-tf / HF `T5Attention`).
+
+    Args:
+      relative_position: int array, memory_position - query_position.
+      bidirectional: whether positive and negative offsets get separate buckets.
+      num_buckets: total number of buckets N.
+      max_distance: offsets at or beyond this share the last bucket.
+
+    Returns:
+      int32 array of bucket ids in [0, N), same shape as `relative_position`.
+    """
+    ret = np.zeros_like(relative_position, dtype=np.int32)
+    n = relative_position.astype(np.int64)
+    if bidirectional:
+        num_buckets //= 2
+        ret += (n > 0).astype(np.int32) * num_buckets
+        n = np.abs(n)
+    else:
+        n = -np.minimum(n, 0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    # NOTE: computed in float32 exactly like the PyTorch reference so bucket edges agree.
+    with np.errstate(divide="ignore"):
+        scaled = (
+            np.log(n.astype(np.float32) / np.float32(max_exact))
+            / np.float32(np.log(max_distance / max_exact))
+            * np.float32(num_buckets - max_exact)
+        ).astype(np.float32)
+    large = max_exact + np.where(is_small, 0, scaled).astype(np.int32)
+    large = np.minimum(large, num_buckets - 1)
+    return ret + np.where(is_small, n, large).astype(np.int32)
+
+
+class RelativePositionBiases(nn.Module):
+    """T5 relative position bias, shared by all layers of a stack.
+
+    Attributes:
+      num_buckets: N (32 for T5).
+      max_distance: 128 for T5.
+      num_heads: H.
+      bidirectional: True in the encoder, False (causal) in the decoder.
+    """
+
+    num_buckets: int
+    max_distance: int
+    num_heads: int
+    bidirectional: bool
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+
+    @nn.compact
+    def __call__(self, q_len: int, k_len: int) -> Array:
+        """Returns the bias [1, H, L, S] (fp32) added to attention logits."""
+        context = np.arange(q_len)[:, None]
+        memory = np.arange(k_len)[None, :]
+        buckets_LS = relative_position_bucket(
+            memory - context, self.bidirectional, self.num_buckets, self.max_distance
+        )
+        rel_HN = self.param(
+            "rel_embedding",
+            nn.with_logical_partitioning(self.embedding_init, ("heads", "relpos_buckets")),
+            (self.num_heads, self.num_buckets),
+            jnp.dtype(self.param_dtype),
+        )
+        # Gather as a one-hot contraction: stays sharded over heads and is cheap (N=32).
+        one_hot_LSN = jax.nn.one_hot(buckets_LS, self.num_buckets, dtype=jnp.float32)
+        bias_HLS = jnp.einsum("hn,lsn->hls", jnp.asarray(rel_HN, jnp.float32), one_hot_LSN)
+        return bias_HLS[None]
+
+
+def rotary_embedding(x_BLHK: Array, positions_BL: Array, theta: float = 10000.0) -> Array:
+    """Applies RoPE in the 'rotate half' layout of HF Llama (pairs (i, i + K/2)).
+
+    Args:
+      x_BLHK: queries or keys [B, L, H, K], K even.
+      positions_BL: int positions [B, L].
+      theta: RoPE base frequency.
+
+    Returns:
+      Rotated array, same shape and dtype; the rotation is computed in fp32.
+    """
+    k = x_BLHK.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    freqs_BLk = positions_BL.astype(jnp.float32)[..., None] * inv_freq
+    cos = jnp.cos(freqs_BLk)[:, :, None, :]
+    sin = jnp.sin(freqs_BLk)[:, :, None, :]
+    x = x_BLHK.astype(jnp.float32)
+    x1, x2 = x[..., : k // 2], x[..., k // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLHK.dtype)
+
+
+def make_attention_mask(
+    query_input: Array, key_input: Array, pairwise_fn: Callable = jnp.multiply
+) -> Array:
+    """Mask [B, 1, L, S] (bool) from per-position query [B, L] and key [B, S] features."""
+    mask = pairwise_fn(query_input[:, :, None], key_input[:, None, :])
+    return mask[:, None].astype(jnp.bool_)
+
+
+def make_causal_mask(batch: int, length: int) -> Array:
+    """Lower-triangular mask [B, 1, L, L] (query i sees keys j <= i)."""
+    idx = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    return make_attention_mask(idx, idx, jnp.greater_equal)
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+    """Logical AND of the masks that are not None (None if all are None)."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    return functools.reduce(jnp.logical_and, masks)
+
+
+def dot_product_attention(
+    q_BLHK: Array,
+    k_BSGK: Array,
+    v_BSGK: Array,
+    bias_bHLS: Array | None = None,
+    mask_B1LS: Array | None = None,
+    *,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    deterministic: bool = True,
+    dtype: DType = jnp.float32,
+) -> Array:
+    """Grouped-query dot-product attention (H = G * R; MHA when G == H).
+
+    Logits, bias, masking and softmax are in fp32; no logit scaling is applied here.
+
+    Returns:
+      [B, L, H, K] in `dtype`.
+    """
+    b, length, h, kd = q_BLHK.shape
+    g = k_BSGK.shape[2]
+    if h % g:
+        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {g}")
+    r = h // g
+    # Query head index h = g_idx * R + r_idx, as in HF `repeat_kv`.
+    q_BLGRK = q_BLHK.reshape(b, length, g, r, kd)
+    logits = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32)
+    if bias_bHLS is not None:
+        bias = bias_bHLS.astype(jnp.float32)
+        logits = logits + bias.reshape(bias.shape[0], g, r, *bias.shape[2:])
+    if mask_B1LS is not None:
+        logits = jnp.where(mask_B1LS[:, :, None], logits, _MASK_VALUE)
+    weights = jax.nn.softmax(logits, axis=-1)
+    if not deterministic and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    out = jnp.einsum("bgrls,bsgk->blgrk", weights.astype(dtype), v_BSGK.astype(dtype))
+    return out.reshape(b, length, h, kd)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head / grouped-query attention with optional RoPE.
+
+    Kernels: query [D, H, K] ('embed', 'heads', 'kv'); key/value [D, G, K] ('embed',
+    kv_axis, 'kv') where kv_axis is 'heads' for plain MHA (G == H) and 'kv_heads' for GQA;
+    out [H, K, D] ('heads', 'kv', 'embed').
+
+    Attributes:
+      num_heads: H.
+      num_kv_heads: G (divides H).
+      head_dim: K.
+      scale_logits: multiply logits by 1/sqrt(K) (Llama). When False (T5) the scale is folded into
+        the query initializer instead.
+      use_rope: rotate q and k by their positions.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    dropout_rate: float = 0.0
+    scale_logits: bool = False
+    use_rope: bool = False
+    rope_theta: float = 10000.0
+    kernel_init: Initializer = default_kernel_init
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q_BLD: Array,
+        inputs_kv_BSD: Array,
+        mask_B1LS: Array | None = None,
+        bias_bHLS: Array | None = None,
+        positions_q_BL: Array | None = None,
+        positions_kv_BS: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
+        """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D]."""
+        emb = inputs_q_BLD.shape[-1]
+        kv_axis = "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
+        if self.scale_logits:
+            query_init = self.kernel_init
+        else:
+            # NOTE: T5 does not rescale attention logits by 1/sqrt(K); the factor is folded into
+            # the query initializer, so trained T5 weights already include it.
+            def query_init(key, shape, dtype):
+                kernel = self.kernel_init(key, shape, dtype)
+                return (kernel / np.sqrt(self.head_dim)).astype(dtype)
+
+        dense = functools.partial(DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype)
+        q = dense(
+            (self.num_heads, self.head_dim),
+            ("embed", "heads", "kv"),
+            kernel_init=query_init,
+            name="query",
+        )(inputs_q_BLD)
+        k = dense(
+            (self.num_kv_heads, self.head_dim),
+            ("embed", kv_axis, "kv"),
+            kernel_init=self.kernel_init,
+            name="key",
+        )(inputs_kv_BSD)
+        v = dense(
+            (self.num_kv_heads, self.head_dim),
+            ("embed", kv_axis, "kv"),
+            kernel_init=self.kernel_init,
+            name="value",
+        )(inputs_kv_BSD)
+        if self.use_rope:
+            q = rotary_embedding(q, positions_q_BL, self.rope_theta)
+            k = rotary_embedding(k, positions_kv_BS, self.rope_theta)
+        if self.scale_logits:
+            q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
+        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+        k = nn.with_logical_constraint(k, ("batch", "length", kv_axis, "kv"))
+        v = nn.with_logical_constraint(v, ("batch", "length", kv_axis, "kv"))
+        # A decode-time KV cache slots in here: append (k, v) to the cache and attend over it.
+
+        dropout_rng = None
+        if not deterministic and self.dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        out_BLHK = dot_product_attention(
+            q,
+            k,
+            v,
+            bias_bHLS,
+            mask_B1LS,
+            dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            dtype=jnp.dtype(self.dtype),
+        )
+        out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
+        return dense(emb, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out_BLHK)
+
+
+_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    # NOTE: approximate=True is the tanh form, HF's "gelu_new" used by T5.1.1 gated-gelu.
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "linear": lambda x: x,
+}
+
+
+class MlpBlock(nn.Module):
+    """(Gated) feed-forward block: wi_i [D, F] per activation, product, then wo [F, D].
+
+    With one activation the input kernel is named `wi` (T5.1.0); with several, `wi_0`, `wi_1`, …
+    (T5.1.1 gated GELU: ('gelu', 'linear'); Llama SwiGLU: ('silu', 'linear')).
+    """
+
+    intermediate_dim: int
+    activations: Sequence[str] = ("gelu", "linear")
+    dropout_rate: float = 0.0
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+
+    @nn.compact
+    def __call__(self, x_BLD: Array, deterministic: bool = True) -> Array:
+        """[B, L, D] -> [B, L, D]."""
+        dense = functools.partial(
+            DenseGeneral,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=self.kernel_init,
+        )
+        h_BLF = None
+        for idx, act in enumerate(self.activations):
+            if act not in _ACTIVATIONS:
+                raise ValueError(f"unknown activation {act!r}; known: {sorted(_ACTIVATIONS)}")
+            name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
+            y = _ACTIVATIONS[act](dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD))
+            h_BLF = y if h_BLF is None else h_BLF * y
+        h_BLF = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
+            h_BLF, deterministic=deterministic
+        )
+        h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
+        return dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF)

@@ -1,0 +1,620 @@
+"""Transformer architectures: T5.1.1 encoder-decoder and a decoder-only LM (Flax linen).
+
+Both networks take t5x/seqio feature names, return fp32 logits [B, L, V] and carry logical axes on
+every parameter (see layers.py). Layers can be scanned over a stacked 'layers' axis and
+rematerialized; `scan_params` / `unscan_params` convert between the two parameter layouts.
+
+Parameter tree (unscanned; scanned replaces `layers_{i}` by one `layers` with a leading axis):
+  token_embedder/embedding                               [V, D]
+  encoder/relpos_bias/rel_embedding                      [H, N]      (T5 only)
+  encoder/layers_{i}/{pre_attention_layer_norm, attention, pre_mlp_layer_norm, mlp}
+  encoder/encoder_norm/scale
+  decoder/relpos_bias/rel_embedding                      [H, N]      (relative positions only)
+  decoder/layers_{i}/{pre_self_attention_layer_norm, self_attention,
+                      [pre_cross_attention_layer_norm, encoder_decoder_attention,]
+                      pre_mlp_layer_norm, mlp}
+  decoder/decoder_norm/scale
+  decoder/logits_dense/kernel                            [D, V]      (untied only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from t5lite import layers
+
+Array = jax.Array
+RematPolicy = Literal["none", "minimal", "full"]
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """T5.1.1 encoder-decoder hyper-parameters (defaults: T5.1.1 small)."""
+
+    vocab_size: int = 32128
+    """V, vocabulary size (32128 for the T5 SentencePiece model, padded)."""
+    emb_dim: int = 512
+    """D, model width."""
+    num_heads: int = 6
+    """H, attention heads."""
+    num_encoder_layers: int = 8
+    num_decoder_layers: int = 8
+    head_dim: int = 64
+    """K, width of one head (H * K need not equal D)."""
+    mlp_dim: int = 1024
+    """F, feed-forward hidden width."""
+    variant: Literal["t5.1.1", "t5.1.0"] = "t5.1.1"
+    """'t5.1.1': gated GELU, untied logits. 't5.1.0': ReLU, logits tied to the input embedding
+    and scaled by 1/sqrt(D)."""
+    dropout_rate: float = 0.0
+    relpos_num_buckets: int = 32
+    relpos_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    dtype: str = "float32"
+    """Activation dtype ('bfloat16' on accelerators). Logits, softmax and norms are fp32."""
+    param_dtype: str = "float32"
+    """Parameter storage dtype."""
+    one_hot_embedding: bool = False
+    """Embed via one-hot matmul (vocab-parallel lookup when the table is vocab-sharded)."""
+    scan_layers: bool = False
+    remat_policy: RematPolicy = "none"
+
+    # Uniform interface shared with DecoderOnlyConfig, read by the layer classes.
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def mlp_activations(self) -> tuple[str, ...]:
+        return ("relu",) if self.variant == "t5.1.0" else ("gelu", "linear")
+
+    @property
+    def logits_via_embedding(self) -> bool:
+        return self.variant == "t5.1.0"
+
+    use_rope = False
+    rope_theta = 10000.0
+    scale_attn_logits = False
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("t5.1.1", "t5.1.0"):
+            raise ValueError(f"T5Config.variant must be 't5.1.1' or 't5.1.0', got {self.variant!r}")
+        _check_remat(self.remat_policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOnlyConfig:
+    """Decoder-only LM hyper-parameters (defaults: a Llama-style small model)."""
+
+    vocab_size: int = 32000
+    emb_dim: int = 512
+    num_heads: int = 8
+    num_kv_heads: int | None = None
+    """G, key/value heads for grouped-query attention (None: = num_heads)."""
+    num_layers: int = 8
+    head_dim: int = 64
+    mlp_dim: int = 1536
+    mlp_activation: Literal["gelu", "silu"] = "silu"
+    """Gated MLP activation: 'silu' (SwiGLU, Llama) or 'gelu' (GeGLU, T5.1.1)."""
+    position_embedding: Literal["rope", "relative"] = "rope"
+    rope_theta: float = 10000.0
+    relpos_num_buckets: int = 32
+    relpos_max_distance: int = 128
+    logits_via_embedding: bool = False
+    """Tie the output projection to the input embedding (no rescaling, as in HF Llama)."""
+    scale_attn_logits: bool = True
+    """Scale logits by 1/sqrt(K) (Llama). False folds it into the query init (T5)."""
+    dropout_rate: float = 0.0
+    layer_norm_epsilon: float = 1e-6
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    one_hot_embedding: bool = False
+    scan_layers: bool = False
+    remat_policy: RematPolicy = "none"
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.position_embedding not in ("rope", "relative"):
+            raise ValueError(
+                f"position_embedding must be 'rope' or 'relative', got {self.position_embedding!r}"
+            )
+        _check_remat(self.remat_policy)
+
+    @property
+    def mlp_activations(self) -> tuple[str, ...]:
+        return (self.mlp_activation, "linear")
+
+    @property
+    def use_rope(self) -> bool:
+        return self.position_embedding == "rope"
+
+
+AnyConfig = T5Config | DecoderOnlyConfig
+
+
+def _check_remat(policy: str) -> None:
+    if policy not in ("none", "minimal", "full"):
+        raise ValueError(f"remat_policy must be 'none', 'minimal' or 'full', got {policy!r}")
+
+
+def _dropout(cfg: AnyConfig, x: Array, deterministic: bool) -> Array:
+    return nn.Dropout(rate=cfg.dropout_rate, broadcast_dims=(-2,))(x, deterministic=deterministic)
+
+
+def _norm(cfg: AnyConfig, name: str) -> layers.RMSNorm:
+    return layers.RMSNorm(
+        epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
+    )
+
+
+def _attention(cfg: AnyConfig, name: str) -> layers.MultiHeadAttention:
+    return layers.MultiHeadAttention(
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        dropout_rate=cfg.dropout_rate,
+        scale_logits=cfg.scale_attn_logits,
+        use_rope=cfg.use_rope,
+        rope_theta=cfg.rope_theta,
+        name=name,
+    )
+
+
+def _mlp(cfg: AnyConfig) -> layers.MlpBlock:
+    return layers.MlpBlock(
+        intermediate_dim=cfg.mlp_dim,
+        activations=cfg.mlp_activations,
+        dropout_rate=cfg.dropout_rate,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        name="mlp",
+    )
+
+
+def _constrain(x_BLD: Array) -> Array:
+    return nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm self-attention + MLP block; returns (x, None) so it can be scanned."""
+
+    config: AnyConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BLD: Array, mask_B1LS: Array | None, bias_1HLS: Array | None):
+        cfg, det = self.config, self.deterministic
+        x_BLD = _constrain(x_BLD)
+        y = _norm(cfg, "pre_attention_layer_norm")(x_BLD)
+        y = _attention(cfg, "attention")(y, y, mask_B1LS, bias_1HLS, deterministic=det)
+        x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
+        y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
+        y = _mlp(cfg)(y, deterministic=det)
+        return _constrain(x_BLD + _dropout(cfg, y, det)), None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm causal self-attention [+ cross-attention] + MLP; returns (x, None)."""
+
+    config: AnyConfig
+    cross_attention: bool = True
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BLD: Array,
+        encoded_BSD: Array | None,
+        self_mask_B1LL: Array | None,
+        cross_mask_B1LS: Array | None,
+        bias_1HLL: Array | None,
+        positions_BL: Array | None,
+    ):
+        cfg, det = self.config, self.deterministic
+        x_BLD = _constrain(x_BLD)
+        y = _norm(cfg, "pre_self_attention_layer_norm")(x_BLD)
+        y = _attention(cfg, "self_attention")(
+            y, y, self_mask_B1LL, bias_1HLL, positions_BL, positions_BL, deterministic=det
+        )
+        x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
+        if self.cross_attention:
+            y = _norm(cfg, "pre_cross_attention_layer_norm")(x_BLD)
+            # NOTE: T5 cross-attention has no position bias and no RoPE.
+            y = layers.MultiHeadAttention(
+                num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                dropout_rate=cfg.dropout_rate,
+                scale_logits=cfg.scale_attn_logits,
+                name="encoder_decoder_attention",
+            )(y, encoded_BSD, cross_mask_B1LS, deterministic=det)
+            x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
+        y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
+        y = _mlp(cfg)(y, deterministic=det)
+        return _constrain(x_BLD + _dropout(cfg, y, det)), None
+
+
+_REMAT_POLICIES = {
+    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+}
+
+
+def _layer_stack(
+    layer_cls: type[nn.Module],
+    num_layers: int,
+    x_BLD: Array,
+    *args: Any,
+    **layer_kwargs: Any,
+) -> Array:
+    """Applies `num_layers` layers, scanned over a 'layers' axis and/or rematerialized."""
+    cfg = layer_kwargs["config"]
+    if cfg.remat_policy != "none":
+        layer_cls = nn.remat(
+            layer_cls,
+            policy=_REMAT_POLICIES[cfg.remat_policy],
+            prevent_cse=not cfg.scan_layers,
+        )
+    if cfg.scan_layers:
+        scanned = nn.scan(
+            layer_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast,) * len(args),
+            length=num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x_BLD, _ = scanned(name="layers", **layer_kwargs)(x_BLD, *args)
+        return x_BLD
+    for i in range(num_layers):
+        x_BLD, _ = layer_cls(name=f"layers_{i}", **layer_kwargs)(x_BLD, *args)
+    return x_BLD
+
+
+def _relpos_bias(cfg: AnyConfig, bidirectional: bool, q_len: int, k_len: int) -> Array:
+    return layers.RelativePositionBiases(
+        num_buckets=cfg.relpos_num_buckets,
+        max_distance=cfg.relpos_max_distance,
+        num_heads=cfg.num_heads,
+        bidirectional=bidirectional,
+        param_dtype=cfg.param_dtype,
+        name="relpos_bias",
+    )(q_len, k_len)
+
+
+def _embedder(cfg: AnyConfig, init_std: float) -> layers.Embed:
+    return layers.Embed(
+        num_embeddings=cfg.vocab_size,
+        features=cfg.emb_dim,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        one_hot=cfg.one_hot_embedding,
+        embedding_init=nn.initializers.normal(stddev=init_std),
+        name="token_embedder",
+    )
+
+
+class Encoder(nn.Module):
+    """T5 encoder stack: embed, bidirectional relative bias, layers, final norm."""
+
+    config: T5Config
+    shared_embedding: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens_BL: Array, mask_B1LL: Array | None, deterministic: bool) -> Array:
+        cfg = self.config
+        x_BLD = self.shared_embedding(tokens_BL).astype(cfg.dtype)
+        x_BLD = _constrain(_dropout(cfg, x_BLD, deterministic))
+        length = tokens_BL.shape[1]
+        bias_1HLL = _relpos_bias(cfg, True, length, length)
+        x_BLD = _layer_stack(
+            EncoderLayer,
+            cfg.num_encoder_layers,
+            x_BLD,
+            mask_B1LL,
+            bias_1HLL,
+            config=cfg,
+            deterministic=deterministic,
+        )
+        x_BLD = _norm(cfg, "encoder_norm")(x_BLD)
+        return _constrain(_dropout(cfg, x_BLD, deterministic))
+
+
+class Decoder(nn.Module):
+    """Decoder stack (T5 decoder with cross-attention, or decoder-only LM) with output logits."""
+
+    config: AnyConfig
+    shared_embedding: nn.Module
+    num_layers: int
+    cross_attention: bool
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens_BL: Array,
+        encoded_BSD: Array | None,
+        self_mask_B1LL: Array | None,
+        cross_mask_B1LS: Array | None,
+        positions_BL: Array | None,
+        deterministic: bool,
+    ) -> Array:
+        cfg = self.config
+        x_BLD = self.shared_embedding(tokens_BL).astype(cfg.dtype)
+        if not self.is_initializing():
+            # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
+            # respect to the embedded inputs (causality).
+            x_BLD = self.perturb("embedded_inputs", x_BLD)
+        x_BLD = _constrain(_dropout(cfg, x_BLD, deterministic))
+        length = tokens_BL.shape[1]
+        bias_1HLL = None if cfg.use_rope else _relpos_bias(cfg, False, length, length)
+        if cfg.use_rope and positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(length), tokens_BL.shape)
+        x_BLD = _layer_stack(
+            DecoderLayer,
+            self.num_layers,
+            x_BLD,
+            encoded_BSD,
+            self_mask_B1LL,
+            cross_mask_B1LS,
+            bias_1HLL,
+            positions_BL if cfg.use_rope else None,
+            config=cfg,
+            cross_attention=self.cross_attention,
+            deterministic=deterministic,
+        )
+        x_BLD = _norm(cfg, "decoder_norm")(x_BLD)
+        x_BLD = _dropout(cfg, x_BLD, deterministic)
+        if cfg.logits_via_embedding:
+            logits_BLV = self.shared_embedding.attend(x_BLD)
+            if isinstance(cfg, T5Config):
+                # NOTE: T5.1.0 (tied) rescales the logits by 1/sqrt(D), as HF T5 does.
+                logits_BLV = logits_BLV / np.sqrt(cfg.emb_dim)
+        else:
+            kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+            logits_BLV = layers.DenseGeneral(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                dtype=jnp.float32,
+                param_dtype=cfg.param_dtype,
+                kernel_init=kernel_init,
+                name="logits_dense",
+            )(x_BLD.astype(jnp.float32))
+        return nn.with_logical_constraint(
+            logits_BLV.astype(jnp.float32), ("batch", "length", "vocab")
+        )
+
+
+def _padding_or_segments(tokens_BL: Array | None, segment_ids_BL: Array | None) -> Array | None:
+    """Per-position 'real token' ids: segment ids when packed, else tokens > 0."""
+    if segment_ids_BL is not None:
+        return segment_ids_BL
+    if tokens_BL is not None:
+        return (tokens_BL > 0).astype(jnp.int32)
+    return None
+
+
+def _self_mask(
+    valid_BL: Array | None, segment_ids_BL: Array | None, causal_B1LL: Array | None
+) -> Array | None:
+    pad = None if valid_BL is None else layers.make_attention_mask(valid_BL > 0, valid_BL > 0)
+    seg = None
+    if segment_ids_BL is not None:
+        seg = layers.make_attention_mask(segment_ids_BL, segment_ids_BL, jnp.equal)
+    return layers.combine_masks(pad, seg, causal_B1LL)
+
+
+class EncoderDecoder(nn.Module):
+    """T5.1.1 (or T5.1.0) encoder-decoder Transformer.
+
+    Feature names follow t5x/seqio: packed examples carry `*_segment_ids` (1, 2, … per example, 0
+    for padding) and `*_positions`; padding is token id 0.
+    """
+
+    config: T5Config
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.token_embedder = _embedder(cfg, init_std=1.0)
+        self.encoder = Encoder(cfg, shared_embedding=self.token_embedder)
+        self.decoder = Decoder(
+            cfg,
+            shared_embedding=self.token_embedder,
+            num_layers=cfg.num_decoder_layers,
+            cross_attention=True,
+        )
+
+    def encode(
+        self,
+        encoder_input_tokens: Array,
+        encoder_segment_ids: Array | None = None,
+        encoder_positions: Array | None = None,
+        enable_dropout: bool = True,
+    ) -> Array:
+        """Encodes int tokens [B, S] -> [B, S, D] (activation dtype).
+
+        `encoder_positions` is accepted for feature-name compatibility; T5's relative bias only
+        needs offsets, which are the same within a contiguous packed segment.
+        """
+        del encoder_positions
+        valid = _padding_or_segments(encoder_input_tokens, None)
+        mask = _self_mask(valid, encoder_segment_ids, None)
+        return self.encoder(encoder_input_tokens, mask, deterministic=not enable_dropout)
+
+    def decode(
+        self,
+        encoded: Array,
+        encoder_input_tokens: Array,
+        decoder_input_tokens: Array,
+        decoder_target_tokens: Array | None = None,
+        encoder_segment_ids: Array | None = None,
+        decoder_segment_ids: Array | None = None,
+        decoder_positions: Array | None = None,
+        enable_dropout: bool = True,
+    ) -> Array:
+        """Decodes with teacher forcing: returns fp32 logits [B, L, V].
+
+        Args:
+          encoded: encoder output [B, S, D].
+          encoder_input_tokens: [B, S], for the cross-attention padding mask.
+          decoder_input_tokens: [B, L], targets shifted right (0 = BOS per example).
+          decoder_target_tokens: [B, L], for the padding mask (None: no padding).
+          encoder_segment_ids, decoder_segment_ids: packing ids [B, S] / [B, L].
+          decoder_positions: unused by T5 (relative bias); kept for feature compatibility.
+          enable_dropout: apply dropout (training).
+        """
+        del decoder_positions
+        b, length = decoder_input_tokens.shape
+        dec_valid = _padding_or_segments(decoder_target_tokens, None)
+        self_mask = _self_mask(dec_valid, decoder_segment_ids, layers.make_causal_mask(b, length))
+        enc_valid = (encoder_input_tokens > 0).astype(jnp.int32)
+        if dec_valid is None:
+            dec_valid = jnp.ones_like(decoder_input_tokens)
+        cross_mask = layers.make_attention_mask(dec_valid > 0, enc_valid > 0)
+        if decoder_segment_ids is not None and encoder_segment_ids is not None:
+            seg = layers.make_attention_mask(decoder_segment_ids, encoder_segment_ids, jnp.equal)
+            cross_mask = jnp.logical_and(cross_mask, seg)
+        return self.decoder(
+            decoder_input_tokens,
+            encoded,
+            self_mask,
+            cross_mask,
+            None,
+            deterministic=not enable_dropout,
+        )
+
+    def __call__(
+        self,
+        encoder_input_tokens: Array,
+        decoder_input_tokens: Array,
+        decoder_target_tokens: Array | None = None,
+        encoder_segment_ids: Array | None = None,
+        decoder_segment_ids: Array | None = None,
+        encoder_positions: Array | None = None,
+        decoder_positions: Array | None = None,
+        enable_dropout: bool = True,
+    ) -> Array:
+        """Teacher-forced forward pass; returns fp32 logits [B, L, V]."""
+        encoded = self.encode(
+            encoder_input_tokens, encoder_segment_ids, encoder_positions, enable_dropout
+        )
+        return self.decode(
+            encoded,
+            encoder_input_tokens,
+            decoder_input_tokens,
+            decoder_target_tokens,
+            encoder_segment_ids,
+            decoder_segment_ids,
+            decoder_positions,
+            enable_dropout,
+        )
+
+
+class DecoderOnly(nn.Module):
+    """Decoder-only LM (causal, or prefix-LM via `decoder_causal_attention`)."""
+
+    config: DecoderOnlyConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.token_embedder = _embedder(cfg, init_std=cfg.emb_dim**-0.5)
+        self.decoder = Decoder(
+            cfg,
+            shared_embedding=self.token_embedder,
+            num_layers=cfg.num_layers,
+            cross_attention=False,
+        )
+
+    def __call__(
+        self,
+        decoder_input_tokens: Array,
+        decoder_target_tokens: Array | None = None,
+        decoder_segment_ids: Array | None = None,
+        decoder_positions: Array | None = None,
+        decoder_causal_attention: Array | None = None,
+        enable_dropout: bool = True,
+    ) -> Array:
+        """Forward pass; returns fp32 logits [B, L, V].
+
+        Args:
+          decoder_input_tokens: [B, L] int tokens (targets shifted right within each example).
+          decoder_target_tokens: [B, L], for the padding mask (None: no padding mask).
+          decoder_segment_ids: packing ids [B, L] (0 = padding).
+          decoder_positions: positions within each packed example [B, L] (RoPE).
+          decoder_causal_attention: [B, L], 1 on the inputs part of a prefix-LM example, which
+            then attends bidirectionally within itself.
+          enable_dropout: apply dropout (training).
+        """
+        b, length = decoder_input_tokens.shape
+        causal = layers.make_causal_mask(b, length)
+        if decoder_causal_attention is not None:
+            prefix = layers.make_attention_mask(
+                decoder_causal_attention, decoder_causal_attention, jnp.logical_and
+            )
+            causal = jnp.logical_or(causal, prefix)
+        valid = _padding_or_segments(decoder_target_tokens, None)
+        mask = _self_mask(valid, decoder_segment_ids, causal)
+        return self.decoder(
+            decoder_input_tokens,
+            None,
+            mask,
+            None,
+            decoder_positions,
+            deterministic=not enable_dropout,
+        )
+
+
+# --- scanned <-> unscanned parameter trees ----------------------------------------------------
+
+_LAYER_KEY = re.compile(r"^layers_(\d+)$")
+
+
+def scan_params(params: Any) -> Any:
+    """Stacks every `layers_{0..n-1}` group into one `layers` group with a leading axis.
+
+    Args:
+      params: unscanned parameter tree (nested dicts of arrays; boxes not allowed).
+
+    Returns:
+      The tree a `scan_layers=True` network expects.
+    """
+    if not isinstance(params, dict):
+        return params
+    idx = sorted(int(m.group(1)) for k in params if (m := _LAYER_KEY.match(k)))
+    out = {k: scan_params(v) for k, v in params.items() if not _LAYER_KEY.match(k)}
+    if idx:
+        if idx != list(range(len(idx))):
+            raise ValueError(f"layer groups are not contiguous from 0: {idx}")
+        if "layers" in out:
+            raise ValueError("tree has both 'layers' and 'layers_{i}' groups")
+        stacked = [scan_params(params[f"layers_{i}"]) for i in idx]
+        out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *stacked)
+    return out
+
+
+def unscan_params(params: Any) -> Any:
+    """Inverse of `scan_params`: splits each `layers` group along axis 0 into `layers_{i}`."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: unscan_params(v) for k, v in params.items() if k != "layers"}
+    if "layers" in params:
+        stacked = params["layers"]
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        for i in range(n):
+            out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return out
