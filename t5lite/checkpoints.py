@@ -391,6 +391,7 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future | None = None
         self._preempted = threading.Event()
         self._saves = 0
+        self._last_saved_step: int | None = None
         if _is_process0():
             self.directory.mkdir(parents=True, exist_ok=True)
             self._cleanup()
@@ -478,6 +479,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             (tmp / "arrays").mkdir(parents=True)
         self._saves += 1
+        self._last_saved_step = step
         _barrier(f"t5lite_ckpt_{step}_{self._saves}_mkdir")
         n = self._saves
         job = lambda: self._write_and_commit(step, n, tmp, final, staged, meta, extra_json)
@@ -593,7 +595,10 @@ class CheckpointManager:
           True if a preemption signal arrived: the checkpoint is committed, exit cleanly.
         """
         preempted = self.reached_preemption(step)
-        if self.should_save(step, is_final) and not self.step_dir(step).exists():
+        # The local record (not only the file system) decides "already saved", so processes
+        # agree even while process 0 is committing that step.
+        already = step == self._last_saved_step or self.step_dir(step).exists()
+        if self.should_save(step, is_final) and not already:
             self.save(step, state, extra, logical_axes)
         if preempted or is_final:
             self.wait()

@@ -464,3 +464,25 @@ def test_chunk_shape_is_mesh_independent():
     assert tsio.chunk_shape_for((3, 5), 4, 1 << 20) == [3, 5]
     assert tsio.chunk_shape_for((), 4) == []
     assert tsio.chunk_shape_for((0, 7), 4) == [1, 7]
+
+
+def test_chunks_spanning_several_shards_round_trip(tmp_path):
+    # Chunks (16, 16) hold four (8, 8) shards each: writes into one chunk must merge, not clobber.
+    m = mesh((2, 4))
+    x = np.random.default_rng(1).standard_normal((16, 32), dtype=np.float32)
+    y = np.arange(6 * 24, dtype=np.int32).reshape(6, 24)
+    state = {
+        "x": jax.device_put(x, NamedSharding(m, P("data", "model"))),
+        "y": jax.device_put(y, NamedSharding(m, P(None, "model"))),
+    }
+    mgr = CheckpointManager(tmp_path, async_save=False, chunk_bytes=1024)
+    mgr.save(1, state)
+    meta = json.loads((tmp_path / "checkpoint_1" / "metadata.json").read_text())
+    zarr = json.loads(
+        (
+            tmp_path / "checkpoint_1" / "arrays" / meta["arrays"]["x"]["dir"] / "zarr.json"
+        ).read_text()
+    )
+    assert zarr["chunk_grid"]["configuration"]["chunk_shape"] == [16, 16]
+    restored, _ = mgr.restore(abstract(state, lambda k: P("model", "data"), mesh((4, 2))))
+    assert_bit_equal(restored, state)
