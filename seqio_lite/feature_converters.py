@@ -9,9 +9,12 @@ Model feature names follow t5x/seqio:
 - `PrefixLMFeatureConverter`: the LM features + decoder_causal_attention; loss on targets only.
 
 A converter works in two steps so the loader can pack greedily: `convert_example` turns one task
-example into unpadded 1-D model features (with `decoder_input_tokens` already shifted right
-*within the example*, so packing cannot leak a token across a segment boundary), and
-`make_batch` lays rows of such examples out into `[batch, length]` arrays. With packing, segment
+example into its unpadded 1-D stored features (`GROUPS`), and `make_batch` lays rows of such
+examples out into `[batch, length]` arrays and derives the rest on the whole batch at once:
+`decoder_input_tokens` is the targets shifted right with a 0 at *every segment start*, so
+packing cannot leak a token across a segment boundary; `decoder_loss_weights` marks non-padding
+targets. (Deriving per batch keeps the per-example objects, which cross process boundaries when
+grain workers are used, small.) With packing, segment
 ids count from 1 per row (0 is padding) and positions restart at 0 in each segment.
 """
 
@@ -27,13 +30,6 @@ Example = dict[str, Any]
 GroupLengths = dict[str, int]
 
 _OVERLONG = ("trim", "drop", "error")
-
-
-def _shift_right(x: np.ndarray) -> np.ndarray:
-    """[0, x0, x1, ..., x_{n-2}]: the decoder input for targets x (BOS id is 0, as in T5)."""
-    out = np.zeros_like(x)
-    out[1:] = x[:-1]
-    return out
 
 
 class FeatureConverter:
@@ -126,6 +122,14 @@ class FeatureConverter:
             if self.pack:
                 out[f"{group}_segment_ids"] = seg
                 out[f"{group}_positions"] = pos
+            if group == "decoder":
+                targets = out["decoder_target_tokens"]
+                inputs = np.zeros_like(targets)
+                inputs[:, 1:] = targets[:, :-1]
+                inputs[pos == 0] = 0  # each segment starts afresh (position 0; padding too)
+                out["decoder_input_tokens"] = inputs
+                if "decoder_loss_weights" not in out:
+                    out["decoder_loss_weights"] = (targets != 0).astype(np.int32)
         return out
 
     def unpack(self, batch: Mapping[str, np.ndarray]) -> list[Example]:
@@ -161,7 +165,7 @@ class EncDecFeatureConverter(FeatureConverter):
     TASK_FEATURES = ("inputs", "targets")
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "encoder": ("encoder_input_tokens",),
-        "decoder": ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights"),
+        "decoder": ("decoder_target_tokens",),
     }
 
     def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
@@ -171,33 +175,20 @@ class EncDecFeatureConverter(FeatureConverter):
         }
 
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
-        targets = ex["targets"]
-        return {
-            "encoder_input_tokens": ex["inputs"],
-            "decoder_target_tokens": targets,
-            "decoder_input_tokens": _shift_right(targets),
-            "decoder_loss_weights": (targets != 0).astype(np.int32),
-        }
+        return {"encoder_input_tokens": ex["inputs"], "decoder_target_tokens": ex["targets"]}
 
 
 class LMFeatureConverter(FeatureConverter):
     """Decoder-only language model on `targets`."""
 
     TASK_FEATURES = ("targets",)
-    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "decoder": ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights")
-    }
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {"decoder": ("decoder_target_tokens",)}
 
     def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
         return {"decoder": task_feature_lengths["targets"]}
 
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
-        targets = ex["targets"]
-        return {
-            "decoder_target_tokens": targets,
-            "decoder_input_tokens": _shift_right(targets),
-            "decoder_loss_weights": (targets != 0).astype(np.int32),
-        }
+        return {"decoder_target_tokens": ex["targets"]}
 
 
 class PrefixLMFeatureConverter(FeatureConverter):
@@ -211,7 +202,6 @@ class PrefixLMFeatureConverter(FeatureConverter):
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
         "decoder": (
             "decoder_target_tokens",
-            "decoder_input_tokens",
             "decoder_loss_weights",
             "decoder_causal_attention",
         )
@@ -226,7 +216,6 @@ class PrefixLMFeatureConverter(FeatureConverter):
         positions = np.arange(seq.size)
         return {
             "decoder_target_tokens": seq,
-            "decoder_input_tokens": _shift_right(seq),
             "decoder_loss_weights": ((positions >= inputs.size) & (seq != 0)).astype(np.int32),
             "decoder_causal_attention": (positions < inputs.size + 1).astype(np.int32),
         }

@@ -80,10 +80,13 @@ def task_examples(
     if use_cached and not task.supports_caching:
         raise ValueError(f"Task {task.name!r} has no CacheDatasetPlaceholder; it cannot be cached")
     ds = _source_dataset(task, split, use_cached)
-    if shuffle:
-        ds = ds.shuffle(seed=_derive_seed(seed, task.name, "shuffle"))
-    if num_epochs is None or num_epochs > 1:
-        ds = ds.repeat(num_epochs)
+    if shuffle and len(ds) <= _MAX_PERMUTATION:
+        ds = EpochShuffleMapDataset(ds, _derive_seed(seed, task.name, "shuffle"), num_epochs)
+    else:
+        if shuffle:
+            ds = ds.shuffle(seed=_derive_seed(seed, task.name, "shuffle"))
+        if num_epochs is None or num_epochs > 1:
+            ds = ds.repeat(num_epochs)
 
     def post(example: dict, rng: np.random.Generator) -> dict:
         if not example:
@@ -96,6 +99,53 @@ def task_examples(
         return out
 
     return ds.random_map(post, seed=_derive_seed(seed, task.name, "preprocess"))
+
+
+# Up to this many examples, an epoch's shuffle is one numpy permutation (4 bytes per example),
+# much cheaper per element than grain's stateless index_shuffle; above it, grain's shuffle.
+_MAX_PERMUTATION = 1 << 24
+
+
+class EpochShuffleMapDataset(grain.MapDataset):
+    """Global shuffle with a fresh permutation each epoch, repeated `num_epochs` (None = forever).
+
+    Element `i` is `parent[perm_e[i % n]]` with `e = i // n` and `perm_e` drawn from
+    `(seed, e)`: random access, deterministic, and independent of who reads it.
+    """
+
+    def __init__(self, parent: grain.MapDataset, seed: int, num_epochs: int | None):
+        super().__init__(parent)
+        self._n = len(parent)
+        self._seed = seed
+        self._length = self._n * num_epochs if num_epochs is not None else 2**62
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if len(self._perms) >= 2:  # readers move forward; keep the current and next epoch
+                self._perms.pop(min(self._perms))
+            perm = np.random.default_rng([self._seed, epoch]).permutation(self._n)
+            perm = self._perms[epoch] = perm.astype(np.int32)
+        return perm
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return self.slice(index)
+        epoch, j = divmod(index, self._n)
+        return self._parents[0][int(self._perm(epoch)[j])]
+
+    def __getstate__(self) -> dict:
+        # Worker processes recompute permutations rather than receive them.
+        state = dict(self.__dict__)
+        state["_perms"] = {}
+        return state
+
+    def __str__(self) -> str:
+        return f"EpochShuffleMapDataset(n={self._n}, seed={self._seed})"
 
 
 # --------------------------------------------------------------------------------------------

@@ -236,13 +236,15 @@ def test_prefix_lm_loss_on_targets_only():
     ex = conv.convert_example(
         {"inputs": np.array([7, 8, 9]), "targets": np.array([4, 5, 1])}, {"inputs": 4, "targets": 4}
     )
-    np.testing.assert_array_equal(ex["decoder_target_tokens"], [7, 8, 9, 4, 5, 1])
-    np.testing.assert_array_equal(ex["decoder_input_tokens"], [0, 7, 8, 9, 4, 5])
-    np.testing.assert_array_equal(ex["decoder_loss_weights"], [0, 0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(ex["decoder_causal_attention"], [1, 1, 1, 1, 0, 0])
     batch = conv.make_batch([[ex]], 2, conv.group_lengths({"inputs": 4, "targets": 4}))
     assert batch["decoder_target_tokens"].shape == (2, 8)
     assert "decoder_segment_ids" not in batch
+    row = {k: v[0, :6] for k, v in batch.items()}
+    np.testing.assert_array_equal(row["decoder_target_tokens"], [7, 8, 9, 4, 5, 1])
+    np.testing.assert_array_equal(row["decoder_input_tokens"], [0, 7, 8, 9, 4, 5])
+    np.testing.assert_array_equal(row["decoder_loss_weights"], [0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(row["decoder_causal_attention"], [1, 1, 1, 1, 0, 0])
+    assert not batch["decoder_loss_weights"][1].any()  # the padding row
 
 
 def test_overlong_examples_trim_drop_or_error():
