@@ -96,7 +96,8 @@ def array_spec(path: str, shape: Sequence[int] | None = None, dtype: Any = None,
       path: local directory of the array.
       shape: when given (with `dtype`), the spec creates the array with a derived chunk shape.
       dtype: numpy-compatible dtype of the array to create.
-      **kw: `chunk_bytes` to override `DEFAULT_CHUNK_BYTES`.
+      **kw: `chunk_bytes` to override `DEFAULT_CHUNK_BYTES`; `checksum=False` to drop the crc32c
+        codec (faster on slow CPUs; a flipped bit then goes undetected).
 
     Returns:
       A JSON spec for `ts.open`.
@@ -113,10 +114,8 @@ def array_spec(path: str, shape: Sequence[int] | None = None, dtype: Any = None,
             "shape": list(shape),
             "data_type": dt.name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-            "codecs": [
-                {"name": "bytes", "configuration": {"endian": "little"}},
-                {"name": "crc32c"},
-            ],
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]
+            + ([{"name": "crc32c"}] if kw.get("checksum", True) else []),
         }
     return spec
 
@@ -180,6 +179,7 @@ def write_arrays(
     items: Sequence[tuple[str, HostShards]],
     context: ts.Context,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    checksum: bool = True,
 ) -> None:
     """Creates (or joins, across processes) each array and writes this process's pieces.
 
@@ -190,10 +190,11 @@ def write_arrays(
       items: (array directory, host shards) pairs.
       context: from `make_context`.
       chunk_bytes: chunk size bound passed to `chunk_shape_for`.
+      checksum: store a crc32c per chunk (verified on every read).
     """
     opens = [
         ts.open(
-            array_spec(path, h.shape, h.dtype, chunk_bytes=chunk_bytes),
+            array_spec(path, h.shape, h.dtype, chunk_bytes=chunk_bytes, checksum=checksum),
             create=True,
             # Several processes create the same array with identical metadata; TensorStore's
             # conditional writes make the second create an open.
