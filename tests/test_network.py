@@ -79,9 +79,11 @@ def _model(cfg):
 
 def _init(cfg, batch):
     """Boxed variables (logical axes attached)."""
-    return _model(cfg).init(jax.random.PRNGKey(42), **batch, enable_dropout=False)
+    init = functools.partial(_model(cfg).init, enable_dropout=False)
+    return jax.jit(init)(jax.random.PRNGKey(42), **batch)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _per_token_loss(cfg, params, batch):
     logits = _model(cfg).apply({"params": params}, **batch, enable_dropout=False)
     loss, _ = cross_entropy_with_logits(logits, batch["decoder_target_tokens"])
@@ -226,7 +228,7 @@ def _reference(arch: str):
     batch = _t5_batch() if arch == "t5" else _lm_batch()
     boxed = _init(cfg, batch)
     params = meta.unbox(boxed)["params"]
-    loss, grads = jax.value_and_grad(functools.partial(_mean_loss, cfg))(params, batch)
+    loss, grads = jax.jit(jax.value_and_grad(functools.partial(_mean_loss, cfg)))(params, batch)
     return cfg, batch, boxed, params, loss, grads
 
 
@@ -351,7 +353,7 @@ def _input_jacobian_norms(cfg, batch, t, **kwargs):
         )
         return jnp.sum(logits[:, t] * jnp.arange(logits.shape[-1]))
 
-    g = jax.grad(out_t)(state)["perturbations"]["decoder"]["embedded_inputs"]
+    g = jax.jit(jax.grad(out_t))(state)["perturbations"]["decoder"]["embedded_inputs"]
     return np.asarray(jnp.sum(jnp.abs(g), axis=(0, 2)))
 
 
@@ -396,8 +398,10 @@ def test_scanned_equals_unscanned_with_converted_weights(arch):
     want = jax.eval_shape(lambda: meta.unbox(_init(scfg, batch))["params"])
     assert jax.tree.structure(scanned) == jax.tree.structure(want)
     assert jax.tree.map(lambda x: x.shape, scanned) == jax.tree.map(lambda x: x.shape, want)
-    out = _model(cfg).apply({"params": params}, **batch, enable_dropout=False)
-    out_s = _model(scfg).apply({"params": scanned}, **batch, enable_dropout=False)
+    apply = lambda c, p: jax.jit(functools.partial(_model(c).apply, enable_dropout=False))(
+        {"params": p}, **batch
+    )
+    out, out_s = apply(cfg, params), apply(scfg, scanned)
     np.testing.assert_allclose(out_s, out, atol=1e-5, rtol=0)
     back = network.unscan_params(scanned)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back, params))
@@ -411,9 +415,9 @@ def test_remat_does_not_change_gradients(policy):
     batch = _lm_batch(b=2)
     base = dataclasses.replace(LM_TINY, scan_layers=True)
     params = meta.unbox(_init(base, batch))["params"]
-    ref = jax.grad(functools.partial(_mean_loss, base))(params, batch)
+    ref = jax.jit(jax.grad(functools.partial(_mean_loss, base)))(params, batch)
     cfg = dataclasses.replace(base, remat_policy=policy)
-    got = jax.grad(functools.partial(_mean_loss, cfg))(params, batch)
+    got = jax.jit(jax.grad(functools.partial(_mean_loss, cfg)))(params, batch)
     diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, ref)
     assert max(jax.tree.leaves(diffs)) <= 1e-6
 

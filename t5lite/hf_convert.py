@@ -1,0 +1,474 @@
+"""Hugging Face checkpoint interop: local safetensors directories <-> t5lite parameter trees.
+
+Supported architectures (both directions, scanned or unscanned t5lite trees):
+  - `T5ForConditionalGeneration` with `feed_forward_proj="gated-gelu"` (T5.1.1, untied logits) or
+    `"relu"` with tied embeddings (T5.1.0)  <->  `network.EncoderDecoder` / `T5Config`.
+  - `LlamaForCausalLM` (RoPE, SwiGLU, GQA, tied or untied)  <->  `network.DecoderOnly` /
+    `DecoderOnlyConfig`.
+
+Only `config.json` and `*.safetensors` (optionally sharded with `model.safetensors.index.json`) are
+read or written; no hub access, no torch, no pickle. Mistakes raise ValueError with one line naming
+the file or the parameter.
+
+PyTorch `Linear.weight` is [out, in]; t5lite kernels are [in, out] with heads split out, e.g.
+`q.weight` [H*K, D] <-> `query/kernel` [D, H, K] and `o.weight` [D, H*K] <-> `out/kernel` [H, K, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from t5lite import network
+
+Params = dict[str, Any]
+_CONFIG = "config.json"
+_WEIGHTS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One HF tensor <-> one t5lite leaf."""
+
+    hf_key: str
+    path: tuple[str, ...]  # path in the unscanned t5lite `params` tree
+    shape: tuple[int, ...]  # t5lite shape
+    kind: str  # 'copy' | 'linear' | 'q' (in->heads) | 'o' (heads->out) | 't' (transpose)
+
+
+def _to_t5lite(x: np.ndarray, e: _Entry) -> np.ndarray:
+    """HF tensor -> t5lite layout."""
+    if e.kind == "copy":
+        return x
+    if e.kind in ("linear", "t", "q", "o"):
+        return x.T.reshape(e.shape)
+    raise AssertionError(e.kind)
+
+
+def _to_hf(x: np.ndarray, e: _Entry) -> np.ndarray:
+    """t5lite leaf -> HF tensor layout (inverse of `_to_t5lite`)."""
+    if e.kind == "copy":
+        return x
+    if e.kind == "q":  # [D, H, K] -> [H*K, D]
+        return x.reshape(x.shape[0], -1).T
+    if e.kind == "o":  # [H, K, D] -> [D, H*K]
+        return x.reshape(-1, x.shape[-1]).T
+    return x.T
+
+
+def _hf_shape(e: _Entry) -> tuple[int, ...]:
+    return tuple(_to_hf(np.empty(e.shape, np.int8), e).shape)
+
+
+# --- T5 -----------------------------------------------------------------------------------------
+
+
+def _t5_config_from_hf(c: dict[str, Any], where: str) -> network.T5Config:
+    proj = c.get("feed_forward_proj", "relu")
+    # transformers >= 5 records T5.1.0's 1/sqrt(d) logit scaling as `scale_decoder_outputs` and
+    # always writes tie_word_embeddings=true; older versions used tie_word_embeddings for both.
+    tied = c.get("scale_decoder_outputs", c.get("tie_word_embeddings", True))
+    if proj == "gated-gelu" and not tied:
+        variant = "t5.1.1"
+    elif proj == "relu" and tied:
+        variant = "t5.1.0"
+    else:
+        raise ValueError(
+            f"{where}: unsupported T5 variant feed_forward_proj={proj!r}, "
+            f"tie_word_embeddings={tied} (supported: gated-gelu untied, relu tied)"
+        )
+    return network.T5Config(
+        vocab_size=c["vocab_size"],
+        emb_dim=c["d_model"],
+        num_heads=c["num_heads"],
+        num_encoder_layers=c["num_layers"],
+        num_decoder_layers=c.get("num_decoder_layers") or c["num_layers"],
+        head_dim=c["d_kv"],
+        mlp_dim=c["d_ff"],
+        variant=variant,
+        dropout_rate=c.get("dropout_rate", 0.0),
+        relpos_num_buckets=c.get("relative_attention_num_buckets", 32),
+        relpos_max_distance=c.get("relative_attention_max_distance", 128),
+        layer_norm_epsilon=c.get("layer_norm_epsilon", 1e-6),
+    )
+
+
+def _t5_config_to_hf(cfg: network.T5Config) -> dict[str, Any]:
+    return {
+        "architectures": ["T5ForConditionalGeneration"],
+        "model_type": "t5",
+        "vocab_size": cfg.vocab_size,
+        "d_model": cfg.emb_dim,
+        "d_kv": cfg.head_dim,
+        "d_ff": cfg.mlp_dim,
+        "num_layers": cfg.num_encoder_layers,
+        "num_decoder_layers": cfg.num_decoder_layers,
+        "num_heads": cfg.num_heads,
+        "relative_attention_num_buckets": cfg.relpos_num_buckets,
+        "relative_attention_max_distance": cfg.relpos_max_distance,
+        "dropout_rate": cfg.dropout_rate,
+        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "feed_forward_proj": "relu" if cfg.variant == "t5.1.0" else "gated-gelu",
+        "tie_word_embeddings": cfg.logits_via_embedding,
+        "scale_decoder_outputs": cfg.logits_via_embedding,
+        "is_encoder_decoder": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+        "torch_dtype": cfg.param_dtype,
+    }
+
+
+def _attention_entries(
+    hf: str, ours: tuple[str, ...], d: int, h: int, g: int, k: int, names: tuple[str, ...]
+) -> Iterator[_Entry]:
+    q, kk, v, o = names
+    yield _Entry(f"{hf}.{q}.weight", (*ours, "query", "kernel"), (d, h, k), "q")
+    yield _Entry(f"{hf}.{kk}.weight", (*ours, "key", "kernel"), (d, g, k), "q")
+    yield _Entry(f"{hf}.{v}.weight", (*ours, "value", "kernel"), (d, g, k), "q")
+    yield _Entry(f"{hf}.{o}.weight", (*ours, "out", "kernel"), (h, k, d), "o")
+
+
+def _mlp_entries(
+    hf: str, ours: tuple[str, ...], d: int, f: int, names: tuple[str, ...]
+) -> Iterator[_Entry]:
+    *wis, wo = names
+    ours_wi = ["wi"] if len(wis) == 1 else [f"wi_{i}" for i in range(len(wis))]
+    for hf_name, our_name in zip(wis, ours_wi):
+        yield _Entry(f"{hf}.{hf_name}.weight", (*ours, "mlp", our_name, "kernel"), (d, f), "t")
+    yield _Entry(f"{hf}.{wo}.weight", (*ours, "mlp", "wo", "kernel"), (f, d), "t")
+
+
+def _t5_entries(cfg: network.T5Config) -> list[_Entry]:
+    d, h, k, f, n = cfg.emb_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.relpos_num_buckets
+    qkvo = ("q", "k", "v", "o")
+    mlp = ("wi", "wo") if cfg.variant == "t5.1.0" else ("wi_0", "wi_1", "wo")
+    out = [_Entry("shared.weight", ("token_embedder", "embedding"), (cfg.vocab_size, d), "copy")]
+    for stack, n_layers in (
+        ("encoder", cfg.num_encoder_layers),
+        ("decoder", cfg.num_decoder_layers),
+    ):
+        out.append(
+            _Entry(
+                f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                (stack, "relpos_bias", "rel_embedding"),
+                (h, n),
+                "t",
+            )
+        )
+        for i in range(n_layers):
+            hf, ours = f"{stack}.block.{i}.layer", (stack, f"layers_{i}")
+            self_attn = "attention" if stack == "encoder" else "self_attention"
+            self_norm = f"pre_{self_attn}_layer_norm"
+            out.append(
+                _Entry(f"{hf}.0.layer_norm.weight", (*ours, self_norm, "scale"), (d,), "copy")
+            )
+            out += _attention_entries(f"{hf}.0.SelfAttention", (*ours, self_attn), d, h, h, k, qkvo)
+            m = 1
+            if stack == "decoder":
+                out.append(
+                    _Entry(
+                        f"{hf}.1.layer_norm.weight",
+                        (*ours, "pre_cross_attention_layer_norm", "scale"),
+                        (d,),
+                        "copy",
+                    )
+                )
+                out += _attention_entries(
+                    f"{hf}.1.EncDecAttention",
+                    (*ours, "encoder_decoder_attention"),
+                    d,
+                    h,
+                    h,
+                    k,
+                    qkvo,
+                )
+                m = 2
+            out.append(
+                _Entry(
+                    f"{hf}.{m}.layer_norm.weight",
+                    (*ours, "pre_mlp_layer_norm", "scale"),
+                    (d,),
+                    "copy",
+                )
+            )
+            out += _mlp_entries(f"{hf}.{m}.DenseReluDense", ours, d, f, mlp)
+        norm = f"{stack}_norm"
+        out.append(_Entry(f"{stack}.final_layer_norm.weight", (stack, norm, "scale"), (d,), "copy"))
+    if not cfg.logits_via_embedding:
+        out.append(
+            _Entry(
+                "lm_head.weight", ("decoder", "logits_dense", "kernel"), (d, cfg.vocab_size), "t"
+            )
+        )
+    return out
+
+
+# --- Llama --------------------------------------------------------------------------------------
+
+
+def _llama_config_from_hf(c: dict[str, Any], where: str) -> network.DecoderOnlyConfig:
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: unsupported Llama hidden_act={c['hidden_act']!r} (want 'silu')")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise ValueError(f"{where}: Llama attention_bias/mlp_bias are not supported")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{where}: unsupported RoPE scaling {rope!r} (only 'default')")
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    heads = c["num_attention_heads"]
+    return network.DecoderOnlyConfig(
+        vocab_size=c["vocab_size"],
+        emb_dim=c["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        num_layers=c["num_hidden_layers"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        mlp_dim=c["intermediate_size"],
+        mlp_activation="silu",
+        position_embedding="rope",
+        rope_theta=float(theta),
+        logits_via_embedding=bool(c.get("tie_word_embeddings", False)),
+        scale_attn_logits=True,
+        layer_norm_epsilon=c.get("rms_norm_eps", 1e-6),
+    )
+
+
+def _llama_config_to_hf(cfg: network.DecoderOnlyConfig) -> dict[str, Any]:
+    if not (cfg.use_rope and cfg.mlp_activation == "silu" and cfg.scale_attn_logits):
+        raise ValueError(
+            "export_hf: a DecoderOnlyConfig maps to LlamaForCausalLM only with "
+            "position_embedding='rope', mlp_activation='silu', scale_attn_logits=True; got "
+            f"{cfg.position_embedding!r}, {cfg.mlp_activation!r}, {cfg.scale_attn_logits}"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.emb_dim,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.layer_norm_epsilon,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.logits_via_embedding,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 4096,
+        "torch_dtype": cfg.param_dtype,
+    }
+
+
+def _llama_entries(cfg: network.DecoderOnlyConfig) -> list[_Entry]:
+    d, h, g, k, f = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    out = [
+        _Entry(
+            "model.embed_tokens.weight",
+            ("token_embedder", "embedding"),
+            (cfg.vocab_size, d),
+            "copy",
+        )
+    ]
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}", ("decoder", f"layers_{i}")
+        out.append(
+            _Entry(
+                f"{hf}.input_layernorm.weight",
+                (*ours, "pre_self_attention_layer_norm", "scale"),
+                (d,),
+                "copy",
+            )
+        )
+        out += _attention_entries(f"{hf}.self_attn", (*ours, "self_attention"), d, h, g, k, names)
+        out.append(
+            _Entry(
+                f"{hf}.post_attention_layernorm.weight",
+                (*ours, "pre_mlp_layer_norm", "scale"),
+                (d,),
+                "copy",
+            )
+        )
+        out += _mlp_entries(f"{hf}.mlp", ours, d, f, ("gate_proj", "up_proj", "down_proj"))
+    out.append(_Entry("model.norm.weight", ("decoder", "decoder_norm", "scale"), (d,), "copy"))
+    if not cfg.logits_via_embedding:
+        out.append(
+            _Entry(
+                "lm_head.weight", ("decoder", "logits_dense", "kernel"), (d, cfg.vocab_size), "t"
+            )
+        )
+    return out
+
+
+_ARCHITECTURES: dict[str, tuple[Callable, Callable]] = {
+    "T5ForConditionalGeneration": (_t5_config_from_hf, _t5_entries),
+    "LlamaForCausalLM": (_llama_config_from_hf, _llama_entries),
+}
+
+
+# --- safetensors I/O ----------------------------------------------------------------------------
+
+
+def _read_tensors(hf_dir: Path) -> Callable[[str], np.ndarray | None]:
+    """Returns a lookup `hf_key -> array (or None)` over the (possibly sharded) safetensors."""
+    from safetensors import safe_open
+
+    index = hf_dir / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (hf_dir / _WEIGHTS).is_file():
+        files = [_WEIGHTS]
+    else:
+        raise ValueError(f"{hf_dir}: no {_WEIGHTS} or {_INDEX} (only safetensors are read)")
+    key_to_file: dict[str, Path] = {}
+    for name in files:
+        path = hf_dir / name
+        if not path.is_file():
+            raise ValueError(f"{path}: listed in {_INDEX} but missing")
+        with safe_open(str(path), framework="flax") as fh:
+            for key in fh.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                key_to_file[key] = path
+
+    def get(key: str) -> np.ndarray | None:
+        if key not in key_to_file:
+            return None
+        with safe_open(str(key_to_file[key]), framework="flax") as fh:
+            return np.asarray(fh.get_tensor(key).astype(jnp.float32))
+
+    return get
+
+
+def _set(tree: Params, path: tuple[str, ...], value: Any) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+    for p in path:
+        if not isinstance(tree, dict) or p not in tree:
+            raise ValueError(f"export_hf: parameter {'/'.join(path)} missing from the params tree")
+        tree = tree[p]
+    return tree
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+
+def import_hf(
+    hf_dir: str | Path,
+    *,
+    scan_layers: bool = False,
+    param_dtype: str = "float32",
+    dtype: str = "float32",
+) -> tuple[network.T5Config | network.DecoderOnlyConfig, Params]:
+    """Reads a local Hugging Face checkpoint directory into a t5lite config and parameter tree.
+
+    Args:
+      hf_dir: directory with `config.json` and `model.safetensors` (or a sharded index).
+      scan_layers: return the stacked `layers` tree for a `scan_layers=True` network.
+      param_dtype: dtype of the returned parameters (and the config's `param_dtype`).
+      dtype: activation dtype set in the returned config.
+
+    Returns:
+      `(config, params)`: `network.T5Config` or `network.DecoderOnlyConfig`, and the `params`
+      collection (nested dicts of jax arrays) for `model.apply({'params': params}, ...)`.
+
+    Raises:
+      ValueError: missing files, an unsupported architecture, or a missing or misshaped tensor.
+    """
+    hf_dir = Path(hf_dir)
+    cfg_path = hf_dir / _CONFIG
+    if not cfg_path.is_file():
+        raise ValueError(f"{cfg_path}: not found (expected a Hugging Face checkpoint directory)")
+    raw = json.loads(cfg_path.read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in _ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"{cfg_path}: unsupported architectures {archs}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    config_from_hf, entries_of = _ARCHITECTURES[arch]
+    cfg = config_from_hf(raw, str(cfg_path))
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers, param_dtype=param_dtype, dtype=dtype)
+    get = _read_tensors(hf_dir)
+    params: Params = {}
+    for e in entries_of(cfg):
+        x = get(e.hf_key)
+        if x is None and e.hf_key == "shared.weight":
+            x = get("encoder.embed_tokens.weight")
+        if x is None:
+            raise ValueError(f"{hf_dir}: tensor {e.hf_key!r} missing from the checkpoint")
+        if tuple(x.shape) != _hf_shape(e):
+            raise ValueError(
+                f"{hf_dir}: tensor {e.hf_key!r} has shape {tuple(x.shape)}, config.json implies "
+                f"{_hf_shape(e)}"
+            )
+        _set(params, e.path, jnp.asarray(_to_t5lite(x, e), dtype=param_dtype))
+    if arch == "T5ForConditionalGeneration":
+        shared = np.asarray(params["token_embedder"]["embedding"])
+        for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            x = get(key)
+            if x is not None and not np.array_equal(x, shared):
+                raise ValueError(
+                    f"{hf_dir}: tensor {key!r} differs from 'shared.weight' (T5 "
+                    "shares one input embedding)"
+                )
+    return cfg, (network.scan_params(params) if scan_layers else params)
+
+
+def export_hf(
+    config: network.T5Config | network.DecoderOnlyConfig,
+    params: Params,
+    out_dir: str | Path,
+) -> None:
+    """Writes `params` as a Hugging Face checkpoint (`config.json` + `model.safetensors`).
+
+    Args:
+      config: the network config; T5Config -> T5ForConditionalGeneration, DecoderOnlyConfig ->
+        LlamaForCausalLM (RoPE + SiLU only).
+      params: the `params` collection, scanned or unscanned (unboxed arrays).
+      out_dir: created if needed; existing `config.json` / `model.safetensors` are replaced.
+
+    Raises:
+      ValueError: a config with no HF equivalent, or a missing or misshaped parameter.
+    """
+    from safetensors.numpy import save_file
+
+    if isinstance(config, network.T5Config):
+        hf_config, entries = _t5_config_to_hf(config), _t5_entries(config)
+    elif isinstance(config, network.DecoderOnlyConfig):
+        hf_config, entries = _llama_config_to_hf(config), _llama_entries(config)
+    else:
+        raise ValueError(f"export_hf: unsupported config type {type(config).__name__}")
+    params = network.unscan_params(params)
+    tensors: dict[str, np.ndarray] = {}
+    for e in entries:
+        x = _get(params, e.path)
+        if tuple(x.shape) != e.shape:
+            raise ValueError(
+                f"export_hf: parameter {'/'.join(e.path)} has shape {tuple(x.shape)}, the config "
+                f"implies {e.shape}"
+            )
+        # NOTE: written as fp32 (numpy has no bfloat16); `torch_dtype` records the model's dtype.
+        tensors[e.hf_key] = np.ascontiguousarray(_to_hf(np.asarray(x, np.float32), e))
+    if isinstance(config, network.T5Config):
+        # Written out as well so that loaders which do not re-tie them still share one table.
+        for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            tensors[key] = tensors["shared.weight"].copy()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / _WEIGHTS), metadata={"format": "pt"})
+    (out_dir / _CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,163 @@
+"""Hugging Face interop: logits parity with transformers (PyTorch, fp32) and round trips."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5lite import hf_convert, network
+
+torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
+transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+pytest.importorskip("safetensors", reason="needs the [hf] extra (safetensors)")
+
+TOL = 1e-4  # max |logits_t5lite - logits_transformers|, fp32
+
+
+def _t5_hf(tmp_path, tied=False):
+    cfg = transformers.T5Config(
+        vocab_size=96,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        dropout_rate=0.0,
+        feed_forward_proj="relu" if tied else "gated-gelu",
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=tied,
+    )
+    # NOTE: transformers 5.x forces tie_word_embeddings=True in T5Config (the constructor
+    # argument only sets `scale_decoder_outputs`); set it after construction to untie lm_head.
+    # That also unties encoder/decoder.embed_tokens, which T5 always shares: re-share them.
+    cfg.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
+    assert (model.lm_head.weight is model.shared.weight) == tied
+    assert getattr(cfg, "scale_decoder_outputs", tied) == tied
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def _llama_hf(tmp_path, tied=False):
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        attention_bias=False,
+    )
+    cfg.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norms
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def _tokens(shape, seed=0):
+    return np.random.RandomState(seed).randint(1, 96, size=shape).astype(np.int64)
+
+
+def _torch_t5_logits(model, enc, dec):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(enc), decoder_input_ids=torch.tensor(dec))
+    return out.logits.numpy()
+
+
+def _torch_llama_logits(model, tokens):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(tokens)).logits.numpy()
+
+
+def _t5lite_logits(cfg, params, *tokens):
+    model = network.EncoderDecoder(cfg) if len(tokens) == 2 else network.DecoderOnly(cfg)
+    fn = jax.jit(functools.partial(model.apply, enable_dropout=False))
+    return np.asarray(fn({"params": params}, *(jnp.asarray(t, jnp.int32) for t in tokens)))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("tied", [False, True], ids=["t5.1.1", "t5.1.0"])
+def test_t5_parity_and_round_trip(tmp_path, scan, tied):
+    model = _t5_hf(tmp_path, tied=tied)
+    cfg, params = hf_convert.import_hf(tmp_path / "hf", scan_layers=scan)
+    assert cfg.variant == ("t5.1.0" if tied else "t5.1.1")
+    assert (cfg.num_encoder_layers, cfg.num_decoder_layers, cfg.scan_layers) == (2, 3, scan)
+    # Length 24 > max_distance 20: exact and log-spaced buckets and the clipped last one.
+    enc, dec = _tokens((2, 24)), _tokens((2, 23), seed=1)
+    dec[:, 0] = 0
+    want = _torch_t5_logits(model, enc, dec)
+    got = _t5lite_logits(cfg, params, enc, dec)
+    assert np.max(np.abs(got - want)) <= TOL
+
+    hf_convert.export_hf(cfg, params, tmp_path / "out")
+    reloaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    assert getattr(reloaded.config, "scale_decoder_outputs", tied) == tied
+    assert (reloaded.lm_head.weight.data_ptr() == reloaded.shared.weight.data_ptr()) == tied
+    assert np.max(np.abs(_torch_t5_logits(reloaded, enc, dec) - want)) <= TOL
+    want_sd = model.state_dict()
+    for k, v in reloaded.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), want_sd[k].numpy(), err_msg=k)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_parity_and_round_trip(tmp_path, scan, tied):
+    model = _llama_hf(tmp_path, tied=tied)
+    cfg, params = hf_convert.import_hf(tmp_path / "hf", scan_layers=scan)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 8)
+    assert cfg.logits_via_embedding == tied and cfg.layer_norm_epsilon == 1e-5
+    tokens = _tokens((2, 16))
+    want = _torch_llama_logits(model, tokens)
+    got = _t5lite_logits(cfg, params, tokens)
+    assert np.max(np.abs(got - want)) <= TOL
+
+    hf_convert.export_hf(cfg, params, tmp_path / "out")
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert np.max(np.abs(_torch_llama_logits(reloaded, tokens) - want)) <= TOL
+    want_sd = model.state_dict()
+    for k, v in reloaded.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), want_sd[k].numpy(), err_msg=k)
+
+
+def test_errors_name_the_culprit(tmp_path):
+    with pytest.raises(ValueError, match=r"config.json: not found"):
+        hf_convert.import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"unsupported architectures \['GPT2LMHeadModel'\]"):
+        hf_convert.import_hf(tmp_path)
+
+    _llama_hf(tmp_path)
+    hf = tmp_path / "hf"
+    raw = json.loads((hf / "config.json").read_text())
+    raw["intermediate_size"] = 40
+    (hf / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape"):
+        hf_convert.import_hf(hf)
+    raw["intermediate_size"] = 48
+    raw["num_hidden_layers"] = 3
+    (hf / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"'model.layers.2.input_layernorm.weight' missing"):
+        hf_convert.import_hf(hf)
+
+    cfg = network.DecoderOnlyConfig(position_embedding="relative")
+    with pytest.raises(ValueError, match="LlamaForCausalLM only with"):
+        hf_convert.export_hf(cfg, {}, tmp_path / "x")
