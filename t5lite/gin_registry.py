@@ -27,3 +27,21 @@ T5Config = gin.external_configurable(network.T5Config, module="network")
 DecoderOnlyConfig = gin.external_configurable(network.DecoderOnlyConfig, module="network")
 EncoderDecoder = gin.external_configurable(network.EncoderDecoder, module="network")
 DecoderOnly = gin.external_configurable(network.DecoderOnly, module="network")
+
+# --- models, optimizers, programs -------------------------------------------------------------
+from t5lite import models, optimizers, train_loop  # noqa: E402
+from t5lite.insight import report  # noqa: E402
+
+EncoderDecoderModel = gin.external_configurable(models.EncoderDecoderModel, module="t5lite")
+DecoderOnlyModel = gin.external_configurable(models.DecoderOnlyModel, module="t5lite")
+AdamW = gin.external_configurable(optimizers.AdamW, module="t5lite")
+Adafactor = gin.external_configurable(optimizers.Adafactor, module="t5lite")
+rsqrt_schedule = gin.external_configurable(optimizers.rsqrt_schedule, module="t5lite")
+warmup_cosine_schedule = gin.external_configurable(
+    optimizers.warmup_cosine_schedule, module="t5lite"
+)
+constant_schedule = gin.external_configurable(optimizers.constant_schedule, module="t5lite")
+train = gin.external_configurable(train_loop.train, module="t5lite")
+evaluate = gin.external_configurable(train_loop.evaluate, module="t5lite")
+infer = gin.external_configurable(train_loop.infer, module="t5lite")
+inspect = gin.external_configurable(report.inspect, module="t5lite")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,10 +46,33 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
     for d in _CONFIG_DIRS:
         if d.is_dir() and str(d) not in gin.config._LOCATION_PREFIXES:
             gin.add_config_file_search_path(str(d))
+    # gin logs an ERROR for every search-path prefix an `include` does not resolve against,
+    # even when a later prefix finds the file; those lines are noise, not errors.
+    quiet = _DropMessages("Path not found")
+    logging.getLogger().addFilter(quiet)
     try:
-        gin.parse_config_files_and_bindings(
-            [find_gin_file(f) for f in gin_files], list(bindings), finalize_config=False
-        )
+        # Finalising runs gin's hook that rejects `%gin.REQUIRED` macros left unset; unlocking
+        # first lets a notebook (or a test) parse again after an earlier finalised parse.
+        with gin.unlock_config():
+            gin.parse_config_files_and_bindings(
+                [find_gin_file(f) for f in gin_files], list(bindings), finalize_config=True
+            )
     except (ValueError, KeyError, NameError, TypeError, OSError) as e:
-        msg = str(e).strip().splitlines()
-        raise ConfigError(" ".join(line.strip() for line in msg if line.strip())) from e
+        raise ConfigError(one_line(e)) from e
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line, without gin's function reprs."""
+    text = re.sub(r"\s*\(<function [^>]*>\)", "", str(e))
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)

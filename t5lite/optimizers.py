@@ -46,7 +46,15 @@ def warmup_cosine_schedule(
     decay_steps: int,
     end_learning_rate: float = 0.0,
 ) -> Schedule:
-    """Linear warm-up from 0 to the peak, then cosine decay to `end_learning_rate`."""
+    """Linear warm-up from 0 to the peak, then cosine decay to `end_learning_rate`.
+
+    `decay_steps` counts from step 0 (warm-up included), as in optax.
+    """
+    if decay_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_cosine_schedule: decay_steps ({decay_steps}) must exceed warmup_steps "
+            f"({warmup_steps})"
+        )
     return optax.warmup_cosine_decay_schedule(
         0.0, peak_learning_rate, warmup_steps, decay_steps, end_learning_rate
     )

@@ -70,6 +70,7 @@ class Trainer:
         self.lengths = dict(lengths)
         self.num_microbatches = num_microbatches
         self.seed = seed
+        self.cache: dict[Any, Any] = {}  # partitioned predict/score functions, built on demand
 
         dummy = model.dummy_batch(batch_size, self.lengths)
         self.batch_abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.items()}

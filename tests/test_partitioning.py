@@ -28,12 +28,13 @@ def preset_rules(name):
     from t5lite import gin_registry
     from t5lite.gin_utils import find_gin_file
 
-    gin.clear_config()
-    try:
-        gin.parse_config_file(find_gin_file(f"partitioning/{name}.gin"))
-        return gin_registry.Partitioner(mesh=partitioning.create_mesh()).rules
-    finally:
+    with gin.unlock_config():
         gin.clear_config()
+        try:
+            gin.parse_config_file(find_gin_file(f"partitioning/{name}.gin"))
+            return gin_registry.Partitioner(mesh=partitioning.create_mesh()).rules
+        finally:
+            gin.clear_config()
 
 
 # Expected PartitionSpec of every toy parameter, per preset (independent of the mesh shape).

@@ -1,0 +1,74 @@
+"""The t5lite command line: `t5lite train | eval | infer | inspect | convert`.
+
+Intentionally thin: it parses flags and gin, then calls one library function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+COMMANDS = ("train", "eval", "infer", "inspect", "convert")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="t5lite", description=__doc__)
+    p.add_argument("command", choices=COMMANDS)
+    p.add_argument("--gin_file", action="append", default=[], help="repeatable; searched in "
+                   "the working directory, then the packaged configs/")  # fmt: skip
+    p.add_argument("--host_device_count", type=int, default=None,
+                   help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")  # fmt: skip
+    p.add_argument("--hf_dir", help="convert: Hugging Face checkpoint directory")
+    p.add_argument("--out_dir", help="convert: output directory")
+    p.add_argument("--direction", choices=("import", "export"), default="import")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `--gin.NAME=VALUE` bindings, t5x style; everything else goes to argparse.
+    bindings = [a.removeprefix("--gin.") for a in argv if a.startswith("--gin.")]
+    args = _parser().parse_args([a for a in argv if not a.startswith("--gin.")])
+    if args.host_device_count:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
+        )
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from t5lite import gin_utils  # imports JAX: only after XLA_FLAGS is set
+    from t5lite.checkpoints import CheckpointError
+    from t5lite.partitioning import PartitioningError
+    from t5lite.train_loop import TrainingError
+
+    # User mistakes (bad bindings, layouts, checkpoints, values) end in one line naming the
+    # culprit; T5LITE_DEBUG=1 shows the traceback instead. Other exceptions keep theirs.
+    user_errors = (gin_utils.ConfigError, PartitioningError, CheckpointError, TrainingError,
+                   FileExistsError, FileNotFoundError, ValueError)  # fmt: skip
+    if os.environ.get("T5LITE_DEBUG"):
+        user_errors = ()
+    try:
+        if args.command == "convert":
+            from t5lite import hf_convert
+
+            hf_convert.convert_cli(args.direction, args.hf_dir, args.out_dir)
+            return 0
+        gin_utils.parse_gin(args.gin_file, bindings)
+        from t5lite import gin_registry as reg
+
+        fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer,
+              "inspect": reg.inspect}[args.command]  # fmt: skip
+        fn()
+    except user_errors as e:
+        print(f"t5lite {args.command}: error: {gin_utils.one_line(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,391 @@
+"""The train / eval / infer programs that the CLI runs (gin binds their arguments).
+
+Each is an ordinary function a notebook can call; `main.py` only parses flags and gin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+import seqio_lite
+from t5lite import metrics_writer as mw
+from t5lite.checkpoints import CheckpointManager
+from t5lite.models import BaseModel, EncoderDecoderModel
+from t5lite.partitioning import Partitioner
+from t5lite.trainer import Trainer, TrainState, summarize
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, model too large); the message says why."""
+
+
+def _converter_name(model: BaseModel) -> str:
+    return "enc_dec" if isinstance(model, EncoderDecoderModel) else "lm"
+
+
+def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
+    """Fails early, naming the memory needed, when the train step cannot fit on the device."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        return  # CPU: no fixed device memory to compare against
+    compiled = trainer.partitioner.compile(
+        trainer.train_step, state_abstract, trainer.batch_abstract
+    )
+    mem = compiled.memory_analysis()
+    need = (
+        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )  # fmt: skip
+    if need > limit:
+        raise TrainingError(
+            f"the train step needs {need / 2**30:.2f} GiB per device but {device.device_kind} "
+            f"has {limit / 2**30:.2f} GiB: shard more (see `t5lite plan`) or use smaller batches"
+        )
+
+
+def train(
+    *,
+    model_dir: str,
+    model: BaseModel,
+    task: str,
+    task_feature_lengths: Mapping[str, int],
+    batch_size: int,
+    num_steps: int,
+    partitioner: Partitioner | None = None,
+    num_microbatches: int = 1,
+    seed: int = 0,
+    pack: bool = True,
+    use_cached: bool = False,
+    checkpoint_period: int = 1000,
+    keep_checkpoints: int | None = 3,
+    keep_period: int | None = None,
+    eval_period: int = 0,
+    eval_task: str | None = None,
+    eval_split: str = "validation",
+    num_eval_examples: int | None = 256,
+    eval_batch_size: int | None = None,
+    max_decode_length: int | None = None,
+    num_predictions_to_print: int = 3,
+    log_period: int = 10,
+    stop_after_steps: int | None = None,
+) -> dict[str, Any]:
+    """Trains `model` on `task`, resuming from the latest checkpoint in `model_dir`.
+
+    Args:
+      model_dir: checkpoints, `config.gin`, `metrics.jsonl` and TensorBoard events go here.
+      model, partitioner: what to train and on which mesh with which rules.
+      task: a seqio_lite task or mixture name; task_feature_lengths its lengths.
+      batch_size: global examples per step; num_microbatches splits it for accumulation.
+      num_steps: total steps (a resumed run continues up to it).
+      seed: initialisation, data order and dropout (`fold_in(seed, step)`).
+      pack, use_cached: data pipeline options.
+      checkpoint_period, keep_checkpoints, keep_period: checkpoint policy (a checkpoint is also
+        written at the final step and on SIGTERM).
+      eval_period: evaluate every this many steps (0: only at the end, if an eval task is set).
+      eval_task, eval_split, num_eval_examples, eval_batch_size: the evaluation set.
+      max_decode_length: decoding length for predict metrics (default: the targets length).
+      num_predictions_to_print: predictions shown after each evaluation.
+      log_period: steps between printed log lines.
+      stop_after_steps: stop (with a checkpoint) after this many steps of this invocation,
+        as a preemption would; for tests and time-boxed jobs.
+
+    Returns:
+      The last train metrics and the last eval metrics.
+    """
+    partitioner = partitioner or Partitioner()
+    trainer = Trainer(
+        model, partitioner, batch_size=batch_size, lengths=task_feature_lengths,
+        num_microbatches=num_microbatches, seed=seed,
+    )  # fmt: skip
+    is_chief = jax.process_index() == 0
+    writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
+                              log_period=log_period)  # fmt: skip
+    layout = partitioner.get_data_layout(batch_size)
+    data = seqio_lite.get_dataset(
+        task, task_feature_lengths, "train", layout.per_process_batch_size,
+        shard_id=layout.shard_id, num_shards=layout.num_shards, seed=seed,
+        feature_converter=_converter_name(model), pack=pack, use_cached=use_cached,
+    )  # fmt: skip
+    ckpt = CheckpointManager(
+        model_dir, save_period=checkpoint_period, keep=keep_checkpoints, keep_period=keep_period
+    )
+    ckpt.install_preemption_handler()
+    _check_fits(trainer, trainer.abstract_state())
+
+    if ckpt.latest_step() is not None:
+        state, extra = ckpt.restore(trainer.abstract_state())
+        data.set_state(extra["data"])
+        writer.info(f"resumed from {ckpt.step_dir(int(state.step))}")
+    else:
+        state = trainer.init_state()
+    _write_operative_config(model_dir, is_chief)
+
+    evaluator = None
+    if eval_task or eval_period:
+        evaluator = _make_evaluator(
+            eval_task or task, task_feature_lengths, eval_split, num_eval_examples,
+            eval_batch_size or batch_size, model,
+        )  # fmt: skip
+    decode_len = max_decode_length or task_feature_lengths["targets"]
+    flops = mw.transformer_train_flops(
+        model.network_config, task_feature_lengths.get("inputs", 0), task_feature_lengths["targets"]
+    )
+    peak = mw.peak_flops(jax.devices()[0].device_kind)
+
+    start = int(state.step)
+    last: dict[str, Any] = {}
+    eval_metrics: dict[str, Any] = {}
+    t_prev = time.time()
+    for step in range(start + 1, num_steps + 1):
+        batch = trainer.global_batch(next(data))
+        state, metrics = trainer.train_step(state, batch)
+        m = summarize(jax.device_get(metrics))
+        if not math.isfinite(m["loss"]):
+            latest = ckpt.latest_step()
+            ckpt.close()
+            raise TrainingError(
+                f"loss is {m['loss']} at step {step}; stopping. The last good checkpoint is "
+                + (str(ckpt.step_dir(latest)) if latest is not None else "none (no save yet)")
+            )
+        now = time.time()
+        dt, t_prev = now - t_prev, now
+        m["step_time_s"] = dt
+        m["seqs_per_s"] = batch_size / dt
+        m["tokens_per_s"] = batch_size * sum(task_feature_lengths.values()) / dt
+        m["mfu"] = (flops * batch_size / dt / (peak * jax.device_count())) if peak else "n/a (CPU)"
+        writer.write(step, m)
+        last = m
+        is_final = step == num_steps
+        stop_now = stop_after_steps is not None and step - start >= stop_after_steps
+        extra = {"data": data.get_state(), "step": step, "seed": seed}
+        preempted = ckpt.maybe_save(
+            step, state, extra=extra, logical_axes=trainer.state_axes,
+            is_final=is_final or stop_now,
+        )  # fmt: skip
+        if evaluator and ((eval_period and step % eval_period == 0) or is_final):
+            eval_metrics = _evaluate(
+                evaluator, trainer, state, decode_len, writer, step, num_predictions_to_print
+            )
+        if preempted or stop_now:
+            writer.info(f"stopped at step {step}; checkpoint committed")
+            break
+    ckpt.close()
+    writer.close()
+    return {"train": last, "eval": eval_metrics}
+
+
+def _make_evaluator(task, lengths, split, num_examples, batch_size, model):
+    return seqio_lite.Evaluator(
+        task, lengths, split=split, batch_size=batch_size,
+        feature_converter=_converter_name(model), num_examples=num_examples,
+    )  # fmt: skip
+
+
+def _evaluate(evaluator, trainer: Trainer, state: TrainState, decode_len: int, writer, step: int,
+              num_to_print: int) -> dict[str, Any]:  # fmt: skip
+    """Teacher-forced metrics and the task's predict metrics on decoded outputs."""
+    predict_fn = _predict_fn(trainer, state.params, decode_len)
+    shown: list[str] = []
+    results = evaluator.evaluate(predict_fn=predict_fn)
+    out: dict[str, Any] = {}
+    for task_name, metrics in results.items():
+        out.update({f"{task_name}/{k}": v for k, v in metrics.items()})
+        exs = evaluator.examples(task_name)[:num_to_print]
+        if exs:
+            batch, _ = evaluator.batches(task_name)[0]
+            ids = predict_fn(batch)
+            vocab = evaluator.tasks[0].output_features["targets"].vocabulary
+            for ex, row in zip(exs, ids):
+                src = ex.get("inputs_pretokenized", "")
+                tgt = ex.get("targets_pretokenized", "")
+                shown.append(f"  {src!s:>20} -> {vocab.decode(row)!s:<20} (target {tgt})")
+    writer.write(step, out, prefix="eval")
+    if shown:
+        writer.info("predictions:\n" + "\n".join(shown))
+    return out
+
+
+def _predict_fn(trainer: Trainer, params: Any, decode_len: int):
+    """A numpy-in, token-lists-out greedy predictor on the trainer's mesh (compiled once)."""
+    key = ("predict", decode_len)
+    if key not in trainer.cache:
+        model = trainer.model
+        trainer.cache[key] = trainer.partitioner.partition(
+            lambda p, b: model.predict_batch(p, b, decode_len),
+            in_axis_resources=(trainer.state_shardings.params, trainer.batch_shardings),
+            out_axis_resources=None,
+        )
+    predict = trainer.cache[key]
+
+    def predict_fn(batch: Mapping[str, np.ndarray]) -> list[list[int]]:
+        rows = len(next(iter(batch.values())))
+        ids = jax.device_get(
+            predict(params, trainer.global_batch(_fit_batch(batch, trainer.batch_size)))
+        )
+        return [_until_eos(r) for r in np.asarray(ids)[:rows]]
+
+    return predict_fn
+
+
+def _score_fn(trainer: Trainer, params: Any):
+    """A numpy-in, log-likelihoods-out scorer on the trainer's mesh (compiled once)."""
+    if "score" not in trainer.cache:
+        trainer.cache["score"] = trainer.partitioner.partition(
+            trainer.model.score_batch,
+            in_axis_resources=(trainer.state_shardings.params, trainer.batch_shardings),
+            out_axis_resources=None,
+        )
+    score = trainer.cache["score"]
+
+    def score_fn(batch: Mapping[str, np.ndarray]) -> list[float]:
+        rows = len(next(iter(batch.values())))
+        out = jax.device_get(
+            score(params, trainer.global_batch(_fit_batch(batch, trainer.batch_size)))
+        )
+        return [float(x) for x in np.asarray(out)[:rows]]
+
+    return score_fn
+
+
+def _fit_batch(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """Pads (or trims) an eval batch to the compiled batch size."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        if v.shape[0] < rows:
+            v = np.concatenate([v, np.zeros((rows - v.shape[0], *v.shape[1:]), v.dtype)])
+        out[k] = v[:rows]
+    return out
+
+
+def _until_eos(ids: np.ndarray) -> list[int]:
+    out = []
+    for t in ids.tolist():
+        if t == 0:
+            break
+        out.append(t)
+        if t == 1:
+            break
+    return out
+
+
+def _write_operative_config(model_dir: str, is_chief: bool) -> None:
+    if not is_chief:
+        return
+    import gin
+
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.gin"), "w") as f:
+        f.write(gin.config_str())
+
+
+def _restored_trainer(model, partitioner, lengths, batch_size, model_dir, checkpoint_step):
+    """A trainer for `batch_size` rows and the parameters of a committed checkpoint."""
+    trainer = Trainer(model, partitioner or Partitioner(), batch_size=batch_size, lengths=lengths)
+    ckpt = CheckpointManager(model_dir)
+    state, _ = ckpt.restore(trainer.abstract_state(), step=checkpoint_step, extra=False)
+    ckpt.close()
+    return trainer, state
+
+
+def evaluate(
+    *,
+    model_dir: str,
+    model: BaseModel,
+    task: str,
+    task_feature_lengths: Mapping[str, int],
+    batch_size: int,
+    partitioner: Partitioner | None = None,
+    split: str = "validation",
+    num_examples: int | None = None,
+    checkpoint_step: int | None = None,
+    max_decode_length: int | None = None,
+) -> dict[str, Any]:
+    """Evaluates a checkpoint (latest by default) with the task's metrics; returns them."""
+    trainer, state = _restored_trainer(
+        model, partitioner, task_feature_lengths, batch_size, model_dir, checkpoint_step
+    )
+    evaluator = _make_evaluator(task, task_feature_lengths, split, num_examples, batch_size, model)
+    writer = mw.MetricsWriter(model_dir, total_steps=int(state.step),
+                              enabled=jax.process_index() == 0)  # fmt: skip
+    out = _evaluate(evaluator, trainer, state,
+                    max_decode_length or task_feature_lengths["targets"], writer,
+                    int(state.step), 3)  # fmt: skip
+    writer.close()
+    return out
+
+
+def infer(
+    *,
+    model_dir: str,
+    model: BaseModel,
+    task: str,
+    task_feature_lengths: Mapping[str, int],
+    batch_size: int,
+    output_file: str,
+    mode: str = "predict",
+    partitioner: Partitioner | None = None,
+    split: str = "validation",
+    num_examples: int | None = None,
+    checkpoint_step: int | None = None,
+    max_decode_length: int | None = None,
+) -> str:
+    """Writes one JSONL record per example: inputs, targets and the prediction (or score).
+
+    Args:
+      mode: "predict" (decoded text) or "score" (log-likelihood of the targets).
+      output_file: where the JSONL goes; an existing file is never overwritten.
+    """
+    if mode not in ("predict", "score"):
+        raise ValueError(f"infer mode must be 'predict' or 'score', got {mode!r}")
+    if os.path.exists(output_file):
+        raise FileExistsError(f"infer: {output_file} exists; refusing to overwrite it")
+    trainer, state = _restored_trainer(
+        model, partitioner, task_feature_lengths, batch_size, model_dir, checkpoint_step
+    )
+    evaluator = _make_evaluator(task, task_feature_lengths, split, num_examples, batch_size, model)
+    decode_len = max_decode_length or task_feature_lengths["targets"]
+    records = []
+    for t in evaluator.tasks:
+        vocab = t.output_features["targets"].vocabulary
+        exs = evaluator.examples(t.name)
+        outputs: list[Any] = []
+        for batch, n in evaluator.batches(t.name):
+            if mode == "predict":
+                outputs += [
+                    vocab.decode(r)
+                    for r in _predict_fn(trainer, state.params, decode_len)(batch)[:n]
+                ]
+            else:
+                outputs += _score_fn(trainer, state.params)(batch)[:n]
+        for ex, o in zip(exs, outputs):
+            records.append({
+                "task": t.name,
+                "inputs": _text(ex, "inputs"),
+                "targets": _text(ex, "targets"),
+                "prediction" if mode == "predict" else "score": o,
+            })  # fmt: skip
+    if jax.process_index() == 0:
+        tmp = output_file + ".tmp"
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, output_file)
+    return output_file
+
+
+def _text(ex: Mapping[str, Any], key: str) -> Any:
+    v = ex.get(f"{key}_pretokenized")
+    if v is None:
+        return None
+    return v.decode() if isinstance(v, bytes) else str(v)
