@@ -8,7 +8,7 @@ to every shard on device. Raw disk write rate = the same bytes written with plai
 fsync. Page cache is not dropped (it is shared with other users of the machine): restores read
 warm files on both sides alike.
 
-    python benchmarks/checkpoint_io.py [--size_gib 1] [--reps 3] [--smoke] [--out PATH]
+    python benchmarks/checkpoint_io.py [--size_gib 1] [--reps 5] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def figure(name, value, unit, reference=None, goal=None):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size_gib", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny tree, 1 repetition (CI)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint_io.json"))

@@ -241,7 +241,7 @@ def restore_checkpoint(
     assignment_map: Sequence[tuple[str, str | None]] | None = None,
     params_only: bool = False,
     params_key: str = "params",
-    concurrency: int = 64,
+    concurrency: int = 128,
 ) -> tuple[Any, dict | None]:
     """Restores one committed checkpoint directory onto the shardings of `target`.
 
@@ -322,7 +322,9 @@ def restore_checkpoint(
             out.append(leaf)
             continue
         info = arrays[src]
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        # Python scalars in the target (e.g. a step counter) restore as numpy scalars.
+        shape = tuple(np.shape(leaf))
+        dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
         if tuple(info["shape"]) != shape:
             raise CheckpointError(
                 f"checkpoint {p}: array '{src}' has shape {tuple(info['shape'])}, "
@@ -379,7 +381,7 @@ class CheckpointManager:
         keep: int | None = None,
         keep_period: int | None = None,
         async_save: bool = True,
-        concurrency: int = 64,
+        concurrency: int = 128,
         chunk_bytes: int = tsio.DEFAULT_CHUNK_BYTES,
         checksum: bool = True,
     ):

@@ -38,7 +38,7 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 Index = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
 
-def make_context(concurrency: int = 64, sync: bool = False) -> ts.Context:
+def make_context(concurrency: int = 128, sync: bool = False) -> ts.Context:
     """A TensorStore context shared by all arrays of one save or restore.
 
     Args:
@@ -53,8 +53,9 @@ def make_context(concurrency: int = 64, sync: bool = False) -> ts.Context:
     return ts.Context(
         {
             "file_io_concurrency": {"limit": concurrency},
-            # Encoding (copy + crc32c) is CPU work: more threads than cores only contend.
-            "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
+            # Copies and crc32c run here; a few threads per core hide the file reads they wait on
+            # (measured: 8-16 threads beat 2 on a 2-core host, by ~1.5x with checksums).
+            "data_copy_concurrency": {"limit": max(16, 2 * (os.cpu_count() or 1))},
             "file_io_sync": sync,
             # Checkpoint data is read or written once: caching it only costs memory.
             "cache_pool": {"total_bytes_limit": 0},

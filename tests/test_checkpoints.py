@@ -486,3 +486,11 @@ def test_chunks_spanning_several_shards_round_trip(tmp_path):
     assert zarr["chunk_grid"]["configuration"]["chunk_shape"] == [16, 16]
     restored, _ = mgr.restore(abstract(state, lambda k: P("model", "data"), mesh((4, 2))))
     assert_bit_equal(restored, state)
+
+
+def test_numpy_and_scalar_leaves_restore_as_numpy(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(2, {"count": 5, "table": np.arange(6, dtype=np.int64).reshape(2, 3)})
+    got, _ = mgr.restore({"count": 0, "table": np.zeros((2, 3), np.int64)})
+    assert int(got["count"]) == 5 and isinstance(got["table"], np.ndarray)
+    np.testing.assert_array_equal(got["table"], np.arange(6).reshape(2, 3))
