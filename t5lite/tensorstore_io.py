@@ -269,13 +269,17 @@ def read_arrays(
         # Replicas of a range share one read.
         reads = {idx: store[_slices(idx)].read() for idx in set(dev_index.values())}
         plans.append((dev_index, reads))
-    out = []
-    for (dev_index, reads), (_, shape, dtype, sharding) in zip(plans, items):
+
+    def finish(k: int) -> Any:
+        (dev_index, reads), (_, shape, dtype, sharding) = plans[k], items[k]
         host = {idx: np.asarray(r.result()).astype(dtype, copy=False) for idx, r in reads.items()}
         if sharding is None:
-            out.append(next(iter(host.values())))
-            continue
+            return next(iter(host.values()))
         devices = list(dev_index)
         bufs = jax.device_put([host[dev_index[d]] for d in devices], devices)
-        out.append(jax.make_array_from_single_device_arrays(shape, sharding, bufs))
-    return out
+        return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+
+    # Host->device copies of finished arrays overlap the reads still in flight, whatever order
+    # TensorStore completes them in.
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        return list(ex.map(finish, range(len(items))))
