@@ -143,8 +143,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    """Writes `obj` (or an already serialised string) as JSON and fsyncs it."""
     with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=1))
         f.flush()
         os.fsync(f.fileno())
 
@@ -504,7 +505,7 @@ class CheckpointManager:
             raise CheckpointError(f"writing checkpoint {tmp} failed: {e}") from e
         _barrier(f"t5lite_ckpt_{step}_{n}_written", background=True)
         if _is_process0():
-            (tmp / EXTRA_FILE).write_text(extra_json)
+            _write_json(tmp / EXTRA_FILE, extra_json)
             _write_json(tmp / METADATA_FILE, meta)
             _write_json(tmp / COMMIT_FILE, {"step": step, "time": time.time()})
             _fsync_dir(tmp)
