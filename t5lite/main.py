@@ -20,6 +20,11 @@ def _parser() -> argparse.ArgumentParser:
                    "the working directory, then the packaged configs/")  # fmt: skip
     p.add_argument("--host_device_count", type=int, default=None,
                    help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")  # fmt: skip
+    p.add_argument("--coordinator_address", help="HOST:PORT of process 0 (multi-process runs)")
+    p.add_argument("--num_processes", type=int)
+    p.add_argument("--process_id", type=int)
+    p.add_argument("--heartbeat_timeout_s", type=int, default=100,
+                   help="stop when a peer process is silent this long")  # fmt: skip
     p.add_argument("--hf_dir", help="convert: Hugging Face checkpoint directory")
     p.add_argument("--out_dir", help="convert: output directory")
     p.add_argument("--direction", choices=("import", "export"), default="import")
@@ -37,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
         )
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from t5lite import gin_utils  # imports JAX: only after XLA_FLAGS is set
+    from t5lite import distributed, gin_utils  # imports JAX: only after XLA_FLAGS is set
     from t5lite.checkpoints import CheckpointError
     from t5lite.partitioning import PartitioningError
     from t5lite.train_loop import TrainingError
@@ -54,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             hf_convert.convert_cli(args.direction, args.hf_dir, args.out_dir)
             return 0
-        gin_utils.parse_gin(args.gin_file, bindings)
+        gin_utils.parse_gin(args.gin_file, bindings)  # before joining: bad configs fail fast
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                               heartbeat_timeout_s=args.heartbeat_timeout_s)  # fmt: skip
         from t5lite import gin_registry as reg
 
         fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer,
@@ -63,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except user_errors as e:
         print(f"t5lite {args.command}: error: {gin_utils.one_line(e)}", file=sys.stderr)
         return 1
+    except Exception as e:
+        distributed.exit_on_peer_failure(args.command, e)
+        raise
     return 0
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import seqio_lite
 from t5lite import metrics_writer as mw
 from t5lite.checkpoints import CheckpointManager
+from t5lite.distributed import ProgressWatchdog
 from t5lite.models import BaseModel, EncoderDecoderModel
 from t5lite.partitioning import Partitioner
 from t5lite.trainer import Trainer, TrainState, summarize
@@ -33,7 +34,7 @@ def _converter_name(model: BaseModel) -> str:
 
 def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
     """Fails early, naming the memory needed, when the train step cannot fit on the device."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
     if not limit:
@@ -78,6 +79,7 @@ def train(
     num_predictions_to_print: int = 3,
     log_period: int = 10,
     stop_after_steps: int | None = None,
+    step_timeout_s: float | None = 600.0,
 ) -> dict[str, Any]:
     """Trains `model` on `task`, resuming from the latest checkpoint in `model_dir`.
 
@@ -98,6 +100,8 @@ def train(
       log_period: steps between printed log lines.
       stop_after_steps: stop (with a checkpoint) after this many steps of this invocation,
         as a preemption would; for tests and time-boxed jobs.
+      step_timeout_s: exit with an error when no step completes for this long (after the
+        first, compiled step): a multi-process run whose peer died stops instead of hanging.
 
     Returns:
       The last train metrics and the last eval metrics.
@@ -146,12 +150,17 @@ def train(
     last: dict[str, Any] = {}
     eval_metrics: dict[str, Any] = {}
     t_prev = time.time()
+    watchdog = None
     for step in range(start + 1, num_steps + 1):
         batch = trainer.global_batch(next(data))
         state, metrics = trainer.train_step(state, batch)
         m = summarize(jax.device_get(metrics))
+        if watchdog is None:  # armed after the first step: compilation time is unbounded
+            watchdog = ProgressWatchdog(step_timeout_s)
+        watchdog.ping()
         if not math.isfinite(m["loss"]):
             latest = ckpt.latest_step()
+            watchdog.close()
             ckpt.close()
             raise TrainingError(
                 f"loss is {m['loss']} at step {step}; stopping. The last good checkpoint is "
@@ -179,6 +188,8 @@ def train(
         if preempted or stop_now:
             writer.info(f"stopped at step {step}; checkpoint committed")
             break
+    if watchdog is not None:
+        watchdog.close()
     ckpt.close()
     writer.close()
     return {"train": last, "eval": eval_metrics}
@@ -230,7 +241,7 @@ def _predict_fn(trainer: Trainer, params: Any, decode_len: int):
     def predict_fn(batch: Mapping[str, np.ndarray]) -> list[list[int]]:
         rows = len(next(iter(batch.values())))
         ids = jax.device_get(
-            predict(params, trainer.global_batch(_fit_batch(batch, trainer.batch_size)))
+            predict(params, trainer.global_batch_from_full(_fit_batch(batch, trainer.batch_size)))
         )
         return [_until_eos(r) for r in np.asarray(ids)[:rows]]
 
@@ -250,7 +261,7 @@ def _score_fn(trainer: Trainer, params: Any):
     def score_fn(batch: Mapping[str, np.ndarray]) -> list[float]:
         rows = len(next(iter(batch.values())))
         out = jax.device_get(
-            score(params, trainer.global_batch(_fit_batch(batch, trainer.batch_size)))
+            score(params, trainer.global_batch_from_full(_fit_batch(batch, trainer.batch_size)))
         )
         return [float(x) for x in np.asarray(out)[:rows]]
 

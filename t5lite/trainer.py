@@ -185,6 +185,18 @@ class Trainer:
                 local[k] = _default_feature(k, local, shape)
         return self.partitioner.host_local_to_global(local, self.batch_size)
 
+    def global_batch_from_full(self, batch: Mapping[str, np.ndarray]) -> dict[str, Array]:
+        """Global arrays from a batch every process holds whole (eval / infer): each process
+        contributes only its own rows, so every example is computed once."""
+        layout = self.partitioner.get_data_layout(self.batch_size)
+        return self.global_batch(_rows_of_this_process(batch, layout))
+
+
+def _rows_of_this_process(batch, layout):
+    """This process's rows of a batch that every process holds in full."""
+    lo = layout.shard_id * layout.per_process_batch_size
+    return {k: np.asarray(v)[lo : lo + layout.per_process_batch_size] for k, v in batch.items()}
+
 
 def global_norm(tree: PyTree) -> Array:
     return jnp.sqrt(

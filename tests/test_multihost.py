@@ -1,0 +1,178 @@
+"""Multi-process runs on localhost: 2 processes × 4 fake CPU devices vs 1 process × 8.
+
+Each process is a real `t5lite train` command joined through jax.distributed (gloo CPU
+collectives), exactly as on a cluster.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = [
+    "--gin_file=quickstart.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+    "--gin.train.checkpoint_period=3",
+    "--gin.train.eval_task=None",
+    "--gin.train.log_period=1",
+    "--gin.train.pack=False",  # packing differs per process; unpacked batches are identical
+    "--gin.warmup_cosine_schedule.warmup_steps=2",
+    "--gin.warmup_cosine_schedule.decay_steps=100",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _cmd(model_dir, steps, *extra):
+    return [sys.executable, "-m", "t5lite.main", "train", *TINY,
+            f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}", *extra]  # fmt: skip
+
+
+def _start_multi(model_dir, steps, *extra, n=2):
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            _cmd(
+                model_dir,
+                steps,
+                f"--coordinator_address=127.0.0.1:{port}",
+                f"--num_processes={n}",
+                f"--process_id={i}",
+                *extra,
+            ),
+            env=_env(8 // n),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
+
+
+def _wait(procs, timeout=600):
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def _losses(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
+
+
+def test_two_processes_match_one_and_restore_on_one(tmp_path):
+    multi, single, cont = tmp_path / "multi", tmp_path / "single", tmp_path / "cont"
+    procs = _start_multi(multi, 6)
+    _, err1 = _wait(procs)[1]
+    # Process 1 stays quiet: no log lines, no metrics of its own.
+    assert "train step" not in err1
+    subprocess.run(_cmd(single, 6), env=_env(8), check=True, capture_output=True, timeout=600)
+    lm, ls = _losses(multi), _losses(single)
+    assert sorted(lm) == list(range(1, 7))
+    for step in lm:
+        assert abs(lm[step] - ls[step]) <= 1e-6 * max(1.0, abs(ls[step])), (step, lm, ls)
+    assert sorted(p.name for p in multi.iterdir() if p.name.startswith("checkpoint_")) == [
+        "checkpoint_3", "checkpoint_6"
+    ]  # fmt: skip
+
+    # The 2-process checkpoint at step 3 restores in one process with 8 devices, and training
+    # continues with the same losses as the uninterrupted 2-process run.
+    cont.mkdir()
+    os.symlink(multi / "checkpoint_3", cont / "checkpoint_3")
+    subprocess.run(_cmd(cont, 6), env=_env(8), check=True, capture_output=True, timeout=600)
+    lc = _losses(cont)
+    assert sorted(lc) == [4, 5, 6]
+    for step in lc:
+        assert abs(lc[step] - lm[step]) <= 1e-6 * max(1.0, abs(lm[step])), (step, lc, lm)
+
+
+def test_dead_peer_stops_the_survivor_with_a_clear_error(tmp_path):
+    procs = _start_multi(tmp_path / "m", 100000, "--gin.train.step_timeout_s=20",
+                         "--heartbeat_timeout_s=15", "--gin.train.checkpoint_period=0")  # fmt: skip
+    survivor, victim = procs
+    # Wait until training is under way (process 0 logs each step), then kill process 1.
+    deadline = time.time() + 300
+    seen = ""
+    while time.time() < deadline:
+        line = survivor.stderr.readline()
+        seen += line
+        if "train step 3/" in line:
+            break
+        if survivor.poll() is not None:
+            pytest.fail(f"process 0 ended early: {seen[-2000:]}")
+    victim.send_signal(signal.SIGKILL)
+    t0 = time.time()
+    _, err = survivor.communicate(timeout=120)
+    elapsed = time.time() - t0
+    assert survivor.returncode == 1
+    assert elapsed < 30, elapsed  # step_timeout_s=20 bounds it even if no collective fails
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("t5lite train: error: process 0 of 2: "), err[-2000:]
+    assert "a peer process has probably died" in last
+
+
+def test_two_process_eval_counts_each_example_once(tmp_path):
+    model_dir = tmp_path / "m"
+    subprocess.run(_cmd(model_dir, 3), env=_env(8), check=True, capture_output=True, timeout=600)
+    common = [
+        "--gin_file=models/t5_1_1/tiny.gin", "--gin_file=runs/eval.gin", "--gin.VOCAB_SIZE=384",
+        "--gin.TASK='synthetic_reverse'", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+        "--gin.evaluate.num_examples=20",  # 3 batches of 8, the last one padded
+    ]  # fmt: skip
+    results = {}
+    for n in (1, 2):
+        d = tmp_path / f"eval{n}"
+        d.mkdir()
+        os.symlink(model_dir / "checkpoint_3", d / "checkpoint_3")
+        args = [sys.executable, "-m", "t5lite.main", "eval", *common, f"--gin.MODEL_DIR='{d}'"]
+        if n == 1:
+            subprocess.run(args, env=_env(8), check=True, capture_output=True, timeout=600)
+        else:
+            port = _free_port()
+            _wait([
+                subprocess.Popen(
+                    [*args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                     f"--process_id={i}"],
+                    env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )
+                for i in range(2)
+            ])  # fmt: skip
+        with open(d / "metrics.jsonl") as f:
+            (record,) = [r for r in map(json.loads, f) if r["split"] == "eval"]
+        results[n] = record
+    assert results[1] == results[2]
+    assert "synthetic_reverse/exact_match" in results[1]
+
+
+def test_watchdog_ends_a_stuck_process():
+    code = (
+        "import time\n"
+        "from t5lite.distributed import ProgressWatchdog\n"
+        "w = ProgressWatchdog(1.0, what='training')\n"
+        "time.sleep(30)\n"
+    )
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], env=_env(1), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 1
+    assert time.time() - t0 < 20
+    assert "no training progress for 1 s (step_timeout_s=1)" in out.stderr
