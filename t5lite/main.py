@@ -1,4 +1,4 @@
-"""The t5lite command line: `t5lite train | eval | infer | inspect | convert`.
+"""The t5lite command line: `t5lite train | eval | infer | inspect | plan | convert`.
 
 Intentionally thin: it parses flags and gin, then calls one library function.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "eval", "infer", "inspect", "convert")
+COMMANDS = ("train", "eval", "infer", "inspect", "plan", "convert")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,14 +20,18 @@ def _parser() -> argparse.ArgumentParser:
                    "the working directory, then the packaged configs/")  # fmt: skip
     p.add_argument("--host_device_count", type=int, default=None,
                    help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")  # fmt: skip
+    p.add_argument("--topology", help="inspect/plan: compile for a TPU slice, e.g. v5e:16x16")
     p.add_argument("--coordinator_address", help="HOST:PORT of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int)
     p.add_argument("--process_id", type=int)
     p.add_argument("--heartbeat_timeout_s", type=int, default=100,
                    help="stop when a peer process is silent this long")  # fmt: skip
-    p.add_argument("--hf_dir", help="convert: Hugging Face checkpoint directory")
+    p.add_argument("--direction", choices=("import", "export"), default="import",
+                   help="convert: Hugging Face -> t5lite (import) or back (export)")  # fmt: skip
+    p.add_argument("--hf_dir", help="convert import: Hugging Face checkpoint directory")
+    p.add_argument("--checkpoint", help="convert export: a t5lite checkpoint_<step> directory")
     p.add_argument("--out_dir", help="convert: output directory")
-    p.add_argument("--direction", choices=("import", "export"), default="import")
+    p.add_argument("--scan_layers", action="store_true", help="convert import: stacked layers")
     return p
 
 
@@ -36,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `--gin.NAME=VALUE` bindings, t5x style; everything else goes to argparse.
     bindings = [a.removeprefix("--gin.") for a in argv if a.startswith("--gin.")]
     args = _parser().parse_args([a for a in argv if not a.startswith("--gin.")])
+    if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
+        from t5lite.insight.topology import num_devices
+
+        args.host_device_count = num_devices(args.topology)
     if args.host_device_count:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = (
@@ -55,9 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_errors = ()
     try:
         if args.command == "convert":
-            from t5lite import hf_convert
+            from t5lite import convert
 
-            hf_convert.convert_cli(args.direction, args.hf_dir, args.out_dir)
+            if not args.out_dir or not (
+                args.hf_dir if args.direction == "import" else args.checkpoint
+            ):
+                raise ValueError(
+                    "convert needs --out_dir and --hf_dir (import) or --checkpoint (export)"
+                )
+            if args.direction == "import":
+                print(convert.hf_to_t5lite(args.hf_dir, args.out_dir, scan_layers=args.scan_layers))
+            else:
+                print(convert.t5lite_to_hf(args.checkpoint, args.out_dir))
             return 0
         gin_utils.parse_gin(args.gin_file, bindings)  # before joining: bad configs fail fast
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
@@ -65,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from t5lite import gin_registry as reg
 
         fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer,
-              "inspect": reg.inspect}[args.command]  # fmt: skip
-        fn()
+              "inspect": reg.inspect, "plan": reg.plan}[args.command]  # fmt: skip
+        topo = args.topology and args.command in ("inspect", "plan")
+        fn(**({"topology": args.topology} if topo else {}))
     except user_errors as e:
         print(f"t5lite {args.command}: error: {gin_utils.one_line(e)}", file=sys.stderr)
         return 1

@@ -5,6 +5,7 @@ Each is an ordinary function a notebook can call; `main.py` only parses flags an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import numpy as np
 
 import seqio_lite
 from t5lite import metrics_writer as mw
-from t5lite.checkpoints import CheckpointManager
+from t5lite.checkpoints import CheckpointManager, restore_checkpoint
 from t5lite.distributed import ProgressWatchdog
 from t5lite.models import BaseModel, EncoderDecoderModel
 from t5lite.partitioning import Partitioner
@@ -54,6 +55,21 @@ def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
         )
 
 
+def _check_vocab(task: str, model: BaseModel) -> None:
+    """Token ids beyond the model's vocabulary would silently give NaN or garbage."""
+    obj = seqio_lite.get_task_or_mixture(task)
+    tasks = obj.tasks if isinstance(obj, seqio_lite.Mixture) else [obj]
+    model_vocab = model.network_config.vocab_size
+    for t in tasks:
+        for name, feature in t.output_features.items():
+            size = feature.vocabulary.vocab_size
+            if size > model_vocab:
+                raise ValueError(
+                    f"task {t.name!r} feature {name!r} has a vocabulary of {size} ids but the "
+                    f"model's vocab_size is {model_vocab}"
+                )
+
+
 def train(
     *,
     model_dir: str,
@@ -80,6 +96,7 @@ def train(
     log_period: int = 10,
     stop_after_steps: int | None = None,
     step_timeout_s: float | None = 600.0,
+    init_checkpoint: str | None = None,
 ) -> dict[str, Any]:
     """Trains `model` on `task`, resuming from the latest checkpoint in `model_dir`.
 
@@ -100,6 +117,8 @@ def train(
       log_period: steps between printed log lines.
       stop_after_steps: stop (with a checkpoint) after this many steps of this invocation,
         as a preemption would; for tests and time-boxed jobs.
+      init_checkpoint: a checkpoint directory whose parameters start a fresh run (fine-tuning,
+        e.g. one written by `t5lite convert`); ignored when `model_dir` has a checkpoint.
       step_timeout_s: exit with an error when no step completes for this long (after the
         first, compiled step): a multi-process run whose peer died stops instead of hanging.
 
@@ -107,6 +126,7 @@ def train(
       The last train metrics and the last eval metrics.
     """
     partitioner = partitioner or Partitioner()
+    _check_vocab(task, model)
     trainer = Trainer(
         model, partitioner, batch_size=batch_size, lengths=task_feature_lengths,
         num_microbatches=num_microbatches, seed=seed,
@@ -132,6 +152,10 @@ def train(
         writer.info(f"resumed from {ckpt.step_dir(int(state.step))}")
     else:
         state = trainer.init_state()
+        if init_checkpoint:
+            # Parameters from the checkpoint (cast and resharded); optimizer state stays fresh.
+            state, _ = restore_checkpoint(init_checkpoint, state, extra=False, params_only=True)
+            writer.info(f"initialised parameters from {init_checkpoint}")
     _write_operative_config(model_dir, is_chief)
 
     evaluator = None
@@ -146,6 +170,8 @@ def train(
     )
     peak = mw.peak_flops(jax.devices()[0].device_kind)
 
+    net_cfg = {"type": type(model.network_config).__name__,
+               **dataclasses.asdict(model.network_config)}  # fmt: skip
     start = int(state.step)
     last: dict[str, Any] = {}
     eval_metrics: dict[str, Any] = {}
@@ -176,7 +202,7 @@ def train(
         last = m
         is_final = step == num_steps
         stop_now = stop_after_steps is not None and step - start >= stop_after_steps
-        extra = {"data": data.get_state(), "step": step, "seed": seed}
+        extra = {"data": data.get_state(), "step": step, "seed": seed, "network_config": net_cfg}
         preempted = ckpt.maybe_save(
             step, state, extra=extra, logical_axes=trainer.state_axes,
             is_final=is_final or stop_now,

@@ -1,0 +1,80 @@
+"""`t5lite convert`: Hugging Face safetensors checkpoints <-> t5lite TensorStore checkpoints.
+
+Import writes `OUT/checkpoint_0` (a params-only t5lite checkpoint whose extra state records the
+network config) and `OUT/model.gin` (the config as gin bindings). Fine-tune from it with
+`--gin.train.init_checkpoint='OUT/checkpoint_0'` and `--gin_file=OUT/model.gin`. Export reads
+the config back from the checkpoint and writes `config.json` + `model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from t5lite import hf_convert, network
+from t5lite.checkpoints import CheckpointManager, restore_checkpoint
+
+_CONFIG_TYPES = {"T5Config": network.T5Config, "DecoderOnlyConfig": network.DecoderOnlyConfig}
+_MODEL_OF = {"T5Config": "EncoderDecoderModel", "DecoderOnlyConfig": "DecoderOnlyModel"}
+
+
+def _config_json(config: network.T5Config | network.DecoderOnlyConfig) -> dict:
+    # The same record `train_loop.train` stores with every checkpoint.
+    return {"type": type(config).__name__, **dataclasses.asdict(config)}
+
+
+def config_from_json(d: dict) -> network.T5Config | network.DecoderOnlyConfig:
+    """The network config saved by `hf_to_t5lite`."""
+    fields = dict(d)
+    kind = fields.pop("type")
+    if kind not in _CONFIG_TYPES:
+        raise ValueError(f"unknown network config type {kind!r}")
+    return _CONFIG_TYPES[kind](**fields)
+
+
+def model_gin(config: network.T5Config | network.DecoderOnlyConfig) -> str:
+    """Gin bindings that rebuild `config` (to combine with run and partitioning presets)."""
+    kind = type(config).__name__
+    lines = [
+        "# Written by `t5lite convert`: the imported model's network config.",
+        "import t5lite.gin_registry",
+        "",
+        f"MODEL = @{_MODEL_OF[kind]}()",
+        f"{_MODEL_OF[kind]}.network_config = @network.{kind}()",
+    ]
+    for k, v in dataclasses.asdict(config).items():
+        lines.append(f"network.{kind}.{k} = {v!r}")
+    return "\n".join(lines) + "\n"
+
+
+def hf_to_t5lite(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                 scan_layers: bool = False) -> Path:  # fmt: skip
+    """Imports a Hugging Face checkpoint directory; returns the t5lite checkpoint path."""
+    out = Path(out_dir)
+    gin_path = out / "model.gin"
+    if gin_path.exists():
+        raise FileExistsError(f"convert: {gin_path} exists; refusing to overwrite it")
+    config, params = hf_convert.import_hf(hf_dir, scan_layers=scan_layers)
+    mgr = CheckpointManager(out, async_save=False)
+    mgr.save(0, {"params": params},
+             extra={"network_config": _config_json(config), "source": str(hf_dir)})  # fmt: skip
+    mgr.close()
+    gin_path.write_text(model_gin(config))
+    return mgr.step_dir(0)
+
+
+def t5lite_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Exports the parameters of a t5lite checkpoint (one written by import, or by training
+    from an imported one) as a Hugging Face directory that must not exist yet."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"convert: {out} is not empty; refusing to overwrite it")
+    state, extra = restore_checkpoint(checkpoint, None)
+    if not extra or "network_config" not in extra:
+        raise ValueError(
+            f"{checkpoint}: no network config in its extra state (export needs a checkpoint "
+            "written by `t5lite convert` or by training with `train.init_checkpoint`)"
+        )
+    hf_convert.export_hf(config_from_json(extra["network_config"]), state["params"], out)
+    return out
