@@ -20,6 +20,7 @@ import seqio_lite
 from t5lite import metrics_writer as mw
 from t5lite.checkpoints import CheckpointManager, restore_checkpoint
 from t5lite.distributed import ProgressWatchdog
+from t5lite.insight.sharding import format_bytes
 from t5lite.models import BaseModel, EncoderDecoderModel
 from t5lite.partitioning import Partitioner
 from t5lite.trainer import Trainer, TrainState, summarize
@@ -50,8 +51,8 @@ def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
     )  # fmt: skip
     if need > limit:
         raise TrainingError(
-            f"the train step needs {need / 2**30:.2f} GiB per device but {device.device_kind} "
-            f"has {limit / 2**30:.2f} GiB: shard more (see `t5lite plan`) or use smaller batches"
+            f"the train step needs {format_bytes(need)} per device but {device.device_kind} "
+            f"has {format_bytes(limit)}: shard more (see `t5lite plan`) or use smaller batches"
         )
 
 

@@ -113,3 +113,46 @@ def test_adafactor_state_is_factored_and_sharded_by_logical_axes():
     assert wi.shape == (16, 32) and v_row.shape == (16,) and v_col.shape == (32,)
     assert v_col.sharding == NamedSharding(tr.partitioner.mesh, P("model"))
     assert v_row.sharding == NamedSharding(tr.partitioner.mesh, P(None))
+
+
+def test_label_smoothing_matches_optax_minus_entropy():
+    from t5lite import losses
+
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 11)) * 3
+    targets = jnp.array([[1, 4, 0], [7, 2, 10]])
+    ls = 0.1
+    loss, m = losses.weighted_cross_entropy(
+        logits, targets, z_loss=0.0, label_smoothing=ls, normalization="sum"
+    )
+    confidence, low = 1 - ls, ls / 10
+    soft = jax.nn.one_hot(targets, 11) * (confidence - low) + low
+    ref = optax.softmax_cross_entropy(logits, soft)
+    entropy = -(confidence * np.log(confidence) + 10 * low * np.log(low))
+    weights = (targets > 0).astype(jnp.float32)
+    np.testing.assert_allclose(loss, jnp.sum((ref - entropy) * weights), rtol=1e-5)
+    assert float(m["weight_sum"]) == 5.0
+
+
+def test_model_that_does_not_fit_reports_memory(monkeypatch):
+    from t5lite import train_loop
+    from t5lite.insight.sharding import format_bytes
+
+    tr = _trainer()
+
+    class SmallDevice:
+        device_kind = "FakeAccelerator"
+
+        def memory_stats(self):
+            return {"bytes_limit": 1024}
+
+    mem = tr.partitioner.compile(tr.train_step, tr.abstract_state(), tr.batch_abstract)
+    mem = mem.memory_analysis()
+    need = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)  # fmt: skip
+    monkeypatch.setattr(train_loop.jax, "local_devices", lambda: [SmallDevice()])
+    with pytest.raises(train_loop.TrainingError) as e:
+        train_loop._check_fits(tr, tr.abstract_state())
+    assert str(e.value) == (
+        f"the train step needs {format_bytes(need)} per device but FakeAccelerator has 1.00 KiB: "
+        "shard more (see `t5lite plan`) or use smaller batches"
+    )

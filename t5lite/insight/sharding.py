@@ -11,12 +11,16 @@ from jax.sharding import Mesh
 from t5lite.partitioning import Partitioner, Placement
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+_fmt_bytes = format_bytes  # older name, still used by insight modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,7 @@ class ShardingReport:
                     axes,
                     f"({spec})",
                     "x".join(map(str, p.shard_shape)) or "()",
-                    _fmt_bytes(p.bytes_per_device),
+                    format_bytes(p.bytes_per_device),
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -100,8 +104,8 @@ class ShardingReport:
         lines += [
             "",
             f"mesh: {mesh}   arrays: {len(self.placements)}   parameters: {self.num_parameters:,}",
-            f"bytes in all: {_fmt_bytes(self.bytes_total)}   "
-            f"bytes per device: {_fmt_bytes(self.bytes_per_device)}",
+            f"bytes in all: {format_bytes(self.bytes_total)}   "
+            f"bytes per device: {format_bytes(self.bytes_per_device)}",
         ]
         if self.flagged:
             lines.append(
