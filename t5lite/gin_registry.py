@@ -45,3 +45,8 @@ train = gin.external_configurable(train_loop.train, module="t5lite")
 evaluate = gin.external_configurable(train_loop.evaluate, module="t5lite")
 infer = gin.external_configurable(train_loop.infer, module="t5lite")
 inspect = gin.external_configurable(report.inspect, module="t5lite")
+
+# --- insight: layout search -------------------------------------------------------------------
+from t5lite.insight import plan as _plan  # noqa: E402
+
+plan = gin.external_configurable(_plan.plan, module="t5lite")

@@ -28,6 +28,14 @@ _OP_RE = re.compile(
 )
 _ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
 _GROUPS_RE = re.compile(r"replica_groups=(\{[\{\}\d, ]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+# Newer XLA writes groups over a named mesh: `replica_groups=mesh['axis_0'=2,'axis_1'=2],
+# device_ids=([2,2]T(1,0)) {'axis_0'}`: devices (iota, optionally transposed) laid out on the
+# mesh; each group varies over the braced axes with the others fixed.
+_MESH_GROUPS_RE = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?"
+    r"(?:\s*\{(?P<over>[^}]*)\})?"
+)
 _PAIRS_RE = re.compile(r"source_target_pairs=\{([\{\}\d, ]*)\}")
 
 
@@ -39,6 +47,11 @@ class Collective:
     bytes: int  # size of its result (for async starts: of the arrays it produces)
     axes: tuple[str, ...] | None  # mesh axes it communicates over; None if not identifiable
     groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def group_size(self) -> int:
+        """Devices taking part together (for a collective-permute: 2, a sender and receiver)."""
+        return max((len(g) for g in self.groups), default=1)
 
 
 def _result_bytes(shape_text: str, kind: str) -> int:
@@ -71,6 +84,33 @@ def _parse_groups(text: str) -> tuple[tuple[int, ...], ...]:
     )
 
 
+def _iota(text: str) -> np.ndarray:
+    """`[dims]T(perm)` or `[n]` -> the flat device ids it denotes."""
+    m = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if not m:
+        return np.asarray([int(i) for i in re.findall(r"\d+", text)])
+    ids = np.arange(math.prod(int(x) for x in m.group(1).split(","))).reshape(
+        [int(x) for x in m.group(1).split(",")]
+    )
+    if m.group(2):
+        ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    return ids.reshape(-1)
+
+
+def _parse_mesh_groups(m: re.Match) -> tuple[tuple[int, ...], ...]:
+    named = re.findall(r"'([^']+)'=(\d+)", m.group("axes"))
+    names, sizes = [n for n, _ in named], [int(s) for _, s in named]
+    ids = _iota(m.group("ids")) if m.group("ids") else np.arange(math.prod(sizes))
+    ids = ids.reshape(sizes)
+    over = re.findall(r"'([^']+)'", m.group("over") or "")
+    if not over:  # no axes named: one group of every device
+        return (tuple(int(i) for i in ids.reshape(-1)),)
+    keep = [names.index(a) for a in over]
+    rest = [i for i in range(len(names)) if i not in keep]
+    rows = ids.transpose(rest + keep).reshape(-1, math.prod(sizes[k] for k in keep))
+    return tuple(tuple(int(i) for i in row) for row in rows)
+
+
 def _axis_groups(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> frozenset:
     """Device groups (by flat mesh position) that vary over `axes` with the other axes fixed."""
     names = list(mesh_shape)
@@ -86,6 +126,8 @@ def _identify_axes(
 ) -> tuple[str, ...] | None:
     if mesh is None or not groups:
         return None
+    if all(len(g) == 1 for g in groups):
+        return ()  # every device alone: nothing crosses a link
     shape = {k: v for k, v in mesh.shape.items()}
     want = frozenset(frozenset(g) for g in groups)
     names = [n for n in shape if shape[n] > 1]
@@ -109,7 +151,10 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
         kind = m.group("op")
         groups: tuple[tuple[int, ...], ...] = ()
         g = _GROUPS_RE.search(line)
-        if g:
+        mg = _MESH_GROUPS_RE.search(line)
+        if mg:
+            groups = _parse_mesh_groups(mg)
+        elif g:
             groups = _parse_groups(g.group(1))
         elif kind == "collective-permute":
             p = _PAIRS_RE.search(line)
@@ -118,6 +163,8 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
                     tuple(int(i) for i in pair.split(","))
                     for pair in re.findall(r"\{(\d+,\d+)\}", "{" + p.group(1) + "}")
                 )
+        if not groups and mesh is not None and kind != "collective-permute":
+            groups = (tuple(range(mesh.devices.size)),)  # `replica_groups={}`: all devices
         axes = _identify_axes(groups, mesh) if kind != "collective-permute" else None
         out.append(Collective(kind, _result_bytes(m.group("shape"), kind), axes, groups))
     return out
