@@ -494,3 +494,10 @@ def test_numpy_and_scalar_leaves_restore_as_numpy(tmp_path):
     got, _ = mgr.restore({"count": 0, "table": np.zeros((2, 3), np.int64)})
     assert int(got["count"]) == 5 and isinstance(got["table"], np.ndarray)
     np.testing.assert_array_equal(got["table"], np.arange(6).reshape(2, 3))
+
+
+def test_bad_unsaveable_leaf_names_the_array(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    with pytest.raises(CheckpointError, match=r"cannot save array 'state/rng'.*key_data"):
+        mgr.save(1, {"state": {"rng": jax.random.key(0), "w": jnp.ones(2)}})
+    assert mgr.all_steps() == []
