@@ -32,7 +32,6 @@ Trainer loop:
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import json
 import logging
 import os
@@ -394,8 +393,9 @@ class CheckpointManager:
         self.concurrency = concurrency
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
-        self._pending: concurrent.futures.Future | None = None
+        # (writer thread, [error]) of the save in flight. A plain non-daemon thread: the
+        # interpreter joins it before exiting, so a pending save still commits.
+        self._pending: tuple[threading.Thread, list[BaseException]] | None = None
         self._preempted = threading.Event()
         self._saves = 0
         self._last_saved_step: int | None = None
@@ -467,8 +467,7 @@ class CheckpointManager:
                 raise CheckpointError(f"cannot save array '{item[0]}': {e}") from e
 
         # numpy copies release the GIL: a few threads shorten the blocking part of the save.
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            hosts = list(ex.map(stage, leaves))
+        hosts = tsio.parallel_map(stage, leaves, 4)
         for (path, _), host in zip(leaves, hosts):
             d = _array_dir(path, taken)
             meta_arrays[path] = {
@@ -497,7 +496,17 @@ class CheckpointManager:
         n = self._saves
         job = lambda: self._write_and_commit(step, n, tmp, final, staged, meta, extra_json)
         if self.async_save:
-            self._pending = self._executor.submit(job)
+            errors: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    job()
+                except BaseException as e:
+                    errors.append(e)
+
+            thread = threading.Thread(target=run, name=f"ckpt-save-{step}")
+            thread.start()
+            self._pending = (thread, errors)
         else:
             job()
 
@@ -525,12 +534,13 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        try:
-            pending.result()
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"asynchronous checkpoint save failed: {e!r}") from e
+        thread, errors = pending
+        thread.join()
+        if not errors:
+            return
+        if isinstance(errors[0], CheckpointError):
+            raise errors[0]
+        raise CheckpointError(f"asynchronous checkpoint save failed: {errors[0]!r}") from errors[0]
 
     def _apply_keep_policy(self) -> None:
         steps = self.all_steps()
@@ -665,11 +675,8 @@ class CheckpointManager:
         )
 
     def close(self) -> None:
-        """Waits for the pending save and stops the writer thread."""
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
+        """Waits for the pending save; re-raises its error."""
+        self.wait()
 
     def __enter__(self) -> CheckpointManager:
         return self

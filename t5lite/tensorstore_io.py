@@ -20,9 +20,9 @@ distinct range (replicas share one read).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -229,8 +229,39 @@ def fsync_tree(paths: Sequence[str], threads: int = 32) -> None:
         finally:
             os.close(fd)
 
-    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(sync, todo))
+    parallel_map(sync, todo, threads)
+
+
+def parallel_map(fn: Any, items: Sequence[Any], threads: int = 4) -> list[Any]:
+    """`[fn(x) for x in items]` on plain threads; re-raises the first error.
+
+    NOTE: not a ThreadPoolExecutor on purpose: an async save may still be finishing while the
+    interpreter exits, and executors refuse new work once shutdown has begun.
+    """
+    out: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    next_i = iter(range(len(items)))
+
+    def worker() -> None:
+        while not errors:
+            with lock:
+                i = next(next_i, None)
+            if i is None:
+                return
+            try:
+                out[i] = fn(items[i])
+            except BaseException as e:
+                errors.append(e)
+
+    pool = [threading.Thread(target=worker) for _ in range(max(1, min(threads, len(items))))]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 def read_arrays(
@@ -281,5 +312,4 @@ def read_arrays(
 
     # Host->device copies of finished arrays overlap the reads still in flight, whatever order
     # TensorStore completes them in.
-    with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        return list(ex.map(finish, range(len(items))))
+    return parallel_map(finish, range(len(items)), 4)

@@ -2,6 +2,7 @@
 
     python checkpoint_helper.py loop DIR        save steps 1, 2, ... forever (killed by the test)
     python checkpoint_helper.py train DIR       train-like loop with a SIGTERM handler
+    python checkpoint_helper.py exit DIR        start an async save of step 3 and exit at once
     python checkpoint_helper.py multi DIR PORT PID   one of 2 processes x 4 devices saving step 7
 
 The state at step s is `state_at(s)`, so the parent can check a restored step bit for bit.
@@ -58,6 +59,10 @@ def main() -> None:
             if step == 1:
                 print("READY", flush=True)
             step += 1
+    if mode == "exit":
+        mgr = CheckpointManager(directory, async_save=True)
+        mgr.save(3, state_at(3, mesh), extra={"step": 3})
+        return  # no wait(), no close(): the pending save must still be committed
     if mode == "train":
         mgr = CheckpointManager(directory, save_period=1000)
         mgr.install_preemption_handler()

@@ -501,3 +501,20 @@ def test_bad_unsaveable_leaf_names_the_array(tmp_path):
     with pytest.raises(CheckpointError, match=r"cannot save array 'state/rng'.*key_data"):
         mgr.save(1, {"state": {"rng": jax.random.key(0), "w": jnp.ones(2)}})
     assert mgr.all_steps() == []
+
+
+def test_pending_async_save_finishes_before_exit(tmp_path):
+    from checkpoint_helper import state_at
+
+    out = subprocess.run(
+        [sys.executable, str(HELPER), "exit", str(tmp_path)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert committed_steps(tmp_path) == [3]
+    m = mesh((2, 4))
+    restored, _ = CheckpointManager(tmp_path).restore(abstract(state_at(3, m)))
+    assert_bit_equal(restored, state_at(3, m))
