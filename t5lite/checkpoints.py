@@ -589,9 +589,11 @@ class CheckpointManager:
                 pass
         return self._preempted.is_set()
 
-    def should_save(self, step: int, is_final: bool = False) -> bool:
-        """The save policy: period, final step, or preemption."""
-        if self.reached_preemption(step) or is_final:
+    def should_save(self, step: int, is_final: bool = False, preempted: bool | None = None) -> bool:
+        """The save policy: period, final step, or preemption (queried unless given)."""
+        if preempted is None:
+            preempted = self.reached_preemption(step)
+        if preempted or is_final:
             return True
         return bool(self.save_period) and step % self.save_period == 0
 
@@ -621,7 +623,7 @@ class CheckpointManager:
         # The local record (not only the file system) decides "already saved", so processes
         # agree even while process 0 is committing that step.
         already = step == self._last_saved_step or self.step_dir(step).exists()
-        if self.should_save(step, is_final) and not already:
+        if self.should_save(step, is_final, preempted) and not already:
             self.save(step, state, extra, logical_axes)
         if preempted or is_final:
             self.wait()
