@@ -22,14 +22,13 @@ from typing import Any, TextIO
 
 import jax
 
-from t5lite.insight.report import StepReport, step_report
+from t5lite.insight.report import StepReport, mesh_over, step_report
 from t5lite.insight.sharding import _fmt_bytes
 from t5lite.insight.topology import DeviceSpec, GiB, device_spec, get_topology
 from t5lite.models import BaseModel
 from t5lite.partitioning import (
     Partitioner,
     PartitioningError,
-    create_mesh,
     data_parallel_logical_axis_rules,
     standard_logical_axis_rules,
 )
@@ -166,7 +165,7 @@ def evaluate_layout(
 ) -> Candidate:
     """Validates, compiles and measures one layout (exceptions become the candidate's status)."""
     try:
-        mesh = create_mesh(layout.model, devices=list(devices))
+        mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
         part = Partitioner(mesh, logical_axis_rules=layout.rules())
         trainer = Trainer(
             _with_remat(model, layout.remat),

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from t5lite.insight.hlo import KINDS, Collective, parse_collectives
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
@@ -494,6 +495,23 @@ def step_report(
     )
 
 
+def mesh_over(shape: Mapping[str, int], devices: Sequence[Any]) -> Mesh:
+    """A mesh of `shape` (axis name -> size) over `devices`, topology-aware on TPU.
+
+    `create_mesh` maps each mesh axis onto whole physical axes; when a shape needs a physical
+    axis split (model=2 on a 4x4 slice) this falls back to letting JAX split it.
+    """
+    try:
+        return create_mesh(ici_mesh_shape=tuple(shape.values()), devices=list(devices))
+    except NotImplementedError:
+        from jax.experimental import mesh_utils
+
+        arr = mesh_utils.create_device_mesh(
+            tuple(shape.values()), list(devices), allow_split_physical_axes=True
+        )
+        return Mesh(arr, tuple(shape))
+
+
 def partitioner_on(partitioner: Partitioner, devices: Sequence[Any]) -> Partitioner:
     """The same rules (and model-parallel size) over other devices, e.g. a TPU topology's.
 
@@ -507,7 +525,7 @@ def partitioner_on(partitioner: Partitioner, devices: Sequence[Any]) -> Partitio
             f"{others} (all axes but data) does not divide it"
         )
     shape[DATA] = len(devices) // others
-    mesh = create_mesh(ici_mesh_shape=tuple(shape.values()), devices=list(devices))
+    mesh = mesh_over(shape, devices)
     return Partitioner(
         mesh,
         logical_axis_rules=partitioner.rules,
