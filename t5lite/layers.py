@@ -205,22 +205,38 @@ class RelativePositionBiases(nn.Module):
     embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
 
     @nn.compact
-    def __call__(self, q_len: int, k_len: int) -> Array:
-        """Returns the bias [1, H, L, S] (fp32) added to attention logits."""
-        context = np.arange(q_len)[:, None]
-        memory = np.arange(k_len)[None, :]
-        buckets_LS = relative_position_bucket(
-            memory - context, self.bidirectional, self.num_buckets, self.max_distance
-        )
+    def __call__(self, q_len: int, k_len: int, query_positions_BL: Array | None = None) -> Array:
+        """Returns the bias [1, H, L, S] (fp32) added to attention logits.
+
+        With `query_positions_BL` (int [B, L], decoding at a per-row cache index) the queries sit
+        at those positions instead of 0..L-1 and the bias is [B, H, L, S].
+        """
         rel_HN = self.param(
             "rel_embedding",
             nn.with_logical_partitioning(self.embedding_init, ("heads", "relpos_buckets")),
             (self.num_heads, self.num_buckets),
             jnp.dtype(self.param_dtype),
         )
+        rel_HN = jnp.asarray(rel_HN, jnp.float32)
+        memory = np.arange(k_len)[None, :]
+        if query_positions_BL is not None:
+            # Buckets of every offset memory - query in (-S, S) from the same static numpy
+            # bucketing, looked up at the traced positions: identical to the full-length bias.
+            table = relative_position_bucket(
+                np.arange(-(k_len - 1), k_len), self.bidirectional, self.num_buckets,
+                self.max_distance,
+            )  # fmt: skip
+            offset_BLS = memory[None] - query_positions_BL[:, :, None] + (k_len - 1)
+            buckets_BLS = jnp.asarray(table)[jnp.clip(offset_BLS, 0, 2 * k_len - 2)]
+            one_hot_BLSN = jax.nn.one_hot(buckets_BLS, self.num_buckets, dtype=jnp.float32)
+            return jnp.einsum("hn,blsn->bhls", rel_HN, one_hot_BLSN)
+        context = np.arange(q_len)[:, None]
+        buckets_LS = relative_position_bucket(
+            memory - context, self.bidirectional, self.num_buckets, self.max_distance
+        )
         # Gather as a one-hot contraction: stays sharded over heads and is cheap (N=32).
         one_hot_LSN = jax.nn.one_hot(buckets_LS, self.num_buckets, dtype=jnp.float32)
-        bias_HLS = jnp.einsum("hn,lsn->hls", jnp.asarray(rel_HN, jnp.float32), one_hot_LSN)
+        bias_HLS = jnp.einsum("hn,lsn->hls", rel_HN, one_hot_LSN)
         return bias_HLS[None]
 
 
@@ -345,8 +361,14 @@ class MultiHeadAttention(nn.Module):
         positions_q_BL: Array | None = None,
         positions_kv_BS: Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
     ) -> Array:
-        """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D]."""
+        """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D].
+
+        With `decode=True` (causal self-attention only) the keys and values go through the KV
+        cache of the 'cache' collection (see `_cached_kv`); `mask_B1LS` and `bias_bHLS` then
+        span the cache length S, and a None mask means causal by the cache index.
+        """
         emb = inputs_q_BLD.shape[-1]
         kv_axis = "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
         if self.scale_logits:
@@ -385,7 +407,8 @@ class MultiHeadAttention(nn.Module):
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
         k = nn.with_logical_constraint(k, ("batch", "length", kv_axis, "kv"))
         v = nn.with_logical_constraint(v, ("batch", "length", kv_axis, "kv"))
-        # A decode-time KV cache slots in here: append (k, v) to the cache and attend over it.
+        if decode:
+            k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
 
         dropout_rng = None
         if not deterministic and self.dropout_rate > 0.0:
@@ -403,6 +426,50 @@ class MultiHeadAttention(nn.Module):
         )
         out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
         return dense(emb, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out_BLHK)
+
+    def _cached_kv(
+        self, k_BLGK: Array, v_BLGK: Array, mask_B1LS: Array | None, kv_axis: str
+    ) -> tuple[Array, Array, Array | None]:
+        """Writes this call's keys/values into the KV cache; returns (keys, values, mask).
+
+        The 'cache' collection holds `cached_key` / `cached_value` [B, S, G, K] and
+        `cache_index` [B] (the next position to write, per row), all with logical axes, so the
+        cache is sharded like the activations (batch over data, heads over model). The first
+        call (the cache does not exist yet) creates it with S = this call's length and attends
+        over the inputs as usual. Afterwards a call with one token writes it at each row's
+        index and attends over the whole cache (causal by index unless a mask is given); a call
+        with L > 1 tokens is a prefill from position 0 (the cache must be fresh).
+        """
+        axes = ("batch", "length", kv_axis, "kv")
+        b, length = k_BLGK.shape[:2]
+        initialized = self.has_variable("cache", "cached_key")
+        zeros = nn.with_logical_partitioning(jnp.zeros, axes)
+        cached_k = self.variable("cache", "cached_key", zeros, k_BLGK.shape, k_BLGK.dtype)
+        cached_v = self.variable("cache", "cached_value", zeros, v_BLGK.shape, v_BLGK.dtype)
+        cache_index = self.variable(
+            "cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ("batch",)),
+            (b,), jnp.int32,
+        )  # fmt: skip
+        if not initialized:
+            return k_BLGK, v_BLGK, mask_B1LS
+        s = cached_k.value.shape[1]
+        index_B = cache_index.value
+        positions_BL = index_B[:, None] + jnp.arange(length)[None]
+        if length == 1:
+            # A select, not a one-hot matmul: exact in any dtype and at any matmul precision.
+            write_BS11 = (jnp.arange(s)[None] == index_B[:, None])[:, :, None, None]
+            new_k = jnp.where(write_BS11, k_BLGK.astype(cached_k.value.dtype), cached_k.value)
+            new_v = jnp.where(write_BS11, v_BLGK.astype(cached_v.value.dtype), cached_v.value)
+        else:
+            zero = jnp.zeros((), jnp.int32)
+            new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (zero,) * 4)
+            new_v = jax.lax.dynamic_update_slice(cached_v.value, v_BLGK, (zero,) * 4)
+        cached_k.value = nn.with_logical_constraint(new_k, axes)
+        cached_v.value = nn.with_logical_constraint(new_v, axes)
+        cache_index.value = nn.with_logical_constraint(index_B + length, ("batch",))
+        if mask_B1LS is None:
+            mask_B1LS = (jnp.arange(s)[None, None] <= positions_BL[:, :, None])[:, None]
+        return cached_k.value, cached_v.value, mask_B1LS
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {

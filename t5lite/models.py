@@ -15,8 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 
-from t5lite import losses, network
+from t5lite import decoding, losses, network
 from t5lite.optimizers import AdamW, Optimizer
 
 Array = jax.Array
@@ -25,6 +26,7 @@ PyTree = Any
 
 # Logical axes of every model feature (all are [batch, length]).
 FEATURE_AXES = ("batch", "length")
+DECODING_METHODS = ("greedy", "sample", "beam")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,31 @@ class BaseModel(abc.ABC):
     z_loss: float = 1e-4  # T5.1.1's auxiliary z-loss coefficient
     label_smoothing: float = 0.0
     loss_normalization: str = "per_real_token"  # "sum" | "per_real_token" | "per_sequence"
+    decoding_method: str = "greedy"
+    """How `predict_batch` decodes: 'greedy', 'sample' (temperature, top_k, top_p,
+    num_decodes) or 'beam' (beam_size, alpha); see decoding.py."""
+    temperature: float = 1.0
+    """'sample': logits are divided by it (0: greedy)."""
+    top_k: int = 0
+    """'sample': keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """'sample': keep the smallest nucleus of this probability mass (1.0: all)."""
+    num_decodes: int = 1
+    """'sample': samples per example; the most likely is returned unless all are asked for."""
+    beam_size: int = 4
+    """'beam': beams per example."""
+    alpha: float = 0.6
+    """'beam': brevity penalty exponent, ((5 + length) / 6) ** alpha."""
+
+    def __post_init__(self) -> None:
+        if self.decoding_method not in DECODING_METHODS:
+            raise ValueError(
+                f"decoding_method must be one of {DECODING_METHODS}, got {self.decoding_method!r}"
+            )
+        if self.num_decodes < 1 or self.beam_size < 1:
+            raise ValueError(
+                f"num_decodes ({self.num_decodes}) and beam_size ({self.beam_size}) must be >= 1"
+            )
 
     # --- to be provided by subclasses -----------------------------------------------------
     FEATURES: ClassVar[tuple[str, ...]] = ()
@@ -103,6 +130,111 @@ class BaseModel(abc.ABC):
         token_loss, _ = losses.cross_entropy_with_logits(logits, targets, 0.0)
         return -jnp.sum(token_loss * weights, axis=-1)
 
+    # --- prediction ---------------------------------------------------------------------------
+
+    def predict_batch(
+        self,
+        params: PyTree,
+        batch: Batch,
+        rng: Array | None = None,
+        *,
+        max_decode_length: int | None = None,
+    ) -> Array:
+        """Decoded token ids [B, max_decode_length] (0 after EOS); see `predict_batch_with_aux`."""
+        decodes, _ = self.predict_batch_with_aux(
+            params, batch, rng, max_decode_length=max_decode_length
+        )
+        return decodes
+
+    @abc.abstractmethod
+    def predict_batch_with_aux(
+        self,
+        params: PyTree,
+        batch: Batch,
+        rng: Array | None = None,
+        *,
+        max_decode_length: int | None = None,
+        return_all_decodes: bool = False,
+    ) -> tuple[Array, dict[str, Array]]:
+        """Decodes with the KV cache by `decoding_method`.
+
+        Args:
+          params: the parameters.
+          batch: model features (unpacked rows).
+          rng: PRNG key for sampling (default PRNGKey(0)).
+          max_decode_length: tokens to generate at most per row (and the output length).
+          return_all_decodes: return every sample / beam, not just the best.
+
+        Returns:
+          (decodes, {"scores": ...}): ids [B, T] (or [B, N, T] with all decodes, best first),
+          and their log-probabilities (sampling) or length-normalised beam scores, [B] or
+          [B, N].
+        """
+
+    def _decodes_per_example(self) -> int:
+        return {"greedy": 1, "sample": self.num_decodes, "beam": self.beam_size}[
+            self.decoding_method
+        ]
+
+    def _decode(
+        self,
+        prompt_BL: Array,
+        cache: PyTree,
+        tokens_to_logits: decoding.TokensToLogits,
+        rng: Array | None,
+        initial_index: Array | None,
+        max_decode_steps: int | None,
+    ) -> tuple[Array, Array]:
+        kwargs = dict(initial_index=initial_index, max_decode_steps=max_decode_steps)
+        if self.decoding_method == "beam":
+            return decoding.beam_search(
+                prompt_BL, cache, tokens_to_logits, beam_size=self.beam_size, alpha=self.alpha,
+                **kwargs,
+            )  # fmt: skip
+        if self.decoding_method == "greedy":
+            return decoding.greedy(prompt_BL, cache, tokens_to_logits, **kwargs)
+        return decoding.temperature_sample(
+            prompt_BL, cache, tokens_to_logits, decode_rng=rng, num_decodes=self.num_decodes,
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, **kwargs,
+        )  # fmt: skip
+
+
+def _zero_cache(create: Any) -> PyTree:
+    """A zero KV cache shaped by `create()` (a decode=True apply; traced, never run).
+
+    Each array is constrained to its logical axes, so the cache is born sharded like the
+    activations (batch over data, heads over model) under the partitioner's rules.
+    """
+    _, variables = jax.eval_shape(create)
+    boxed = variables["cache"]
+
+    def zeros(x: Any) -> Array:
+        if isinstance(x, meta.Partitioned):
+            return nn.with_logical_constraint(jnp.zeros(x.value.shape, x.value.dtype), x.names)
+        return jnp.zeros(x.shape, x.dtype)
+
+    return jax.tree.map(zeros, boxed, is_leaf=lambda x: isinstance(x, meta.Partitioned))
+
+
+def _set_cache_index(cache: PyTree, index_B: Array) -> PyTree:
+    """Sets every `cache_index` leaf ([B] or [B, layers]) to the per-row `index_B`."""
+
+    def one(path: tuple[Any, ...], x: Array) -> Array:
+        if getattr(path[-1], "key", None) != "cache_index":
+            return x
+        idx = index_B.astype(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+        return jnp.broadcast_to(idx, x.shape)
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def _best_or_all(
+    sequences_BNL: Array, scores_BN: Array, return_all: bool
+) -> tuple[Array, dict[str, Array]]:
+    if return_all:
+        return sequences_BNL, {"scores": scores_BN}
+    return sequences_BNL[:, 0], {"scores": scores_BN[:, 0]}
+
 
 @dataclasses.dataclass(frozen=True)
 class EncoderDecoderModel(BaseModel):
@@ -148,38 +280,48 @@ class EncoderDecoderModel(BaseModel):
             rngs=rngs,
         )
 
-    def predict_batch(self, params: PyTree, batch: Batch, max_decode_length: int) -> Array:
-        """Greedy decoding, [B, max_decode_length] ids (0 after EOS).
+    def predict_batch_with_aux(
+        self,
+        params: PyTree,
+        batch: Batch,
+        rng: Array | None = None,
+        *,
+        max_decode_length: int | None = None,
+        return_all_decodes: bool = False,
+    ) -> tuple[Array, dict[str, Array]]:
+        """See `BaseModel.predict_batch_with_aux`; the encoder runs once, the decoder is cached.
 
-        Recomputes the decoder over the whole prefix at every step; the KV-cached decoder of
-        `decoding.py` replaces this where available.
+        `max_decode_length` defaults to the batch's decoder length (the targets length).
         """
         module = self.module()
-        enc_tokens = batch["encoder_input_tokens"]
-        encoded = module.apply(
-            {"params": params}, enc_tokens, enable_dropout=False, method=module.encode
+        enc_BS = batch["encoder_input_tokens"]
+        b = enc_BS.shape[0]
+        length = max_decode_length or batch["decoder_input_tokens"].shape[1]
+        encoded_BSD = module.apply(
+            {"params": params}, enc_BS, enable_dropout=False, method=module.encode
         )
-        b = enc_tokens.shape[0]
 
-        def step(i: int, state: tuple[Array, Array]) -> tuple[Array, Array]:
-            out, done = state
-            dec_in = jnp.concatenate([jnp.zeros((b, 1), out.dtype), out[:, :-1]], axis=1)
-            logits = module.apply(
-                {"params": params},
-                encoded,
-                enc_tokens,
-                dec_in,
-                enable_dropout=False,
-                method=module.decode,
-            )
-            nxt = jnp.argmax(logits[:, i], axis=-1).astype(out.dtype)
-            nxt = jnp.where(done, 0, nxt)
-            out = out.at[:, i].set(nxt)
-            return out, done | (nxt == 1)
+        def call(cache: PyTree, encoded: Array, enc: Array, tokens: Array):
+            variables = {"params": params, **({"cache": cache} if cache is not None else {})}
+            return module.apply(
+                variables, encoded, enc, tokens, enable_dropout=False, decode=True,
+                max_decode_length=length, method=module.decode, mutable=["cache"],
+            )  # fmt: skip
 
-        out = jnp.zeros((b, max_decode_length), jnp.int32)
-        out, _ = jax.lax.fori_loop(0, max_decode_length, step, (out, jnp.zeros((b,), bool)))
-        return out
+        cache = _zero_cache(
+            lambda: call(None, encoded_BSD, enc_BS, jnp.zeros((b, length), jnp.int32))
+        )
+        # Samples / beams of one example share its encoding: repeat it once, up front.
+        n = self._decodes_per_example()
+        encoded_n, enc_n = decoding.expand_batch((encoded_BSD, enc_BS), n)
+
+        def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
+            logits_B1V, variables = call(state.cache, encoded_n, enc_n, state.cur_token)
+            return logits_B1V[:, -1], variables["cache"]
+
+        prompt_BL = jnp.zeros((b, length), jnp.int32)  # BOS only
+        sequences, scores = self._decode(prompt_BL, cache, tokens_to_logits, rng, None, None)
+        return _best_or_all(sequences, scores, return_all_decodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +329,9 @@ class DecoderOnlyModel(BaseModel):
     """Decoder-only LM (or prefix-LM); features from the LM / prefix-LM feature converters."""
 
     network_config: network.DecoderOnlyConfig = network.DecoderOnlyConfig()  # noqa: RUF009
+    inputs_bidirectional_attention: bool = True
+    """Prediction: the prompt attends bidirectionally within itself (prefix-LM, as the model is
+    trained on `decoder_causal_attention`); False for a causal LM such as Llama."""
     FEATURES: ClassVar[tuple[str, ...]] = (
         "decoder_input_tokens",
         "decoder_target_tokens",
@@ -218,3 +363,64 @@ class DecoderOnlyModel(BaseModel):
             enable_dropout=dropout_rng is not None,
             rngs=rngs,
         )
+
+    def predict_batch_with_aux(
+        self,
+        params: PyTree,
+        batch: Batch,
+        rng: Array | None = None,
+        *,
+        max_decode_length: int | None = None,
+        return_all_decodes: bool = False,
+    ) -> tuple[Array, dict[str, Array]]:
+        """See `BaseModel.predict_batch_with_aux`: continues each row's prompt.
+
+        The prompt is the inputs part of a prefix-LM row, marked by `decoder_causal_attention`
+        (1 on `[BOS, inputs...]`); it is prefilled into the KV cache in one pass (attending
+        bidirectionally when `inputs_bidirectional_attention`, as in training), then each row
+        decodes from its own prompt length. Without `decoder_causal_attention` (plain LM) there
+        is no prompt. Decodes are the continuations only, left-aligned; they end at EOS, after
+        `max_decode_length` tokens (default: the row length) or at the end of the row.
+        """
+        module = self.module()
+        tokens_BL = batch["decoder_input_tokens"]
+        b, length = tokens_BL.shape
+        causal_BL = batch.get("decoder_causal_attention")
+
+        def call(cache: PyTree, tokens: Array, causal: Array | None = None):
+            variables = {"params": params, **({"cache": cache} if cache is not None else {})}
+            return module.apply(
+                variables, tokens, decoder_causal_attention=causal, enable_dropout=False,
+                decode=True, max_decode_length=length, mutable=["cache"],
+            )  # fmt: skip
+
+        cache = _zero_cache(lambda: call(None, jnp.zeros((b, length), jnp.int32)))
+        if causal_BL is None:
+            initial_B = jnp.zeros((b,), jnp.int32)
+            prompt_BL = jnp.zeros_like(tokens_BL)
+        else:
+            # `decoder_causal_attention` covers BOS + inputs: the last input is at index n.
+            initial_B = jnp.maximum(jnp.sum(causal_BL, axis=1) - 1, 0).astype(jnp.int32)
+            prompt_BL = tokens_BL * causal_BL
+            bidirectional = causal_BL if self.inputs_bidirectional_attention else None
+            _, variables = call(cache, prompt_BL, bidirectional)
+            # The prefill wrote all L positions; each row resumes at its last prompt token
+            # (re-fed, so the first step yields the first target). Later positions are masked
+            # until overwritten.
+            cache = _set_cache_index(variables["cache"], initial_B)
+
+        def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
+            logits_B1V, variables = call(state.cache, state.cur_token)
+            return logits_B1V[:, -1], variables["cache"]
+
+        sequences_BNL, scores_BN = self._decode(
+            prompt_BL, cache, tokens_to_logits, rng, initial_B, max_decode_length
+        )
+        # Drop the prompt: continuation token j of row b sits at target position j + n_b.
+        out_len = max_decode_length or length
+        src_BT = initial_B[:, None] + jnp.arange(out_len)[None]
+        gathered = jnp.take_along_axis(
+            sequences_BNL, jnp.clip(src_BT, 0, length - 1)[:, None, :], axis=2
+        )
+        continuation_BNT = jnp.where((src_BT < length)[:, None, :], gathered, 0)
+        return _best_or_all(continuation_BNT, scores_BN, return_all_decodes)

@@ -213,6 +213,8 @@ class DecoderLayer(nn.Module):
     config: AnyConfig
     cross_attention: bool = True
     deterministic: bool = True
+    decode: bool = False
+    """Self-attention through the KV cache (autoregressive decoding, see layers.py)."""
 
     @nn.compact
     def __call__(
@@ -228,8 +230,9 @@ class DecoderLayer(nn.Module):
         x_BLD = _constrain(x_BLD)
         y = _norm(cfg, "pre_self_attention_layer_norm")(x_BLD)
         y = _attention(cfg, "self_attention")(
-            y, y, self_mask_B1LL, bias_1HLL, positions_BL, positions_BL, deterministic=det
-        )
+            y, y, self_mask_B1LL, bias_1HLL, positions_BL, positions_BL, deterministic=det,
+            decode=self.decode,
+        )  # fmt: skip
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         if self.cross_attention:
             y = _norm(cfg, "pre_cross_attention_layer_norm")(x_BLD)
@@ -274,7 +277,9 @@ def _layer_stack(
     if cfg.scan_layers:
         scanned = nn.scan(
             layer_cls,
-            variable_axes={"params": 0},
+            # NOTE: the KV cache is stacked on axis 1 so that every cache array keeps the batch
+            # first ([B, layers, ...]); decoding code can then expand / reorder it uniformly.
+            variable_axes={"params": 0, "cache": 1},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * len(args),
             length=num_layers,
@@ -287,7 +292,13 @@ def _layer_stack(
     return x_BLD
 
 
-def _relpos_bias(cfg: AnyConfig, bidirectional: bool, q_len: int, k_len: int) -> Array:
+def _relpos_bias(
+    cfg: AnyConfig,
+    bidirectional: bool,
+    q_len: int,
+    k_len: int,
+    query_positions_BL: Array | None = None,
+) -> Array:
     return layers.RelativePositionBiases(
         num_buckets=cfg.relpos_num_buckets,
         max_distance=cfg.relpos_max_distance,
@@ -295,7 +306,7 @@ def _relpos_bias(cfg: AnyConfig, bidirectional: bool, q_len: int, k_len: int) ->
         bidirectional=bidirectional,
         param_dtype=cfg.param_dtype,
         name="relpos_bias",
-    )(q_len, k_len)
+    )(q_len, k_len, query_positions_BL)
 
 
 def _embedder(cfg: AnyConfig, init_std: float) -> layers.Embed:
@@ -353,16 +364,45 @@ class Decoder(nn.Module):
         cross_mask_B1LS: Array | None,
         positions_BL: Array | None,
         deterministic: bool,
+        decode: bool = False,
+        max_decode_length: int | None = None,
     ) -> Array:
         cfg = self.config
+        length = tokens_BL.shape[1]
+        decode_positions_BL = None
+        if decode:
+            # The decoder's own cache index [B]: where this call's tokens sit (RoPE, relpos).
+            if max_decode_length is None:
+                raise ValueError("decode=True needs max_decode_length (the KV cache length)")
+            initialized = self.has_variable("cache", "cache_index")
+            index = self.variable(
+                "cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ("batch",)),
+                tokens_BL.shape[:1], jnp.int32,
+            )  # fmt: skip
+            if initialized:
+                decode_positions_BL = index.value[:, None] + jnp.arange(length)[None]
+                index.value = index.value + length
+            elif length != max_decode_length:
+                raise ValueError(
+                    f"the KV cache is created by a call with max_decode_length={max_decode_length}"
+                    f" tokens, got {length}"
+                )
         x_BLD = self.shared_embedding(tokens_BL).astype(cfg.dtype)
         if not self.is_initializing():
             # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
             # respect to the embedded inputs (causality).
             x_BLD = self.perturb("embedded_inputs", x_BLD)
         x_BLD = _constrain(_dropout(cfg, x_BLD, deterministic))
-        length = tokens_BL.shape[1]
-        bias_1HLL = None if cfg.use_rope else _relpos_bias(cfg, False, length, length)
+        if decode_positions_BL is not None and length == 1:
+            # One step: this row's query position against the whole cache (length S).
+            bias_1HLL = (
+                None if cfg.use_rope
+                else _relpos_bias(cfg, False, 1, max_decode_length, decode_positions_BL)
+            )  # fmt: skip
+            positions_BL = decode_positions_BL
+        else:  # teacher forcing, cache creation, or a prefill (from position 0)
+            k_len = length if decode_positions_BL is None else max_decode_length
+            bias_1HLL = None if cfg.use_rope else _relpos_bias(cfg, False, length, k_len)
         if cfg.use_rope and positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(length), tokens_BL.shape)
         x_BLD = _layer_stack(
@@ -377,6 +417,7 @@ class Decoder(nn.Module):
             config=cfg,
             cross_attention=self.cross_attention,
             deterministic=deterministic,
+            decode=decode,
         )
         x_BLD = _norm(cfg, "decoder_norm")(x_BLD)
         x_BLD = _dropout(cfg, x_BLD, deterministic)
@@ -466,8 +507,10 @@ class EncoderDecoder(nn.Module):
         decoder_segment_ids: Array | None = None,
         decoder_positions: Array | None = None,
         enable_dropout: bool = True,
+        decode: bool = False,
+        max_decode_length: int | None = None,
     ) -> Array:
-        """Decodes with teacher forcing: returns fp32 logits [B, L, V].
+        """Decodes with teacher forcing (or one cached step): returns fp32 logits [B, L, V].
 
         Args:
           encoded: encoder output [B, S, D].
@@ -477,11 +520,16 @@ class EncoderDecoder(nn.Module):
           encoder_segment_ids, decoder_segment_ids: packing ids [B, S] / [B, L].
           decoder_positions: unused by T5 (relative bias); kept for feature compatibility.
           enable_dropout: apply dropout (training).
+          decode: autoregressive decoding through the KV cache ('cache' collection, mutable):
+            the first call, with `max_decode_length` tokens, creates the cache; later calls
+            feed one token per row at the row's cache index ([B, 1] -> logits [B, 1, V]).
+          max_decode_length: the KV cache length S (required with `decode`).
         """
         del decoder_positions
         b, length = decoder_input_tokens.shape
         dec_valid = _padding_or_segments(decoder_target_tokens, None)
-        self_mask = _self_mask(dec_valid, decoder_segment_ids, layers.make_causal_mask(b, length))
+        causal = None if decode and length == 1 else layers.make_causal_mask(b, length)
+        self_mask = _self_mask(dec_valid, decoder_segment_ids, causal)
         enc_valid = (encoder_input_tokens > 0).astype(jnp.int32)
         if dec_valid is None:
             dec_valid = jnp.ones_like(decoder_input_tokens)
@@ -496,6 +544,8 @@ class EncoderDecoder(nn.Module):
             cross_mask,
             None,
             deterministic=not enable_dropout,
+            decode=decode,
+            max_decode_length=max_decode_length,
         )
 
     def __call__(
@@ -548,6 +598,8 @@ class DecoderOnly(nn.Module):
         decoder_positions: Array | None = None,
         decoder_causal_attention: Array | None = None,
         enable_dropout: bool = True,
+        decode: bool = False,
+        max_decode_length: int | None = None,
     ) -> Array:
         """Forward pass; returns fp32 logits [B, L, V].
 
@@ -559,8 +611,19 @@ class DecoderOnly(nn.Module):
           decoder_causal_attention: [B, L], 1 on the inputs part of a prefix-LM example, which
             then attends bidirectionally within itself.
           enable_dropout: apply dropout (training).
+          decode: decoding through the KV cache ('cache' collection, mutable). The first call,
+            with `max_decode_length` tokens, creates the cache; a second call with that many
+            tokens prefills it with a prompt (masks as above); later calls feed one token per
+            row [B, 1] at the row's cache index (see `decoding.py`).
+          max_decode_length: the KV cache length S (required with `decode`).
         """
         b, length = decoder_input_tokens.shape
+        if decode and length == 1:
+            # One cached step: causal by each row's cache index (built in the attention layer).
+            return self.decoder(
+                decoder_input_tokens, None, None, None, None, deterministic=not enable_dropout,
+                decode=True, max_decode_length=max_decode_length,
+            )  # fmt: skip
         causal = layers.make_causal_mask(b, length)
         if decoder_causal_attention is not None:
             prefix = layers.make_attention_mask(
@@ -576,6 +639,8 @@ class DecoderOnly(nn.Module):
             None,
             decoder_positions,
             deterministic=not enable_dropout,
+            decode=decode,
+            max_decode_length=max_decode_length,
         )
 
 

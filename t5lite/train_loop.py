@@ -254,22 +254,27 @@ def _evaluate(evaluator, trainer: Trainer, state: TrainState, decode_len: int, w
 
 
 def _predict_fn(trainer: Trainer, params: Any, decode_len: int):
-    """A numpy-in, token-lists-out greedy predictor on the trainer's mesh (compiled once)."""
+    """A numpy-in, token-lists-out predictor on the trainer's mesh (compiled once).
+
+    Decodes with the model's KV-cached decoder as its `decoding_method` says. The returned
+    `predict_fn(batch, rng_index=0)` samples with `fold_in(PRNGKey(seed), rng_index)`, so a
+    batch decodes the same way in every run and on every process; outputs are replicated.
+    """
     key = ("predict", decode_len)
     if key not in trainer.cache:
         model = trainer.model
         trainer.cache[key] = trainer.partitioner.partition(
-            lambda p, b: model.predict_batch(p, b, decode_len),
-            in_axis_resources=(trainer.state_shardings.params, trainer.batch_shardings),
+            lambda p, b, rng: model.predict_batch(p, b, rng, max_decode_length=decode_len),
+            in_axis_resources=(trainer.state_shardings.params, trainer.batch_shardings, None),
             out_axis_resources=None,
         )
     predict = trainer.cache[key]
 
-    def predict_fn(batch: Mapping[str, np.ndarray]) -> list[list[int]]:
+    def predict_fn(batch: Mapping[str, np.ndarray], rng_index: int = 0) -> list[list[int]]:
         rows = len(next(iter(batch.values())))
-        ids = jax.device_get(
-            predict(params, trainer.global_batch_from_full(_fit_batch(batch, trainer.batch_size)))
-        )
+        rng = jax.random.fold_in(jax.random.PRNGKey(trainer.seed), rng_index)
+        global_batch = trainer.global_batch_from_full(_fit_batch(batch, trainer.batch_size))
+        ids = jax.device_get(predict(params, global_batch, rng))
         return [_until_eos(r) for r in np.asarray(ids)[:rows]]
 
     return predict_fn
@@ -378,48 +383,133 @@ def infer(
     checkpoint_step: int | None = None,
     max_decode_length: int | None = None,
 ) -> str:
-    """Writes one JSONL record per example: inputs, targets and the prediction (or score).
+    """Writes one JSONL record per example: task, inputs, targets and the prediction (or score).
+
+    Resumable: records are appended one batch at a time (flushed and fsynced), so a run that
+    stops part way leaves a valid prefix; the same command then skips the examples already
+    written and appends the rest. A complete output is never overwritten, and an output that
+    does not match this task split (or ends mid-batch) is refused or cut back to its last
+    whole batch, never rewritten otherwise. Every process runs the same global batches (its
+    rows via `global_batch_from_full`); only process 0 reads and writes the file and tells the
+    others where to resume.
 
     Args:
+      model_dir, checkpoint_step: the checkpoint (latest by default).
+      model, partitioner: what to run on which mesh; decoding as the model's
+        `decoding_method` etc. say.
+      task, task_feature_lengths, split, num_examples: the examples, in order.
+      batch_size: global examples per batch.
+      output_file: the JSONL file.
       mode: "predict" (decoded text) or "score" (log-likelihood of the targets).
-      output_file: where the JSONL goes; an existing file is never overwritten.
+      max_decode_length: decode length (default: the targets length).
+
+    Returns:
+      `output_file`.
     """
     if mode not in ("predict", "score"):
         raise ValueError(f"infer mode must be 'predict' or 'score', got {mode!r}")
-    if os.path.exists(output_file):
-        raise FileExistsError(f"infer: {output_file} exists; refusing to overwrite it")
+    is_chief = jax.process_index() == 0
+    evaluator = _make_evaluator(task, task_feature_lengths, split, num_examples, batch_size, model)
+    expected = [
+        (t.name, _text(ex, "inputs")) for t in evaluator.tasks for ex in evaluator.examples(t.name)
+    ]
+    # Batch boundaries (global record counts) at which a resumed run can start.
+    boundaries, offset = {0}, 0
+    for t in evaluator.tasks:
+        for _, n in evaluator.batches(t.name):
+            offset += n
+            boundaries.add(offset)
+    done = _resume_point(output_file, expected, boundaries) if is_chief else 0
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        done = int(multihost_utils.broadcast_one_to_all(np.int32(done)))
+    if done < 0:
+        raise FileExistsError(
+            f"infer: {output_file} is complete ({len(expected)} records); refusing to overwrite it"
+        )
     trainer, state = _restored_trainer(
         model, partitioner, task_feature_lengths, batch_size, model_dir, checkpoint_step
     )
-    evaluator = _make_evaluator(task, task_feature_lengths, split, num_examples, batch_size, model)
     decode_len = max_decode_length or task_feature_lengths["targets"]
-    records = []
+    offset = 0
+    batch_index = 0
     for t in evaluator.tasks:
         vocab = t.output_features["targets"].vocabulary
         exs = evaluator.examples(t.name)
-        outputs: list[Any] = []
-        for batch, n in evaluator.batches(t.name):
+        for i, (batch, n) in enumerate(evaluator.batches(t.name)):
+            batch_index += 1
+            lo, offset = offset, offset + n
+            if offset <= done:
+                continue  # written by an earlier run
             if mode == "predict":
-                outputs += [
-                    vocab.decode(r)
-                    for r in _predict_fn(trainer, state.params, decode_len)(batch)[:n]
-                ]
+                ids = _predict_fn(trainer, state.params, decode_len)(batch, batch_index)
+                outputs: list[Any] = [vocab.decode(r) for r in ids[:n]]
             else:
-                outputs += _score_fn(trainer, state.params)(batch)[:n]
-        for ex, o in zip(exs, outputs):
-            records.append({
-                "task": t.name,
-                "inputs": _text(ex, "inputs"),
-                "targets": _text(ex, "targets"),
-                "prediction" if mode == "predict" else "score": o,
-            })  # fmt: skip
-    if jax.process_index() == 0:
-        tmp = output_file + ".tmp"
-        with open(tmp, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, output_file)
+                outputs = _score_fn(trainer, state.params)(batch)[:n]
+            chunk = exs[i * batch_size : i * batch_size + n]
+            records = [
+                {
+                    "task": t.name,
+                    "inputs": _text(ex, "inputs"),
+                    "targets": _text(ex, "targets"),
+                    "prediction" if mode == "predict" else "score": o,
+                }
+                for ex, o in zip(chunk, outputs)
+            ]
+            assert len(records) == offset - lo
+            if is_chief:
+                _append_records(output_file, records)
     return output_file
+
+
+def _resume_point(output_file: str, expected: list[tuple[str, Any]], boundaries: set[int]) -> int:
+    """Records of `output_file` to keep (a batch boundary), or -1 when it is complete.
+
+    Raises ValueError (naming the file and line) when the file is not a prefix of this run's
+    output. A torn last line or a partial last batch is cut off, atomically.
+    """
+    if not os.path.exists(output_file):
+        return 0
+    with open(output_file, "rb") as f:
+        raw = f.read()
+    lines = raw.split(b"\n")
+    records: list[dict] = []
+    for lineno, line in enumerate(lines[:-1], 1):  # the text after the last newline is torn
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            raise ValueError(f"infer: {output_file}:{lineno} is not a JSON record") from None
+        if lineno > len(expected) or (rec.get("task"), rec.get("inputs")) != expected[lineno - 1]:
+            raise ValueError(
+                f"infer: {output_file}:{lineno} does not match example {lineno} of this task "
+                "split; use another output_file"
+            )
+        records.append(rec)
+    if len(records) == len(expected):
+        return -1
+    keep = max(b for b in boundaries if b <= len(records))
+    if keep != len(records) or lines[-1]:
+        tmp = output_file + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines[:keep]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, output_file)
+    return keep
+
+
+def _append_records(output_file: str, records: list[dict]) -> None:
+    """Appends whole lines in one write, then fsyncs: a crash tears at most the last line."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    fd = os.open(output_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _text(ex: Mapping[str, Any], key: str) -> Any:

@@ -1,0 +1,341 @@
+"""KV-cached decoding: equals full recomputation, greedy / sampling / beam search agree where they
+must, the same tokens on every mesh, and the cache sharded as its logical axes say."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices
+from flax.core import meta
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5lite import decoding, models, network, partitioning
+
+T5_TINY = network.T5Config(
+    vocab_size=128, emb_dim=16, num_heads=8, head_dim=4, mlp_dim=32,
+    num_encoder_layers=2, num_decoder_layers=2, relpos_num_buckets=8, relpos_max_distance=16,
+)  # fmt: skip
+LM_TINY = network.DecoderOnlyConfig(
+    vocab_size=128, emb_dim=16, num_heads=8, num_kv_heads=4, head_dim=4, mlp_dim=32, num_layers=2
+)  # fmt: skip
+B, S, L = 8, 6, 8  # batch, encoder length, decoder length
+NO_EOS = -1  # an id no token equals: decodes run to the end
+
+
+def _model(arch: str, scan: bool = False, **kwargs) -> models.BaseModel:
+    if arch == "t5":
+        cfg = dataclasses.replace(T5_TINY, scan_layers=scan)
+        return models.EncoderDecoderModel(network_config=cfg, **kwargs)
+    pos = "relative" if arch == "lm_relative" else "rope"
+    cfg = dataclasses.replace(LM_TINY, scan_layers=scan, position_embedding=pos)
+    return models.DecoderOnlyModel(network_config=cfg, **kwargs)
+
+
+def _batch(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.RandomState(seed)
+    if arch == "t5":
+        enc = rng.randint(2, 128, (B, S)).astype(np.int32)
+        enc[2, 4:] = 0  # padding
+        return {"encoder_input_tokens": enc, "decoder_input_tokens": np.zeros((B, L), np.int32)}
+    # Prefix-LM rows: [BOS, inputs..., targets...] with 0..4 inputs per row.
+    n_inputs = np.array([0, 1, 2, 3, 4, 2, 1, 3])
+    dec_in = np.zeros((B, L), np.int32)
+    causal = np.zeros((B, L), np.int32)
+    for r, n in enumerate(n_inputs):
+        dec_in[r, 1 : n + 1] = rng.randint(2, 128, n)
+        causal[r, : n + 1] = 1
+    return {"decoder_input_tokens": dec_in, "decoder_causal_attention": causal}
+
+
+@functools.cache
+def _params(arch: str, scan: bool = False):
+    model = _model(arch, scan)
+    batch = {k: jnp.asarray(v) for k, v in _batch(arch).items()}
+    boxed = jax.jit(model.init)(jax.random.PRNGKey(7), batch)
+    return meta.unbox(boxed)["params"], partitioning.logical_axes_of(boxed)["params"]
+
+
+def _recompute_greedy(model: models.BaseModel, params, batch, steps: int) -> np.ndarray:
+    """Reference: the whole teacher-forced forward pass again at every step (no cache)."""
+    batch = {k: np.asarray(v) for k, v in batch.items()}
+    fwd = jax.jit(lambda p, b: model._logits(p, b, None))
+    if isinstance(model, models.EncoderDecoderModel):
+        start = np.zeros(B, np.int64)
+        dec_in = np.zeros((B, L), np.int32)
+    else:
+        causal = batch["decoder_causal_attention"]
+        start = causal.sum(1) - 1
+        dec_in = batch["decoder_input_tokens"] * causal
+    out = np.zeros((B, steps), np.int32)
+    done = np.zeros(B, bool)
+    for t in range(steps):
+        logits = np.asarray(fwd(params, {**batch, "decoder_input_tokens": dec_in}))
+        for r in range(B):
+            i = start[r] + t
+            if done[r] or i >= L:
+                continue
+            tok = int(np.argmax(logits[r, i]))
+            out[r, t] = tok
+            if i + 1 < L:
+                dec_in[r, i + 1] = tok
+            done[r] = tok == decoding.EOS_ID
+    return out
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+@pytest.mark.parametrize("arch", ["t5", "lm", "lm_relative"])
+def test_cached_greedy_equals_recomputation(arch, scan):
+    model = _model(arch, scan)
+    params, _ = _params(arch, scan)
+    batch = _batch(arch)
+    got = np.asarray(jax.jit(model.predict_batch)(params, batch))
+    assert got.shape == (B, L)
+    want = _recompute_greedy(model, params, batch, L)
+    np.testing.assert_array_equal(got, want)
+    assert len(set(map(tuple, got.tolist()))) > 1  # non-trivial decodes
+
+
+def test_cached_logits_equal_full_forward_at_every_step():
+    """Teacher-forced step by step through the cache == one full forward (T5, relpos bias)."""
+    model = _model("t5")
+    module = model.module()
+    params, _ = _params("t5")
+    rng = np.random.RandomState(1)
+    enc = jnp.asarray(rng.randint(2, 128, (B, S)), jnp.int32)
+    dec = jnp.asarray(rng.randint(2, 128, (B, L)), jnp.int32).at[:, 0].set(0)
+    full = module.apply({"params": params}, enc, dec, enable_dropout=False)
+    encoded = module.apply({"params": params}, enc, enable_dropout=False, method=module.encode)
+    call = functools.partial(
+        module.apply, enable_dropout=False, decode=True, max_decode_length=L,
+        method=module.decode, mutable=["cache"],
+    )  # fmt: skip
+    cache = models._zero_cache(lambda: call({"params": params}, encoded, enc, dec))
+    steps = []
+    for i in range(L):
+        logits, v = call({"params": params, "cache": cache}, encoded, enc, dec[:, i : i + 1])
+        cache = v["cache"]
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5, rtol=0)
+    assert cache["decoder"]["cache_index"].tolist() == [L] * B
+
+
+@pytest.mark.parametrize("arch", ["t5", "lm"])
+def test_beam_of_one_equals_greedy(arch):
+    params, _ = _params(arch)
+    batch = _batch(arch)
+    greedy = np.asarray(jax.jit(_model(arch).predict_batch)(params, batch))
+    beam = _model(arch, decoding_method="beam", beam_size=1, alpha=0.6)
+    got = np.asarray(jax.jit(beam.predict_batch)(params, batch))
+    np.testing.assert_array_equal(got, greedy)
+    # Wider beams: all of them, best first.
+    wide = _model(arch, decoding_method="beam", beam_size=4, alpha=0.0)
+    _, aux = jax.jit(functools.partial(wide.predict_batch_with_aux, return_all_decodes=True))(
+        params, batch
+    )
+    assert aux["scores"].shape == (B, 4)
+    assert np.all(np.diff(np.asarray(aux["scores"]), axis=1) <= 0)  # best first
+
+
+def test_sampling_top_k_one_and_tiny_top_p_are_greedy_and_seeds_reproduce():
+    arch = "t5"
+    params, _ = _params(arch)
+    batch = _batch(arch)
+    greedy = np.asarray(jax.jit(_model(arch).predict_batch)(params, batch))
+
+    def sample(rng, **kw):
+        model = _model(arch, decoding_method="sample", **kw)
+        return np.asarray(jax.jit(model.predict_batch)(params, batch, rng))
+
+    k0, k1 = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
+    np.testing.assert_array_equal(sample(k0, top_k=1, temperature=2.0), greedy)
+    np.testing.assert_array_equal(sample(k1, top_p=1e-6, temperature=2.0), greedy)
+    # Several decodes per example, most likely first; a seed reproduces them.
+    model = _model(arch, decoding_method="sample", num_decodes=3, temperature=1.5)
+    fn = jax.jit(functools.partial(model.predict_batch_with_aux, return_all_decodes=True))
+    (a, aux), (b, _), (c, _) = fn(params, batch, k0), fn(params, batch, k0), fn(params, batch, k1)
+    assert a.shape == (B, 3, L) and aux["scores"].shape == (B, 3)
+    assert np.all(np.diff(np.asarray(aux["scores"]), axis=1) <= 0)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c) and not np.array_equal(a[:, 0], greedy)
+    assert not np.array_equal(a[:, 0], a[:, 1])
+
+
+def test_filter_logits():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda x: (np.asarray(x) > decoding.NEG_INF / 2).astype(int).tolist()
+    assert kept(decoding.filter_logits(logits, top_k=2)) == [[1, 1, 0, 0]]
+    assert kept(decoding.filter_logits(logits, top_p=0.5)) == [[1, 0, 0, 0]]
+    assert kept(decoding.filter_logits(logits, top_p=0.6)) == [[1, 1, 0, 0]]
+    assert kept(decoding.filter_logits(logits, top_p=0.9)) == [[1, 1, 1, 0]]
+    assert kept(decoding.filter_logits(logits, top_k=3, top_p=0.99)) == [[1, 1, 1, 0]]
+
+
+# --- the decoding algorithms on a toy Markov model (no network) ------------------------------
+
+
+def _markov(table_VV: np.ndarray):
+    """tokens_to_logits of a bigram model; the 'cache' counts calls per row."""
+    table = jnp.asarray(table_VV, jnp.float32)
+
+    def tokens_to_logits(state: decoding.DecodingState):
+        return table[state.cur_token[:, 0]], state.cache + 1
+
+    return tokens_to_logits
+
+
+def _score(table, seq, alpha, eos):
+    """log p(seq) / brevity penalty for one complete sequence of generated tokens."""
+    logp = jax.nn.log_softmax(jnp.asarray(table, jnp.float32), -1)
+    prev, total = 0, 0.0
+    for t in seq:
+        total += float(logp[prev, t])
+        prev = t
+    return total / float(decoding.brevity_penalty(alpha, jnp.asarray(len(seq))))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.8])
+def test_beam_search_finds_the_best_sequence(alpha):
+    v, length, eos = 4, 3, 1
+    table = np.random.RandomState(3).normal(size=(v, v)) * 2.0
+    # Every complete sequence: ends at EOS or has `length` tokens.
+    complete = [
+        seq
+        for n in range(1, length + 1)
+        for seq in itertools.product(range(v), repeat=n)
+        if (eos not in seq[:-1]) and (seq[-1] == eos or n == length)
+    ]
+    best = max(complete, key=lambda s: _score(table, s, alpha, eos))
+    prompt = jnp.zeros((1, length), jnp.int32)
+    seqs, scores = decoding.beam_search(
+        prompt, jnp.zeros((1,)), _markov(table), beam_size=v**length, alpha=alpha, eos_id=eos
+    )
+    got = [t for t in np.asarray(seqs[0, 0]).tolist()]
+    got = got[: got.index(eos) + 1] if eos in got else got
+    assert tuple(got) == best
+    np.testing.assert_allclose(float(scores[0, 0]), _score(table, best, alpha, eos), rtol=1e-5)
+
+
+def test_eos_stops_decoding_and_pads():
+    v = 5
+    table = np.full((v, v), -5.0)
+    table[0, 3] = table[3, 4] = table[4, decoding.EOS_ID] = 5.0  # BOS -> 3 -> 4 -> EOS
+    table[1, 2] = 5.0  # after EOS it would say 2: must not be emitted
+    prompt = jnp.zeros((2, 7), jnp.int32)
+    want = [3, 4, 1, 0, 0, 0, 0]
+    seqs, _ = decoding.greedy(prompt, jnp.zeros((2,)), _markov(table))
+    assert np.asarray(seqs[:, 0]).tolist() == [want, want]
+    seqs, _ = decoding.beam_search(prompt, jnp.zeros((2,)), _markov(table), beam_size=2)
+    assert np.asarray(seqs[:, 0]).tolist() == [want, want]
+    # max_decode_steps caps the new tokens of a row.
+    seqs, _ = decoding.greedy(prompt, jnp.zeros((2,)), _markov(table), max_decode_steps=2)
+    assert np.asarray(seqs[:, 0]).tolist() == [[3, 4, 0, 0, 0, 0, 0]] * 2
+
+
+def test_prompt_prefill_and_initial_index():
+    """Rows start at their own index; the prompt is kept in target coordinates."""
+    v = 6
+    table = np.full((v, v), -5.0)
+    for a, b in [(2, 3), (3, 4), (4, 5), (5, 2), (0, 2)]:
+        table[a, b] = 5.0
+    prompt = jnp.array([[0, 5, 0, 0, 0], [0, 3, 4, 0, 0]], jnp.int32)
+    seqs, _ = decoding.greedy(
+        prompt, jnp.zeros((2,)), _markov(table), initial_index=jnp.array([1, 2])
+    )
+    assert np.asarray(seqs[:, 0]).tolist() == [[5, 2, 3, 4, 5], [3, 4, 5, 2, 3]]
+
+
+# --- the same tokens on every mesh; the cache sharded as its logical axes say ----------------
+
+MESHES = [(1, 8), (2, 4), (4, 2)]
+PRESETS = {"megatron": (1, 1), "fsdp": (1, 2)}
+# Every mesh, preset and architecture appears in the fast set; the rest of the product is slow.
+_FAST = {("t5", (2, 4), "megatron"), ("lm", (4, 2), "fsdp"), ("lm", (1, 8), "megatron")}
+_MESH_CASES = [
+    pytest.param(a, m, p, marks=() if (a, m, p) in _FAST else pytest.mark.slow,
+                 id=f"{a}-{m[0]}x{m[1]}-{p}")
+    for a in ("t5", "lm") for m in MESHES for p in PRESETS
+]  # fmt: skip
+
+
+def _partitioner(mesh_shape, preset):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "model"))
+    rules = partitioning.standard_logical_axis_rules(*PRESETS[preset])
+    return partitioning.Partitioner(mesh=mesh, logical_axis_rules=rules)
+
+
+@functools.cache
+def _single_device_decodes(arch: str, method: str) -> np.ndarray:
+    model = _model(arch, arch == "lm", decoding_method=method, beam_size=2)
+    return np.asarray(jax.jit(model.predict_batch)(_params(arch, arch == "lm")[0], _batch(arch)))
+
+
+@pytest.mark.parametrize(("arch", "mesh_shape", "preset"), _MESH_CASES)
+def test_decodes_identical_across_meshes(arch, mesh_shape, preset):
+    require_devices(8)
+    scan = arch == "lm"
+    params, axes = _params(arch, scan)
+    batch = _batch(arch)
+    for method in ("greedy", "beam"):
+        model = _model(arch, scan, decoding_method=method, beam_size=2)
+        want = _single_device_decodes(arch, method)
+        part = _partitioner(mesh_shape, preset)
+        param_sh = part.shardings(params, axes)
+        data_sh = NamedSharding(part.mesh, P("data"))
+        batch_sh = {k: data_sh for k in batch}
+        predict = part.partition(
+            model.predict_batch, in_axis_resources=(param_sh, batch_sh), out_axis_resources=None
+        )
+        got = predict(jax.device_put(params, param_sh), jax.device_put(batch, batch_sh))
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=method)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_cache_sharded_by_its_logical_axes(scan):
+    require_devices(8)
+    arch = "lm"
+    model = _model(arch, scan)
+    module = model.module()
+    params, axes = _params(arch, scan)
+    part = _partitioner((2, 4), "megatron")
+    param_sh = part.shardings(params, axes)
+
+    def create(p, tokens):
+        return module.apply(
+            {"params": p}, tokens, enable_dropout=False, decode=True, max_decode_length=L,
+            mutable=["cache"],
+        )  # fmt: skip
+
+    tokens = jnp.zeros((B, L), jnp.int32)
+    _, boxed = jax.eval_shape(create, params, tokens)
+    cache_axes = partitioning.logical_axes_of(boxed["cache"])
+    want_sh = part.shardings(meta.unbox(boxed["cache"]), cache_axes)
+
+    def step(p, tokens):
+        cache = models._zero_cache(lambda: create(p, tokens))
+        _, v = module.apply(
+            {"params": p, "cache": cache}, tokens[:, :1], enable_dropout=False, decode=True,
+            max_decode_length=L, mutable=["cache"],
+        )  # fmt: skip
+        return v["cache"]
+
+    # Output shardings left to propagation: what comes out is what the model code constrained.
+    with part.context():
+        cache = jax.jit(step)(jax.device_put(params, param_sh), tokens)
+    layer = cache["decoder"]["layers" if scan else "layers_0"]["self_attention"]
+    kv = layer["cached_key"]
+    lead = (None,) if scan else ()
+    # [batch, (layers,) length, kv_heads=4, kv]: batch over data, kv heads over model.
+    assert kv.shape == ((B, 2, L, 4, 4) if scan else (B, L, 4, 4))
+    assert kv.sharding.is_equivalent_to(
+        NamedSharding(part.mesh, P("data", *lead, None, "model", None)), kv.ndim
+    )
+    got = jax.tree.map(lambda x: x.sharding, cache)
+    same = jax.tree.map(lambda g, w, x: g.is_equivalent_to(w, x.ndim), got, want_sh, cache)
+    assert all(jax.tree.leaves(same)), (got, want_sh)
