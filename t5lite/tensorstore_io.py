@@ -152,7 +152,8 @@ def stage_to_host(x: Any) -> HostShards:
 
     The copy is what makes async saves safe: the caller may donate or overwrite `x` the moment
     this returns. (On CPU a zero-copy `np.asarray` view would pin the device buffer instead,
-    silently turning the next step's donation into a copy, and it stalled a multi-process save.) Non-jax leaves (numpy arrays, Python scalars) are written by process 0 only.
+    silently turning the next step's donation into a copy, and it stalled a multi-process save.)
+    Non-jax leaves (numpy arrays, Python scalars) are written by process 0 only.
 
     Args:
       x: a jax.Array (any sharding), numpy array or scalar.
