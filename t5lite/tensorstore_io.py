@@ -107,6 +107,10 @@ def array_spec(path: str, shape: Sequence[int] | None = None, dtype: Any = None,
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": path},
         "fill_missing_data_reads": False,
+        # NOTE: zarr skips chunks equal to the fill value (all zeros) by default; since a missing
+        # chunk is an error on read, such chunks must be stored too (fresh optimizer state,
+        # zero biases).
+        "store_data_equal_to_fill_value": True,
     }
     if shape is not None:
         dt = np.dtype(dtype)
