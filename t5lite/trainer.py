@@ -136,7 +136,15 @@ class Trainer:
         grad_fn = jax.grad(self.model.loss_terms, has_aux=True)
         k = self.num_microbatches
         if k == 1:
-            grads, metrics = grad_fn(params, batch, rng)
+            # The denominator depends on the batch only: dividing the loss before
+            # differentiating scales the backward pass's seed, instead of every gradient leaf
+            # afterwards (XLA materialised `grads / den` as one more pass over all parameters).
+            def normalised(p, b, r):
+                num, m = self.model.loss_terms(p, b, r)
+                den = jax.lax.stop_gradient(m["loss_denominator"])
+                return num / jnp.maximum(den, 1.0), m
+
+            return jax.grad(normalised, has_aux=True)(params, batch, rng)
         else:
             mbs = {n: x.reshape(k, x.shape[0] // k, *x.shape[1:]) for n, x in batch.items()}
 

@@ -1,0 +1,35 @@
+"""Benchmarks keep running: `--smoke` mode of each benchmark script, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD_KEYS = {"benchmark", "date", "machine", "versions", "figures"}
+FIGURE_KEYS = {"name", "value", "unit", "reference", "ratio", "goal", "met"}
+
+
+def test_train_throughput_smoke(tmp_path):
+    # Runs on one real CPU device: drop the fake-device flag conftest sets for this process.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = tmp_path / "train_throughput.json"
+    # Without torch the smoke mode runs the two JAX sides only (PyTorch figures left out).
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke",
+         "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record) >= RECORD_KEYS
+    assert record["benchmark"] == "train_throughput"
+    names = {f["name"] for f in record["figures"]}
+    assert {"t5lite_train_tokens_per_s", "t5lite_step_s_vs_bare_jit"} <= names
+    for fig in record["figures"]:
+        assert set(fig) >= FIGURE_KEYS, fig
+        assert fig["value"] > 0
