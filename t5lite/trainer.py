@@ -213,9 +213,16 @@ def global_norm(tree: PyTree) -> Array:
 
 
 def _default_feature(name: str, batch: Mapping[str, np.ndarray], shape: tuple[int, ...]):
+    """What a feature means for an unpacked batch: one example per row, 0 = padding."""
+    side = "encoder" if name.startswith("encoder") else "decoder"
+    tokens = batch.get("encoder_input_tokens" if side == "encoder" else "decoder_target_tokens")
     if name == "decoder_loss_weights":
         return (batch["decoder_target_tokens"] > 0).astype(np.int32)
-    return np.zeros(shape, np.int32)
+    if tokens is not None and name.endswith("_segment_ids"):
+        return (tokens > 0).astype(np.int32)
+    if tokens is not None and name.endswith("_positions"):
+        return np.where(tokens > 0, np.arange(shape[1], dtype=np.int32)[None], 0).astype(np.int32)
+    return np.zeros(shape, np.int32)  # decoder_causal_attention: no prefix
 
 
 def summarize(metrics: Mapping[str, Any]) -> dict[str, float]:

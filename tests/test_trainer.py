@@ -156,3 +156,23 @@ def test_model_that_does_not_fit_reports_memory(monkeypatch):
         f"the train step needs {format_bytes(need)} per device but FakeAccelerator has 1.00 KiB: "
         "shard more (see `t5lite plan`) or use smaller batches"
     )
+
+
+def test_unpacked_batch_means_one_example_per_row():
+    tr = _trainer()
+    b = _batch(16)
+    b.pop("decoder_loss_weights")
+    packed_like = dict(
+        b,
+        encoder_segment_ids=(b["encoder_input_tokens"] > 0).astype(np.int32),
+        decoder_segment_ids=(b["decoder_target_tokens"] > 0).astype(np.int32),
+        encoder_positions=np.tile(np.arange(8, dtype=np.int32), (16, 1)),
+        decoder_positions=np.where(b["decoder_target_tokens"] > 0, np.arange(8), 0),
+        decoder_loss_weights=(b["decoder_target_tokens"] > 0).astype(np.int32),
+    )
+    state = tr.init_state()
+    m1 = tr.eval_step(state.params, tr.global_batch(b))
+    m2 = tr.eval_step(state.params, tr.global_batch(packed_like))
+    assert float(m1["num_sequences"]) == 16.0
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m2[k], rtol=1e-6)
