@@ -71,9 +71,15 @@ class BaseModel(abc.ABC):
     def module(self) -> nn.Module:
         """The Flax network."""
 
-    @abc.abstractmethod
     def _logits(self, params: PyTree, batch: Batch, dropout_rng: Array | None) -> Array:
         """Teacher-forced fp32 logits [B, L, V]; dropout on when `dropout_rng` is given."""
+        rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+        return self.module().apply(
+            {"params": params},
+            **self._inputs(batch),
+            enable_dropout=dropout_rng is not None,
+            rngs=rngs,
+        )
 
     # --- shared -----------------------------------------------------------------------------
 
@@ -271,15 +277,6 @@ class EncoderDecoderModel(BaseModel):
             for k in self.FEATURES
         }
 
-    def _logits(self, params: PyTree, batch: Batch, dropout_rng: Array | None) -> Array:
-        rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
-        return self.module().apply(
-            {"params": params},
-            **self._inputs(batch),
-            enable_dropout=dropout_rng is not None,
-            rngs=rngs,
-        )
-
     def predict_batch_with_aux(
         self,
         params: PyTree,
@@ -354,15 +351,6 @@ class DecoderOnlyModel(BaseModel):
     def dummy_batch(self, batch_size: int, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
         length = lengths["targets"] + lengths.get("inputs", 0)
         return {k: np.zeros((batch_size, length), np.int32) for k in self.FEATURES}
-
-    def _logits(self, params: PyTree, batch: Batch, dropout_rng: Array | None) -> Array:
-        rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
-        return self.module().apply(
-            {"params": params},
-            **self._inputs(batch),
-            enable_dropout=dropout_rng is not None,
-            rngs=rngs,
-        )
 
     def predict_batch_with_aux(
         self,

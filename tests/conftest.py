@@ -25,3 +25,18 @@ def require_devices(n: int) -> None:
 def devices8():
     require_devices(8)
     return jax.devices()[:8]
+
+
+def run_cli(*argv: str) -> int:
+    """`t5lite ARGV...` in this process, with gin's global config cleared before and after."""
+    import gin
+
+    from t5lite import main
+
+    with gin.unlock_config():
+        gin.clear_config()
+    try:
+        return main.main(list(argv))
+    finally:
+        with gin.unlock_config():
+            gin.clear_config()

@@ -5,10 +5,7 @@ import os
 import subprocess
 import sys
 
-import gin
-from conftest import require_devices
-
-from t5lite import main
+from conftest import require_devices, run_cli
 
 QUICK = [
     "--gin_file=quickstart.gin",
@@ -22,16 +19,6 @@ QUICK = [
 ]
 
 
-def run(*argv):
-    with gin.unlock_config():
-        gin.clear_config()
-    try:
-        return main.main(list(argv))
-    finally:
-        with gin.unlock_config():
-            gin.clear_config()
-
-
 def losses(model_dir):
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
@@ -40,11 +27,14 @@ def losses(model_dir):
 def test_train_resume_is_bit_identical(tmp_path):
     require_devices(8)
     full, parts = tmp_path / "full", tmp_path / "parts"
-    assert run("train", *QUICK, f"--gin.MODEL_DIR='{full}'") == 0
+    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{full}'") == 0
     # Interrupted after 3 steps (as a preemption would), then the same command again.
-    assert run("train", *QUICK, f"--gin.MODEL_DIR='{parts}'", "--gin.train.stop_after_steps=3") == 0
+    assert (
+        run_cli("train", *QUICK, f"--gin.MODEL_DIR='{parts}'", "--gin.train.stop_after_steps=3")
+        == 0
+    )
     assert sorted(losses(parts)) == [1, 2, 3]
-    assert run("train", *QUICK, f"--gin.MODEL_DIR='{parts}'") == 0
+    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{parts}'") == 0
     assert losses(parts) == losses(full)  # exact float equality, steps 1..6
     assert sorted(os.listdir(full)) == [
         "checkpoint_3", "checkpoint_6", "config.gin", "metrics.jsonl", "tensorboard"
@@ -55,25 +45,27 @@ def test_train_resume_is_bit_identical(tmp_path):
 def test_eval_and_infer_from_checkpoint(tmp_path):
     require_devices(8)
     d = tmp_path / "m"
-    assert run("train", *QUICK, f"--gin.MODEL_DIR='{d}'") == 0
+    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{d}'") == 0
     common = [
         "--gin_file=models/t5_1_1/tiny.gin", "--gin.VOCAB_SIZE=384",
         f"--gin.MODEL_DIR='{d}'", "--gin.TASK='synthetic_reverse'",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}", "--gin.BATCH_SIZE=8",
         "--gin.NUM_PARTITIONS=4",
     ]  # fmt: skip
-    assert run("eval", "--gin_file=runs/eval.gin", *common, "--gin.evaluate.num_examples=8") == 0
+    assert (
+        run_cli("eval", "--gin_file=runs/eval.gin", *common, "--gin.evaluate.num_examples=8") == 0
+    )
     out = tmp_path / "pred.jsonl"
     args = ["--gin_file=runs/infer.gin", *common, f"--gin.OUTPUT_FILE='{out}'",
             "--gin.infer.num_examples=8"]  # fmt: skip
-    assert run("infer", *args) == 0
+    assert run_cli("infer", *args) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 8
     assert set(records[0]) == {"task", "inputs", "targets", "prediction"}
     # Existing output is never overwritten.
-    assert run("infer", *args) == 1
+    assert run_cli("infer", *args) == 1
     score_out = tmp_path / "score.jsonl"
-    assert run("infer", *args[:-2], f"--gin.OUTPUT_FILE='{score_out}'",
+    assert run_cli("infer", *args[:-2], f"--gin.OUTPUT_FILE='{score_out}'",
                "--gin.infer.num_examples=8", "--gin.infer.mode='score'") == 0  # fmt: skip
     scores = [json.loads(line)["score"] for line in score_out.read_text().splitlines()]
     assert len(scores) == 8 and all(s < 0 for s in scores)
@@ -82,7 +74,7 @@ def test_eval_and_infer_from_checkpoint(tmp_path):
 def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     require_devices(8)
     d = tmp_path / "nan"
-    rc = run(
+    rc = run_cli(
         "train", *QUICK, f"--gin.MODEL_DIR='{d}'",
         "--gin.warmup_cosine_schedule.peak_learning_rate=1e30", "--gin.AdamW.clip_norm=None",
     )  # fmt: skip
@@ -94,13 +86,15 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
 
 
 def test_misspelled_binding_fails_before_compiling(capsys):
-    assert run("train", *QUICK, "--gin.train.num_stepz=3") == 1
+    assert run_cli("train", *QUICK, "--gin.train.num_stepz=3") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_stepz" in err[0]
 
 
 def test_missing_required_value(capsys):
-    assert run("train", "--gin_file=runs/pretrain.gin", "--gin_file=models/t5_1_1/tiny.gin") == 1
+    assert (
+        run_cli("train", "--gin_file=runs/pretrain.gin", "--gin_file=models/t5_1_1/tiny.gin") == 1
+    )
     err = capsys.readouterr().err
     assert "MODEL_DIR/macro.value set to `%gin.REQUIRED` but not subsequently overridden" in err
 

@@ -2,11 +2,9 @@
 
 import json
 
-import gin
 import numpy as np
 import pytest
-
-from t5lite import main
+from conftest import run_cli
 
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
@@ -30,26 +28,16 @@ def _t5_hf(tmp_path, vocab_size):
     return tmp_path / "hf"
 
 
-def run(*argv):
-    with gin.unlock_config():
-        gin.clear_config()
-    try:
-        return main.main(list(argv))
-    finally:
-        with gin.unlock_config():
-            gin.clear_config()
-
-
 def test_import_finetune_export_round_trip(tmp_path, capsys):
     hf_dir = _t5_hf(tmp_path, vocab_size=384)  # the byte tasks use 259 ids
     out = tmp_path / "imported"
-    assert run("convert", "--direction=import", f"--hf_dir={hf_dir}", f"--out_dir={out}") == 0
+    assert run_cli("convert", "--direction=import", f"--hf_dir={hf_dir}", f"--out_dir={out}") == 0
     assert (out / "checkpoint_0" / "COMMIT").exists()
     model_gin = (out / "model.gin").read_text()
     assert "network.T5Config.emb_dim = 32" in model_gin
     # Importing again would overwrite: refused with one line.
     capsys.readouterr()
-    assert run("convert", "--direction=import", f"--hf_dir={hf_dir}", f"--out_dir={out}") == 1
+    assert run_cli("convert", "--direction=import", f"--hf_dir={hf_dir}", f"--out_dir={out}") == 1
     assert "refusing to overwrite" in capsys.readouterr().err
 
     # Fine-tune from it for one step with a zero learning rate: parameters unchanged.
@@ -63,13 +51,13 @@ def test_import_finetune_export_round_trip(tmp_path, capsys):
     ]  # fmt: skip
     # A task whose ids exceed the model's vocabulary is refused, naming both sizes.
     capsys.readouterr()
-    assert run(*args, "--gin.network.T5Config.vocab_size=200") == 1
+    assert run_cli(*args, "--gin.network.T5Config.vocab_size=200") == 1
     assert ("feature 'inputs' has a vocabulary of 259 ids but the model's vocab_size is 200"
             in capsys.readouterr().err)  # fmt: skip
-    assert run(*args) == 0
+    assert run_cli(*args) == 0
 
     exported = tmp_path / "exported"
-    assert run("convert", "--direction=export", f"--checkpoint={run_dir / 'checkpoint_1'}",
+    assert run_cli("convert", "--direction=export", f"--checkpoint={run_dir / 'checkpoint_1'}",
                f"--out_dir={exported}") == 0  # fmt: skip
     a = safetensors_numpy.load_file(hf_dir / "model.safetensors")
     b = safetensors_numpy.load_file(exported / "model.safetensors")

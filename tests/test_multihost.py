@@ -163,6 +163,36 @@ def test_two_process_eval_counts_each_example_once(tmp_path):
     assert "synthetic_reverse/exact_match" in results[1]
 
 
+def test_two_process_infer_writes_each_example_once(tmp_path):
+    model_dir = tmp_path / "m"
+    subprocess.run(_cmd(model_dir, 3), env=_env(8), check=True, capture_output=True, timeout=600)
+    common = [
+        "--gin_file=models/t5_1_1/tiny.gin", "--gin_file=runs/infer.gin", "--gin.VOCAB_SIZE=384",
+        "--gin.TASK='synthetic_reverse'", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}", "--gin.infer.num_examples=20",
+        f"--gin.MODEL_DIR='{model_dir}'",
+    ]  # fmt: skip
+    outs = {}
+    for n in (1, 2):
+        out = tmp_path / f"pred{n}.jsonl"
+        args = [sys.executable, "-m", "t5lite.main", "infer", *common, f"--gin.OUTPUT_FILE='{out}'"]
+        if n == 1:
+            subprocess.run(args, env=_env(8), check=True, capture_output=True, timeout=600)
+        else:
+            port = _free_port()
+            _wait([
+                subprocess.Popen(
+                    [*args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                     f"--process_id={i}"],
+                    env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )
+                for i in range(2)
+            ])  # fmt: skip
+        outs[n] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(outs[1]) == 20
+    assert outs[1] == outs[2]  # same records, in order, each example once
+
+
 def test_watchdog_ends_a_stuck_process():
     code = (
         "import time\n"
