@@ -189,6 +189,19 @@ def _barrier(name: str, background: bool = False) -> None:
     distributed.global_state.client.wait_at_barrier(name, 30 * 60 * 1000)
 
 
+def _any_process_failed(name: str, ok: bool) -> bool:
+    """Barrier from the writer thread; returns True if any process reported a failure."""
+    if jax.process_count() == 1:
+        return not ok
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if not ok:
+        client.key_value_set(f"{name}_failed/{jax.process_index()}", "1")
+    client.wait_at_barrier(f"{name}_written", 30 * 60 * 1000)
+    return bool(client.key_value_dir_get(f"{name}_failed/"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Restore
 
@@ -514,11 +527,20 @@ class CheckpointManager:
         """Writes this process's shards, then (process 0) metadata, marker and rename."""
         ctx = tsio.make_context(self.concurrency)
         items = [(str(tmp / "arrays" / d), h) for d, h in staged]
+        error: BaseException | None = None
         try:
             tsio.write_arrays(items, ctx, self.chunk_bytes, self.checksum)
-        except ValueError as e:
-            raise CheckpointError(f"writing checkpoint {tmp} failed: {e}") from e
-        _barrier(f"t5lite_ckpt_{step}_{n}_written", background=True)
+        except Exception as e:
+            error = e
+        # Every process reaches the barrier, failed or not, so none waits forever for a peer
+        # whose write failed; then all of them see the failure and none commits.
+        failed = _any_process_failed(f"t5lite_ckpt_{step}_{n}", error is None)
+        if error is not None:
+            raise CheckpointError(f"writing checkpoint {tmp} failed: {error}") from error
+        if failed:
+            raise CheckpointError(
+                f"writing checkpoint {tmp} failed on another process; not committed"
+            )
         if _is_process0():
             _write_json(tmp / EXTRA_FILE, extra_json)
             _write_json(tmp / METADATA_FILE, meta)

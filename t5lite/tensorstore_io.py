@@ -229,7 +229,12 @@ def fsync_tree(paths: Sequence[str], threads: int = 32) -> None:
             todo.extend(os.path.join(d, f) for f in files)
 
     def sync(p: str) -> None:
-        fd = os.open(p, os.O_RDONLY)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            # Another process writing the same array removed one of its transient files (e.g.
+            # TensorStore's `.__lock` files) after the walk listed it: nothing of ours to sync.
+            return
         try:
             os.fsync(fd)
         finally:

@@ -4,6 +4,7 @@
     python checkpoint_helper.py train DIR       train-like loop with a SIGTERM handler
     python checkpoint_helper.py exit DIR        start an async save of step 3 and exit at once
     python checkpoint_helper.py multi DIR PORT PID   one of 2 processes x 4 devices saving step 7
+    python checkpoint_helper.py multi_fail DIR PORT PID   the same, with process 1's write failing
 
 The state at step s is `state_at(s)`, so the parent can check a restored step bit for bit.
 """
@@ -39,14 +40,25 @@ def main() -> None:
     mode, directory = sys.argv[1], sys.argv[2]
     from t5lite.checkpoints import CheckpointManager
 
-    if mode == "multi":
+    if mode in ("multi", "multi_fail"):
         port, pid = int(sys.argv[3]), int(sys.argv[4])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
         mesh = jax.make_mesh((2, 4), ("data", "model"))
+        if mode == "multi_fail" and pid == 1:  # process 1's disk write fails
+            from t5lite import tensorstore_io
+
+            def broken(*args, **kwargs):
+                raise OSError("disk full (simulated)")
+
+            tensorstore_io.write_arrays = broken
         mgr = CheckpointManager(directory, async_save=True)
         mgr.save(7, state_at(7, mesh, n=4), extra={"step": 7, "pid_count": jax.process_count()})
-        mgr.close()
+        try:
+            mgr.close()
+        except Exception as e:
+            print(f"FAILED {e}", flush=True)
+            return
         print("DONE", flush=True)
         return
 

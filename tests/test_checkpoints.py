@@ -459,6 +459,30 @@ def test_two_processes_save_one_restores(tmp_path):
     assert extra == {"step": 7, "pid_count": 2}
 
 
+def test_a_failed_write_on_one_process_fails_the_save_everywhere(tmp_path):
+    """No process waits forever for a peer whose write failed, and nothing is committed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = child_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), "multi_fail", str(tmp_path), str(port), str(pid)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for pid in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert "writing checkpoint" in outs[0] and "failed on another process; not committed" in outs[0]
+    assert "disk full (simulated)" in outs[1]
+    assert not (tmp_path / "checkpoint_7").exists()
+    assert CheckpointManager(tmp_path).latest_step() is None
+
+
 def test_chunk_shape_is_mesh_independent():
     assert tsio.chunk_shape_for((2048, 1024), 4, 1 << 20) == [512, 512]
     assert tsio.chunk_shape_for((3, 5), 4, 1 << 20) == [3, 5]
