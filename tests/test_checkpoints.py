@@ -473,7 +473,7 @@ def test_a_failed_write_on_one_process_fails_the_save_everywhere(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for pid in range(2)
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
