@@ -231,7 +231,7 @@ def _make_evaluator(task, lengths, split, num_examples, batch_size, model):
 
 def _evaluate(evaluator, trainer: Trainer, state: TrainState, decode_len: int, writer, step: int,
               num_to_print: int) -> dict[str, Any]:  # fmt: skip
-    """Teacher-forced metrics and the task's predict metrics on decoded outputs."""
+    """The tasks' predict metrics on KV-cached decodes; prints a few predictions."""
     predict_fn = _predict_fn(trainer, state.params, decode_len)
     shown: list[str] = []
     results = evaluator.evaluate(predict_fn=predict_fn)
@@ -242,7 +242,8 @@ def _evaluate(evaluator, trainer: Trainer, state: TrainState, decode_len: int, w
         if exs:
             batch, _ = evaluator.batches(task_name)[0]
             ids = predict_fn(batch)
-            vocab = evaluator.tasks[0].output_features["targets"].vocabulary
+            task = next(t for t in evaluator.tasks if t.name == task_name)
+            vocab = task.output_features["targets"].vocabulary
             for ex, row in zip(exs, ids):
                 src = ex.get("inputs_pretokenized", "")
                 tgt = ex.get("targets_pretokenized", "")
