@@ -20,6 +20,7 @@ ids count from 1 per row (0 is padding) and positions restart at 0 in each segme
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -32,7 +33,7 @@ GroupLengths = dict[str, int]
 _OVERLONG = ("trim", "drop", "error")
 
 
-class FeatureConverter:
+class FeatureConverter(abc.ABC):
     """Base class. Subclasses set `TASK_FEATURES`, `GROUPS` and implement `_convert`.
 
     Args:
@@ -58,12 +59,13 @@ class FeatureConverter:
         """Identity used in iterator-state fingerprints."""
         return repr(self)
 
+    @abc.abstractmethod
     def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
         """Model length of each feature group."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
-        raise NotImplementedError
+        """One trimmed task example -> its model features (unpacked)."""
 
     def convert_example(self, example: Example, task_feature_lengths: Mapping[str, int]) -> Example:
         """Trims (per `overlong`) and converts one example; `{}` means "dropped"."""

@@ -73,6 +73,23 @@ def _wait(procs, timeout=600):
     return outs
 
 
+def _run_on_processes(n, command, *args):
+    """`t5lite COMMAND ARGS` on 1 process x 8 devices, or 2 processes x 4 devices."""
+    cmd = [sys.executable, "-m", "t5lite.main", command, *args]
+    if n == 1:
+        subprocess.run(cmd, env=_env(8), check=True, capture_output=True, timeout=600)
+        return
+    port = _free_port()
+    _wait([
+        subprocess.Popen(
+            [*cmd, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}",
+             f"--process_id={i}"],
+            env=_env(8 // n), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(n)
+    ])  # fmt: skip
+
+
 def _losses(model_dir):
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
@@ -143,19 +160,7 @@ def test_two_process_eval_counts_each_example_once(tmp_path):
         d = tmp_path / f"eval{n}"
         d.mkdir()
         os.symlink(model_dir / "checkpoint_3", d / "checkpoint_3")
-        args = [sys.executable, "-m", "t5lite.main", "eval", *common, f"--gin.MODEL_DIR='{d}'"]
-        if n == 1:
-            subprocess.run(args, env=_env(8), check=True, capture_output=True, timeout=600)
-        else:
-            port = _free_port()
-            _wait([
-                subprocess.Popen(
-                    [*args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                     f"--process_id={i}"],
-                    env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )
-                for i in range(2)
-            ])  # fmt: skip
+        _run_on_processes(n, "eval", *common, f"--gin.MODEL_DIR='{d}'")
         with open(d / "metrics.jsonl") as f:
             (record,) = [r for r in map(json.loads, f) if r["split"] == "eval"]
         results[n] = record
@@ -175,19 +180,7 @@ def test_two_process_infer_writes_each_example_once(tmp_path):
     outs = {}
     for n in (1, 2):
         out = tmp_path / f"pred{n}.jsonl"
-        args = [sys.executable, "-m", "t5lite.main", "infer", *common, f"--gin.OUTPUT_FILE='{out}'"]
-        if n == 1:
-            subprocess.run(args, env=_env(8), check=True, capture_output=True, timeout=600)
-        else:
-            port = _free_port()
-            _wait([
-                subprocess.Popen(
-                    [*args, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                     f"--process_id={i}"],
-                    env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )
-                for i in range(2)
-            ])  # fmt: skip
+        _run_on_processes(n, "infer", *common, f"--gin.OUTPUT_FILE='{out}'")
         outs[n] = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(outs[1]) == 20
     assert outs[1] == outs[2]  # same records, in order, each example once
