@@ -431,17 +431,16 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert extra == {"step": step}
 
 
-def test_two_processes_save_one_restores(tmp_path):
-    from checkpoint_helper import state_at
-
+def _two_helper_processes(mode: str, directory: Path) -> list[subprocess.Popen]:
+    """Starts `checkpoint_helper.py MODE` as processes 0 and 1 of one 2 x 4-device runtime."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = child_env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    procs = [
+    return [
         subprocess.Popen(
-            [sys.executable, str(HELPER), "multi", str(tmp_path), str(port), str(pid)],
+            [sys.executable, str(HELPER), mode, str(directory), str(port), str(pid)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -449,6 +448,12 @@ def test_two_processes_save_one_restores(tmp_path):
         )
         for pid in range(2)
     ]
+
+
+def test_two_processes_save_one_restores(tmp_path):
+    from checkpoint_helper import state_at
+
+    procs = _two_helper_processes("multi", tmp_path)
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0 and "DONE" in out, err[-3000:]
@@ -461,21 +466,7 @@ def test_two_processes_save_one_restores(tmp_path):
 
 def test_a_failed_write_on_one_process_fails_the_save_everywhere(tmp_path):
     """No process waits forever for a peer whose write failed, and nothing is committed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = child_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HELPER), "multi_fail", str(tmp_path), str(port), str(pid)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in range(2)
-    ]
+    procs = _two_helper_processes("multi_fail", tmp_path)
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert "writing checkpoint" in outs[0] and "failed on another process; not committed" in outs[0]
     assert "disk full (simulated)" in outs[1]
