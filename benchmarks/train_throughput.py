@@ -25,8 +25,12 @@ thread pool (all cores the process may run on). When N is below the core count t
 is pinned to N cores first (`sched_setaffinity`), so both sides use the same N.
 
 Goals (issue 6): t5lite tokens/s >= 1.5x PyTorch; t5lite step time <= 1.02x the bare jit step.
+Besides the timings, the record holds two deterministic figures: XLA's cost analysis of both JAX
+steps (flops and bytes of memory traffic: equal work means equal numbers), and the machine's
+peak fp32 matmul rate (XLA and PyTorch, 2048^3) against the rate the speed goal would need for
+the step's flop count (`feasibility`).
 
-    python benchmarks/train_throughput.py [--steps 8] [--warmup 2] [--threads 2] [--out PATH]
+    python benchmarks/train_throughput.py [--steps 12] [--warmup 2] [--threads 2] [--out PATH]
     python benchmarks/train_throughput.py --smoke   # tiny model, 2 timed steps; torch optional
 """
 
@@ -55,7 +59,7 @@ LR, B1, B2, EPS, WD, Z_LOSS = 1e-4, 0.9, 0.999, 1e-8, 0.01, 1e-4
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 timed steps (CI)")
-    ap.add_argument("--steps", type=int, default=8, help="timed rounds (median; at least 5)")
+    ap.add_argument("--steps", type=int, default=12, help="timed rounds (median; at least 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds after the compile step")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (and cores pinned)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
@@ -75,6 +79,47 @@ def _pin_threads(threads: int) -> str:
         os.sched_setaffinity(0, cores[:threads])
         return f"process pinned to cores {cores[:threads]}; XLA CPU default pool on them"
     return f"XLA CPU default thread pool: all {len(cores)} cores of this process"
+
+
+def _cost(compiled) -> dict[str, float]:
+    """XLA's own count of one compiled step's work: flops and bytes of memory traffic."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"gflop": cost["flops"] / 1e9, "gbytes_accessed": cost["bytes accessed"] / 1e9}
+
+
+def _peak_sgemm_gflops(n: int, seconds: float = 1.5) -> dict[str, float]:
+    """This machine's fp32 matmul rate, n x n x n, on XLA and (if installed) PyTorch/MKL.
+
+    The ceiling for any fp32 training step here: a step is matmuls (at best this fast) plus
+    elementwise work, so a step's effective GFLOP/s cannot exceed this.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((n, n), np.float32)
+    flop = 2.0 * n**3
+    out = {}
+
+    def rate(fn) -> float:
+        fn()
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or reps < 3:
+            fn()
+            reps += 1
+        return flop * reps / (time.perf_counter() - t0) / 1e9
+
+    x = jnp.asarray(a)
+    mm = jax.jit(jnp.matmul)
+    out["xla"] = rate(lambda: mm(x, x).block_until_ready())
+    try:
+        import torch
+    except ImportError:
+        return out
+    t = torch.from_numpy(a)
+    out["torch"] = rate(lambda: torch.mm(t, t))
+    return out
 
 
 def _load() -> list[float]:
@@ -252,6 +297,13 @@ def main(argv: list[str] | None = None) -> dict:
         compile_s[n] = time.perf_counter() - t0
     print("step-0 loss (same weights, same batch): "
           + ", ".join(f"{n} {first_loss[n]:.6f}" for n in names))  # fmt: skip
+    # Same work on both JAX sides, by XLA's own count (flops and memory traffic per step).
+    cost = {
+        "t5lite": _cost(tr.train_step.lower(state, tr.global_batch(batches[0])).compile()),
+        "bare_jit": _cost(
+            bare_train.lower(bare_params, bare_opt, jax.device_put(batches[0], device)).compile()
+        ),
+    }
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.warmup + args.steps):
@@ -267,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
             if r >= args.warmup:
                 times[n].append(dt)
     load_after = _load()
+    peak = _peak_sgemm_gflops(256 if args.smoke else 2048)
 
     med = {n: statistics.median(times[n]) for n in names}
     tps = {n: tokens_per_step / med[n] for n in names}
@@ -299,6 +352,22 @@ def main(argv: list[str] | None = None) -> dict:
              "unit": "tokens/s", "reference": ISSUE_TORCH_TOKENS_PER_S if not args.smoke else None,
              "ratio": round(ratio, 3) if not args.smoke else None, "goal": None, "met": None}
         )  # fmt: skip
+
+    # Feasibility of the speed goal: the GFLOP/s that GOAL_SPEEDUP x PyTorch's step rate would
+    # take, for the step's own flop count, against this machine's matmul peak.
+    step_gflop = cost["bare_jit"]["gflop"]
+    effective = {n: step_gflop / med[n] for n in names}
+    best_peak = max(peak.values())
+    feasibility = {
+        "step_gflop": round(step_gflop, 2),
+        "effective_gflops": {n: round(v, 1) for n, v in effective.items()},
+        "peak_sgemm_gflops": {k: round(v, 1) for k, v in peak.items()},
+        "fraction_of_peak": {n: round(v / best_peak, 3) for n, v in effective.items()},
+    }
+    if "torch" in names:
+        need = GOAL_SPEEDUP * effective["torch"]
+        feasibility["goal_needs_gflops"] = round(need, 1)
+        feasibility["goal_needs_fraction_of_peak"] = round(need / best_peak, 3)
 
     record = {
         "benchmark": "train_throughput",
@@ -335,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "framework_overhead_pct": {"ratio_of_medians": round(100 * (overhead - 1), 2),
                                    "median_of_paired_ratios": round(100 * (paired - 1), 2)},
+        "step_cost": {n: {k: round(v, 4) for k, v in c.items()} for n, c in cost.items()},
+        "feasibility": feasibility,
         "figures": figures,
     }  # fmt: skip
 
@@ -360,6 +431,21 @@ def main(argv: list[str] | None = None) -> dict:
               f"ratio={f['ratio']} goal={f['goal']} met={f['met']}")  # fmt: skip
     print(f"framework overhead: {100 * (overhead - 1):+.2f}% (ratio of medians), "
           f"{100 * (paired - 1):+.2f}% (median of per-round ratios)")  # fmt: skip
+    print(
+        "XLA step cost: "
+        + ", ".join(
+            f"{n} {c['gflop']:.2f} GFLOP {c['gbytes_accessed']:.3f} GB" for n, c in cost.items()
+        )
+    )
+    print(
+        f"peak fp32 matmul (GFLOP/s): {feasibility['peak_sgemm_gflops']}; effective: "
+        f"{feasibility['effective_gflops']}; fraction of peak {feasibility['fraction_of_peak']}"
+    )
+    if "goal_needs_gflops" in feasibility:
+        print(
+            f"{GOAL_SPEEDUP}x PyTorch needs {feasibility['goal_needs_gflops']} GFLOP/s = "
+            f"{feasibility['goal_needs_fraction_of_peak']:.0%} of the peak matmul rate"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -98,6 +98,7 @@ def train(
     stop_after_steps: int | None = None,
     step_timeout_s: float | None = 600.0,
     init_checkpoint: str | None = None,
+    log_grad_norm: bool | None = None,
 ) -> dict[str, Any]:
     """Trains `model` on `task`, resuming from the latest checkpoint in `model_dir`.
 
@@ -122,6 +123,8 @@ def train(
         e.g. one written by `t5lite convert`); ignored when `model_dir` has a checkpoint.
       step_timeout_s: exit with an error when no step completes for this long (after the
         first, compiled step): a multi-process run whose peer died stops instead of hanging.
+      log_grad_norm: log the global gradient norm (default: when the optimizer clips, where
+        it costs nothing; see `Trainer`).
 
     Returns:
       The last train metrics and the last eval metrics.
@@ -130,7 +133,7 @@ def train(
     _check_vocab(task, model)
     trainer = Trainer(
         model, partitioner, batch_size=batch_size, lengths=task_feature_lengths,
-        num_microbatches=num_microbatches, seed=seed,
+        num_microbatches=num_microbatches, seed=seed, log_grad_norm=log_grad_norm,
     )  # fmt: skip
     is_chief = jax.process_index() == 0
     writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
