@@ -1,16 +1,7 @@
 """Checkpoint policy: step directories, async saves, atomic commit, keep rules, restore.
 
-Raw array I/O lives in `tensorstore_io.py`; this module decides what goes where and when.
-
-Layout of one checkpoint (no pickle anywhere; every file opens with plain tools):
-
-    <directory>/checkpoint_<step>/
-        metadata.json   format, format_version, step, tree (nested dicts/lists whose leaves are
-                        array paths), arrays {path: {shape, dtype, logical_axes, dir}}
-        extra.json      the trainer's JSON state (step, rng, data iterator state, ...)
-        arrays/<dir>/   one zarr3 array per leaf (see `tensorstore_io`), e.g.
-                        arrays/params.encoder.layers_0.mlp.wi.kernel
-        COMMIT          written last; a directory without it is not a checkpoint
+Raw array I/O lives in `tensorstore_io.py`, the on-disk layout (names, metadata, commit marker)
+in `checkpoint_layout.py`; this module decides what goes where and when.
 
 A save is written to `checkpoint_<step>.tmp`; after every process has written its shards,
 process 0 writes the metadata and `COMMIT` (fsynced) and renames the directory to its final
@@ -47,124 +38,28 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
+from t5lite import checkpoint_layout as layout
 from t5lite import tensorstore_io as tsio
-
-FORMAT = "t5lite.checkpoint"
-FORMAT_VERSION = 1
-COMMIT_FILE = "COMMIT"
-METADATA_FILE = "metadata.json"
-EXTRA_FILE = "extra.json"
-TMP_SUFFIX = ".tmp"
-DELETING_SUFFIX = ".deleting"
-_STEP_RE = re.compile(r"^checkpoint_(\d+)$")
+from t5lite.checkpoint_layout import (  # noqa: F401  (re-exported: the public checkpoint API)
+    COMMIT_FILE,
+    DELETING_SUFFIX,
+    EXTRA_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    TMP_SUFFIX,
+    CheckpointError,
+    committed_steps,
+    is_committed,
+    read_metadata,
+)
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or restored; the message names the directory and array."""
-
-
 # ---------------------------------------------------------------------------------------------
-# Tree paths
-
-
-def _key_str(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _path_str(path: Sequence[Any]) -> str:
-    return "/".join(_key_str(k) for k in path)
-
-
-def _flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """(path, leaf) pairs with '/'-joined key paths, and the treedef."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [(_path_str(p), x) for p, x in leaves], treedef
-
-
-def _tree_json(tree: Any) -> Any:
-    """The tree's structure as JSON: dicts and lists of array paths."""
-
-    def build(path: tuple, node: Any) -> Any:
-        if node is None:
-            return None
-        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[
-            0
-        ]
-        if len(children) == 1 and children[0][0] == ():
-            return _path_str(path)
-        if not children:
-            return [] if isinstance(node, list | tuple) else {}
-        keys = [p[0] for p, _ in children]
-        if all(hasattr(k, "idx") for k in keys):
-            return [build((*path, k), c) for k, (_, c) in zip(keys, children)]
-        return {_key_str(k): build((*path, k), c) for k, (_, c) in zip(keys, children)}
-
-    return build((), tree)
-
-
-def _array_dir(path: str, taken: set[str]) -> str:
-    """A file-system-safe, unique directory name for an array path."""
-    name = re.sub(r"[^A-Za-z0-9_.\-]", "_", path.replace("/", ".")) or "_root"
-    base, n = name, 1
-    while name in taken:
-        name, n = f"{base}.{n}", n + 1
-    taken.add(name)
-    return name
-
-
-def _logical_axes_by_path(logical_axes: Any) -> dict[str, Any]:
-    if logical_axes is None:
-        return {}
-    leaves = jax.tree_util.tree_flatten_with_path(
-        logical_axes,
-        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec | tuple),
-    )[0]
-    return {_path_str(p): None if x is None else [a for a in x] for p, x in leaves}
-
-
-# ---------------------------------------------------------------------------------------------
-# Directory helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Writes `obj` (or an already serialised string) as JSON and fsyncs it."""
-    with open(path, "w") as f:
-        f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def is_committed(path: str | os.PathLike) -> bool:
-    """Whether `path` is a committed checkpoint directory."""
-    return (Path(path) / COMMIT_FILE).is_file()
-
-
-def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps of the committed checkpoints under `directory`, ascending."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    steps = []
-    for p in d.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and is_committed(p):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+# Processes
 
 
 def _is_process0() -> bool:
@@ -204,38 +99,6 @@ def _any_process_failed(name: str, ok: bool) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Restore
-
-
-def read_metadata(path: str | os.PathLike) -> dict:
-    """Reads and checks the metadata of a committed checkpoint.
-
-    Args:
-      path: a `checkpoint_<step>` directory.
-
-    Returns:
-      The parsed `metadata.json`.
-
-    Raises:
-      CheckpointError: missing or uncommitted directory, unreadable metadata, newer format.
-    """
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint directory {p} does not exist")
-    if not is_committed(p):
-        raise CheckpointError(f"checkpoint directory {p} is not committed (no {COMMIT_FILE})")
-    try:
-        meta = json.loads((p / METADATA_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {p}: cannot read {METADATA_FILE}: {e}") from e
-    version = meta.get("format_version")
-    if meta.get("format") != FORMAT or not isinstance(version, int):
-        raise CheckpointError(f"checkpoint {p}: {METADATA_FILE} is not a {FORMAT} file")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {p} has format version {version}, newer than this t5lite reads "
-            f"({FORMAT_VERSION}); upgrade t5lite"
-        )
-    return meta
 
 
 def _castable(src: np.dtype, dst: np.dtype) -> bool:
@@ -309,9 +172,9 @@ def restore_checkpoint(
         )
         by_path = dict(zip(paths, values))
         tree = jax.tree_util.tree_map(lambda a: by_path[a], meta["tree"])
-        return tree, _read_extra(p) if extra else None
+        return tree, layout.read_extra(p) if extra else None
 
-    leaves, treedef = _flatten(target)
+    leaves, treedef = layout.flatten(target)
     rules = [(re.compile(r), repl) for r, repl in (assignment_map or [])]
     requests, slots, out = [], [], []
     for tpath, leaf in leaves:
@@ -355,15 +218,7 @@ def restore_checkpoint(
     for i, v in zip(slots, read(requests)):
         out[i] = v
     state = jax.tree_util.tree_unflatten(treedef, out)
-    return state, (_read_extra(p) if extra and not params_only else None)
-
-
-def _read_extra(p: Path) -> dict:
-    f = p / EXTRA_FILE
-    try:
-        return json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {p}: cannot read {EXTRA_FILE}: {e}") from e
+    return state, (layout.read_extra(p) if extra and not params_only else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,8 +316,8 @@ class CheckpointManager:
         final = self.step_dir(step)
         if final.exists():
             raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
-        leaves, _ = _flatten(state)
-        axes = _logical_axes_by_path(logical_axes)
+        leaves, _ = layout.flatten(state)
+        axes = layout.logical_axes_by_path(logical_axes)
         taken: set[str] = set()
         meta_arrays: dict[str, dict] = {}
         staged = []
@@ -482,7 +337,7 @@ class CheckpointManager:
         # numpy copies release the GIL: a few threads shorten the blocking part of the save.
         hosts = tsio.parallel_map(stage, leaves, 4)
         for (path, _), host in zip(leaves, hosts):
-            d = _array_dir(path, taken)
+            d = layout.array_dir(path, taken)
             meta_arrays[path] = {
                 "shape": list(host.shape),
                 "dtype": host.dtype.name,
@@ -494,7 +349,7 @@ class CheckpointManager:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": step,
-            "tree": _tree_json(state),
+            "tree": layout.tree_json(state),
             "arrays": meta_arrays,
             "process_count": jax.process_count(),
         }
@@ -542,12 +397,12 @@ class CheckpointManager:
                 f"writing checkpoint {tmp} failed on another process; not committed"
             )
         if _is_process0():
-            _write_json(tmp / EXTRA_FILE, extra_json)
-            _write_json(tmp / METADATA_FILE, meta)
-            _write_json(tmp / COMMIT_FILE, {"step": step, "time": time.time()})
-            _fsync_dir(tmp)
+            layout.write_json(tmp / EXTRA_FILE, extra_json)
+            layout.write_json(tmp / METADATA_FILE, meta)
+            layout.write_json(tmp / COMMIT_FILE, {"step": step, "time": time.time()})
+            layout.fsync_dir(tmp)
             os.rename(tmp, final)
-            _fsync_dir(self.directory)
+            layout.fsync_dir(self.directory)
             self._apply_keep_policy()
         _barrier(f"t5lite_ckpt_{step}_{n}_committed", background=True)
 
@@ -585,7 +440,8 @@ class CheckpointManager:
         for p in self.directory.iterdir():
             name = p.name
             for suffix in (TMP_SUFFIX, DELETING_SUFFIX):
-                if name.endswith(suffix) and _STEP_RE.match(name[: -len(suffix)]) and p.is_dir():
+                step_name = name[: -len(suffix)]
+                if name.endswith(suffix) and layout.STEP_RE.match(step_name) and p.is_dir():
                     log.info("removing uncommitted checkpoint directory %s", p)
                     shutil.rmtree(p, ignore_errors=True)
 
