@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -34,9 +33,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import numpy as np
+from _record import write_record
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -314,8 +315,7 @@ def main(argv=None) -> dict:
         ratio = "" if f["ratio"] is None else f"{f['ratio']:.2f}"
         goal = "" if f["goal"] is None else f"{f['goal']} {'met' if f['met'] else 'NOT met'}"
         print(f"{f['name']:36s} {f['value']:9.3f} {f['unit']:8s} {ref:>9s} {ratio:>7s} {goal}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    write_record(record, args.out)
     return record
 
 

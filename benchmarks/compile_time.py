@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _record import write_record
 
 from t5lite import network
 from t5lite.losses import cross_entropy_with_logits
@@ -102,10 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{'scanned' if scan else 'unscanned':<10} {fig['reference']:>13.3f} "
             f"{fig['value']:>14.3f} {fig['ratio']:>7.2f}  {goal}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_record(record, args.out)
     return record
 
 

@@ -28,13 +28,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import datetime
 import functools
-import json
 import platform
 import statistics
 import time
 
 import grain
 import numpy as np
+from _record import write_record  # benchmarks/, the script's own directory
 
 import seqio_lite as sl
 from seqio_lite import preprocessors as prep
@@ -275,10 +275,7 @@ def main(argv=None) -> dict:
         },
         "figures": figures,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=2)
-    print(f"wrote {args.out}")
+    write_record(record, args.out)
     return record
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _record import write_record
 
 from t5lite import decoding, models, network
 
@@ -148,10 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'kv cache':<12} {t_cached:>9.3f} {tps_cached:>10.1f}")
     print(f"{'recompute':<12} {t_full:>9.3f} {tps_full:>10.1f}")
     print(f"speed-up {ratio:.1f}x (goal >= {GOAL}x): met={figures[0]['met']}; same tokens: {same}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_record(record, args.out)
     return record
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -49,6 +48,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _record import write_record
 
 GOAL_SPEEDUP = 1.5  # t5lite tokens/s over PyTorch
 GOAL_OVERHEAD = 1.02  # t5lite step time over the bare jit step
@@ -446,10 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{GOAL_SPEEDUP}x PyTorch needs {feasibility['goal_needs_gflops']} GFLOP/s = "
             f"{feasibility['goal_needs_fraction_of_peak']:.0%} of the peak matmul rate"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_record(record, args.out)
     return record
 
 

@@ -183,7 +183,8 @@ class Trainer:
         params = jax.tree_util.tree_map(jnp.add, state.params, updates)
         metrics = dict(metrics)
         if self.log_grad_norm:
-            metrics["grad_norm"] = global_norm(grads)
+            # optax's norm, op for op: next to `clip_by_global_norm` XLA computes it once.
+            metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = self.model.optimizer.learning_rate_at(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -215,11 +216,6 @@ def _rows_of_this_process(batch, layout):
     """This process's rows of a batch that every process holds in full."""
     lo = layout.shard_id * layout.per_process_batch_size
     return {k: np.asarray(v)[lo : lo + layout.per_process_batch_size] for k, v in batch.items()}
-
-
-def global_norm(tree: PyTree) -> Array:
-    """optax's global norm, op for op: next to `clip_by_global_norm` XLA computes it once."""
-    return optax.global_norm(tree)
 
 
 def _default_feature(name: str, batch: Mapping[str, np.ndarray], shape: tuple[int, ...]):
