@@ -41,7 +41,7 @@ from _record import write_record
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5lite.checkpoints import CheckpointManager
+from t5lite.checkpoint import CheckpointManager
 
 GIB = 1 << 30
 

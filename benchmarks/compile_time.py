@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import write_record
 
-from t5lite import network
-from t5lite.losses import cross_entropy_with_logits
+from t5lite.model import network
+from t5lite.model.losses import cross_entropy_with_logits
 
 BASE = network.DecoderOnlyConfig(
     vocab_size=256, emb_dim=64, num_heads=4, head_dim=16, mlp_dim=128, num_layers=2

@@ -173,7 +173,8 @@ def quickstart_rates(steps: int) -> tuple[float, float]:
     import gin
     import jax
 
-    from t5lite import gin_registry, gin_utils
+    from t5lite.cli import gin_config as gin_utils
+    from t5lite.cli import registry as gin_registry
     from t5lite.trainer import Trainer
 
     def data_iter():

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import write_record
 
-from t5lite import decoding, models, network
+from t5lite.model import decoding, models, network
 
 SMALL = network.T5Config()  # T5.1.1 small
 SMOKE = network.T5Config(

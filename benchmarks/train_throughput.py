@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import optax
 
-    from t5lite import hf_convert, models, network, optimizers, partitioning, trainer
-    from t5lite.losses import cross_entropy_with_logits
+    from t5lite import partitioning, trainer
+    from t5lite.hf import weights as hf_convert
+    from t5lite.model import models, network, optimizers
+    from t5lite.model.losses import cross_entropy_with_logits
 
     try:
         if args.no_torch:

@@ -7,7 +7,7 @@ into three jitted functions with explicit shardings: `init` (state born sharded)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.struct
@@ -18,8 +18,9 @@ import optax
 from flax.core import meta
 from jax.sharding import PartitionSpec
 
-from t5lite import optimizers
-from t5lite.models import FEATURE_AXES, BaseModel
+from seqio_lite.vocabularies import EOS_ID, PAD_ID
+from t5lite.model import optimizers
+from t5lite.model.models import FEATURE_AXES, BaseModel
 from t5lite.partitioning import Partitioner, logical_axes_of
 
 PyTree = Any
@@ -80,7 +81,7 @@ class Trainer:
         if log_grad_norm is None:
             log_grad_norm = bool(getattr(model.optimizer, "clip_norm", None))
         self.log_grad_norm = log_grad_norm
-        self.cache: dict[Any, Any] = {}  # partitioned predict/score functions, built on demand
+        self._compiled: dict[Any, Any] = {}  # predict/score functions, built on demand
 
         dummy = model.dummy_batch(batch_size, self.lengths)
         self.batch_abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.items()}
@@ -101,18 +102,18 @@ class Trainer:
             self.batch_abstract, {k: PartitionSpec(*FEATURE_AXES) for k in self.batch_abstract}
         )
         self._init = partitioner.partition(
-            self._init_state, in_axis_resources=None, out_axis_resources=self.state_shardings
+            self._init_state, in_shardings=None, out_shardings=self.state_shardings
         )
         self.train_step = partitioner.partition(
             self._train_step,
-            in_axis_resources=(self.state_shardings, self.batch_shardings),
-            out_axis_resources=(self.state_shardings, None),
+            in_shardings=(self.state_shardings, self.batch_shardings),
+            out_shardings=(self.state_shardings, None),
             donate_argnums=(0,),
         )
         self.eval_step = partitioner.partition(
             self._eval_step,
-            in_axis_resources=(self.state_shardings.params, self.batch_shardings),
-            out_axis_resources=None,
+            in_shardings=(self.state_shardings.params, self.batch_shardings),
+            out_shardings=None,
         )
 
     # --- state ------------------------------------------------------------------------------
@@ -184,12 +185,59 @@ class Trainer:
         metrics = dict(metrics)
         if self.log_grad_norm:
             # optax's norm, op for op: next to `clip_by_global_norm` XLA computes it once.
-            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["learning_rate"] = self.model.optimizer.learning_rate_at(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _eval_step(self, params: PyTree, batch: Mapping[str, Array]):
         return self.model.eval_fn(params, batch)
+
+    # --- prediction and scoring on the trainer's mesh ------------------------------------------
+
+    def predict_fn(self, params: PyTree, decode_len: int) -> Callable[..., list[list[int]]]:
+        """A numpy-in, token-lists-out predictor on this mesh (compiled once per length).
+
+        Decodes with the model's KV-cached decoder as its `decoding_method` says. The returned
+        `predict_fn(batch, rng_index=0)` samples with `fold_in(PRNGKey(seed), rng_index)`, so a
+        batch decodes the same way in every run and on every process; outputs are replicated.
+        Each row is cut after its first EOS (kept) or padding id (dropped).
+        """
+        key = ("predict", decode_len)
+        if key not in self._compiled:
+            model = self.model
+            self._compiled[key] = self.partitioner.partition(
+                lambda p, b, rng: model.predict_batch(p, b, rng, max_decode_length=decode_len),
+                in_shardings=(self.state_shardings.params, self.batch_shardings, None),
+                out_shardings=None,
+            )
+        predict = self._compiled[key]
+
+        def predict_fn(batch: Mapping[str, np.ndarray], rng_index: int = 0) -> list[list[int]]:
+            rows = len(next(iter(batch.values())))
+            rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), rng_index)
+            global_batch = self.global_batch_from_full(fit_batch(batch, self.batch_size))
+            ids = jax.device_get(predict(params, global_batch, rng))
+            return [_until_eos(r) for r in np.asarray(ids)[:rows]]
+
+        return predict_fn
+
+    def score_fn(self, params: PyTree) -> Callable[[Mapping[str, np.ndarray]], list[float]]:
+        """A numpy-in, log-likelihoods-out scorer on this mesh (compiled once)."""
+        if "score" not in self._compiled:
+            self._compiled["score"] = self.partitioner.partition(
+                self.model.score_batch,
+                in_shardings=(self.state_shardings.params, self.batch_shardings),
+                out_shardings=None,
+            )
+        score = self._compiled["score"]
+
+        def score_fn(batch: Mapping[str, np.ndarray]) -> list[float]:
+            rows = len(next(iter(batch.values())))
+            global_batch = self.global_batch_from_full(fit_batch(batch, self.batch_size))
+            out = jax.device_get(score(params, global_batch))
+            return [float(x) for x in np.asarray(out)[:rows]]
+
+        return score_fn
 
     # --- data -------------------------------------------------------------------------------
 
@@ -210,6 +258,29 @@ class Trainer:
         contributes only its own rows, so every example is computed once."""
         layout = self.partitioner.get_data_layout(self.batch_size)
         return self.global_batch(_rows_of_this_process(batch, layout))
+
+
+def fit_batch(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """Pads (with padding rows) or trims an eval batch to the compiled batch size."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        if v.shape[0] < rows:
+            v = np.concatenate([v, np.zeros((rows - v.shape[0], *v.shape[1:]), v.dtype)])
+        out[k] = v[:rows]
+    return out
+
+
+def _until_eos(ids: np.ndarray) -> list[int]:
+    """Token ids up to the first EOS (kept) or padding id (dropped)."""
+    out = []
+    for t in ids.tolist():
+        if t == PAD_ID:
+            break
+        out.append(t)
+        if t == EOS_ID:
+            break
+    return out
 
 
 def _rows_of_this_process(batch, layout):

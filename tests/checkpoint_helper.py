@@ -38,7 +38,7 @@ def state_at(step: int, mesh: jax.sharding.Mesh, n: int = 24) -> dict:
 
 def main() -> None:
     mode, directory = sys.argv[1], sys.argv[2]
-    from t5lite.checkpoints import CheckpointManager
+    from t5lite.checkpoint import CheckpointManager
 
     if mode in ("multi", "multi_fail"):
         port, pid = int(sys.argv[3]), int(sys.argv[4])
@@ -46,7 +46,7 @@ def main() -> None:
         jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
         mesh = jax.make_mesh((2, 4), ("data", "model"))
         if mode == "multi_fail" and pid == 1:  # process 1's disk write fails
-            from t5lite import tensorstore_io
+            from t5lite.checkpoint import tensorstore_io
 
             def broken(*args, **kwargs):
                 raise OSError("disk full (simulated)")

@@ -31,7 +31,7 @@ def run_cli(*argv: str) -> int:
     """`t5lite ARGV...` in this process, with gin's global config cleared before and after."""
     import gin
 
-    from t5lite import main
+    from t5lite.cli import main
 
     with gin.unlock_config():
         gin.clear_config()

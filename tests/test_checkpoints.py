@@ -22,13 +22,13 @@ from conftest import require_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5lite import tensorstore_io as tsio
-from t5lite.checkpoints import (
+from t5lite.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointManager,
     committed_steps,
 )
+from t5lite.checkpoint import tensorstore_io as tsio
 
 HELPER = Path(__file__).with_name("checkpoint_helper.py")
 REPO = HELPER.parent.parent

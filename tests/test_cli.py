@@ -12,9 +12,9 @@ QUICK = [
     "--gin.TRAIN_STEPS=6",
     "--gin.BATCH_SIZE=8",
     "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-    "--gin.train.checkpoint_period=3",
-    "--gin.train.eval_task=None",
-    "--gin.train.log_period=1",
+    "--gin.CheckpointConfig.period=3",
+    "--gin.train.evaluation=None",
+    "--gin.LogConfig.period=1",
     "--gin.warmup_cosine_schedule.warmup_steps=2",
 ]
 
@@ -53,11 +53,11 @@ def test_eval_and_infer_from_checkpoint(tmp_path):
         "--gin.NUM_PARTITIONS=4",
     ]  # fmt: skip
     assert (
-        run_cli("eval", "--gin_file=runs/eval.gin", *common, "--gin.evaluate.num_examples=8") == 0
+        run_cli("eval", "--gin_file=runs/eval.gin", *common, "--gin.DataConfig.num_examples=8") == 0
     )
     out = tmp_path / "pred.jsonl"
     args = ["--gin_file=runs/infer.gin", *common, f"--gin.OUTPUT_FILE='{out}'",
-            "--gin.infer.num_examples=8"]  # fmt: skip
+            "--gin.DataConfig.num_examples=8"]  # fmt: skip
     assert run_cli("infer", *args) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 8
@@ -66,7 +66,7 @@ def test_eval_and_infer_from_checkpoint(tmp_path):
     assert run_cli("infer", *args) == 1
     score_out = tmp_path / "score.jsonl"
     assert run_cli("infer", *args[:-2], f"--gin.OUTPUT_FILE='{score_out}'",
-               "--gin.infer.num_examples=8", "--gin.infer.mode='score'") == 0  # fmt: skip
+               "--gin.DataConfig.num_examples=8", "--gin.infer.mode='score'") == 0  # fmt: skip
     scores = [json.loads(line)["score"] for line in score_out.read_text().splitlines()]
     assert len(scores) == 8 and all(s < 0 for s in scores)
 
@@ -104,7 +104,7 @@ def test_console_script_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run(
-        [sys.executable, "-m", "t5lite.main", "inspect", "--gin_file=inspect.gin",
+        [sys.executable, "-m", "t5lite.cli.main", "inspect", "--gin_file=inspect.gin",
          "--host_device_count=8"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )  # fmt: skip
@@ -112,7 +112,7 @@ def test_console_script_end_to_end(tmp_path):
     assert "mesh: data=4 x model=2" in out.stdout
     assert "parameters: 76,961,152" in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "t5lite.main", "inspect", "--gin_file=nope.gin"],
+        [sys.executable, "-m", "t5lite.cli.main", "inspect", "--gin_file=nope.gin"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 1

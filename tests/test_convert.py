@@ -47,7 +47,8 @@ def test_import_finetune_export_round_trip(tmp_path, capsys):
         f"--gin.MODEL_DIR='{run_dir}'", "--gin.TASK='synthetic_reverse'", "--gin.TRAIN_STEPS=1",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 8, 'targets': 8}", "--gin.BATCH_SIZE=8",
         "--gin.EncoderDecoderModel.optimizer=@AdamW()", "--gin.AdamW.learning_rate=0.0",
-        f"--gin.train.init_checkpoint='{out / 'checkpoint_0'}'", "--gin.train.eval_task=None",
+        f"--gin.CheckpointConfig.init_checkpoint='{out / 'checkpoint_0'}'",
+        "--gin.train.evaluation=None",
     ]  # fmt: skip
     # A task whose ids exceed the model's vocabulary is refused, naming both sizes.
     capsys.readouterr()

@@ -16,7 +16,8 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5lite import decoding, models, network, partitioning
+from t5lite import partitioning
+from t5lite.model import decoding, models, network
 
 T5_TINY = network.T5Config(
     vocab_size=128, emb_dim=16, num_heads=8, head_dim=4, mlp_dim=32,
@@ -290,7 +291,7 @@ def test_decodes_identical_across_meshes(arch, mesh_shape, preset):
         data_sh = NamedSharding(part.mesh, P("data"))
         batch_sh = {k: data_sh for k in batch}
         predict = part.partition(
-            model.predict_batch, in_axis_resources=(param_sh, batch_sh), out_axis_resources=None
+            model.predict_batch, in_shardings=(param_sh, batch_sh), out_shardings=None
         )
         got = predict(jax.device_put(params, param_sh), jax.device_put(batch, batch_sh))
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=method)

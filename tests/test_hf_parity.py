@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5lite import hf_convert, network
+from t5lite.hf import weights as hf_convert
+from t5lite.model import network
 
 torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from conftest import require_devices
 
-from t5lite import models, network, train_loop
-from t5lite.checkpoints import CheckpointManager
+import t5lite.programs.infer as infer_program
+from t5lite.checkpoint import CheckpointManager
+from t5lite.model import models, network
 from t5lite.partitioning import Partitioner
+from t5lite.programs import DataConfig
 from t5lite.trainer import Trainer
 
 LENGTHS = {"inputs": 8, "targets": 8}
@@ -47,10 +49,10 @@ def model_dir(tmp_path_factory):
 
 
 def _infer(model_dir, out, model=None, **kwargs):
-    return train_loop.infer(
-        model_dir=model_dir, model=model or _model(), task="synthetic_reverse",
-        task_feature_lengths=LENGTHS, batch_size=BATCH, output_file=str(out),
-        partitioner=Partitioner(num_partitions=2), num_examples=N_EXAMPLES, **kwargs,
+    data = DataConfig("synthetic_reverse", LENGTHS, BATCH, num_examples=N_EXAMPLES)
+    return infer_program.infer(
+        model_dir=model_dir, model=model or _model(), data=data, output_file=str(out),
+        partitioner=Partitioner(num_partitions=2), **kwargs,
     )  # fmt: skip
 
 
@@ -64,7 +66,7 @@ class _Stop(Exception):
 
 def _interrupt_after(monkeypatch, n_appends: int, torn: bool):
     """Makes infer stop (as a preemption would) after `n_appends` appended batches."""
-    real = train_loop._append_records
+    real = infer_program.append_records
     calls = []
 
     def append(path, records):
@@ -76,7 +78,7 @@ def _interrupt_after(monkeypatch, n_appends: int, torn: bool):
             raise _Stop
         real(path, records)
 
-    monkeypatch.setattr(train_loop, "_append_records", append)
+    monkeypatch.setattr(infer_program, "append_records", append)
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample"])

@@ -17,8 +17,8 @@ from t5lite.insight import plan as plan_lib
 from t5lite.insight import report as rep
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.sharding import sharding_report
-from t5lite.models import DecoderOnlyModel
-from t5lite.network import DecoderOnlyConfig
+from t5lite.model.models import DecoderOnlyModel
+from t5lite.model.network import DecoderOnlyConfig
 from t5lite.partitioning import (
     Partitioner,
     create_mesh,
@@ -197,7 +197,7 @@ def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path):
     # The written layout parses with the shipped configs into a partitioner of that shape.
     import gin
 
-    from t5lite import gin_registry
+    from t5lite.cli import registry as gin_registry
 
     with gin.unlock_config():
         gin.clear_config()
@@ -226,8 +226,8 @@ _XXL = textwrap.dedent(
     """
     import io, jax
     from t5lite.insight import report as rep
-    from t5lite.models import EncoderDecoderModel
-    from t5lite.network import T5Config
+    from t5lite.model.models import EncoderDecoderModel
+    from t5lite.model.network import T5Config
     from t5lite.partitioning import Partitioner, create_mesh, standard_logical_axis_rules
     assert jax.device_count() == 256
     cfg = T5Config(emb_dim=4096, num_heads=64, mlp_dim=10240, num_encoder_layers=24,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import layers
+from t5lite.model import layers
 
 
 def test_rms_norm_is_fp32_with_eps():

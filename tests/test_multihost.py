@@ -18,10 +18,10 @@ TINY = [
     "--gin_file=quickstart.gin",
     "--gin.BATCH_SIZE=8",
     "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-    "--gin.train.checkpoint_period=3",
-    "--gin.train.eval_task=None",
-    "--gin.train.log_period=1",
-    "--gin.train.pack=False",  # packing differs per process; unpacked batches are identical
+    "--gin.CheckpointConfig.period=3",
+    "--gin.train.evaluation=None",
+    "--gin.LogConfig.period=1",
+    "--gin.DataConfig.pack=False",  # packing differs per process; unpacked batches are identical
     "--gin.warmup_cosine_schedule.warmup_steps=2",
     "--gin.warmup_cosine_schedule.decay_steps=100",
 ]
@@ -41,7 +41,7 @@ def _env(devices: int) -> dict:
 
 
 def _cmd(model_dir, steps, *extra):
-    return [sys.executable, "-m", "t5lite.main", "train", *TINY,
+    return [sys.executable, "-m", "t5lite.cli.main", "train", *TINY,
             f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}", *extra]  # fmt: skip
 
 
@@ -75,7 +75,7 @@ def _wait(procs, timeout=600):
 
 def _run_on_processes(n, command, *args):
     """`t5lite COMMAND ARGS` on 1 process x 8 devices, or 2 processes x 4 devices."""
-    cmd = [sys.executable, "-m", "t5lite.main", command, *args]
+    cmd = [sys.executable, "-m", "t5lite.cli.main", command, *args]
     if n == 1:
         subprocess.run(cmd, env=_env(8), check=True, capture_output=True, timeout=600)
         return
@@ -123,7 +123,7 @@ def test_two_processes_match_one_and_restore_on_one(tmp_path):
 
 def test_dead_peer_stops_the_survivor_with_a_clear_error(tmp_path):
     procs = _start_multi(tmp_path / "m", 100000, "--gin.train.step_timeout_s=20",
-                         "--heartbeat_timeout_s=15", "--gin.train.checkpoint_period=0")  # fmt: skip
+                         "--heartbeat_timeout_s=15", "--gin.CheckpointConfig.period=0")  # fmt: skip
     survivor, victim = procs
     # Wait until training is under way (process 0 logs each step), then kill process 1.
     deadline = time.time() + 300
@@ -153,7 +153,7 @@ def test_two_process_eval_counts_each_example_once(tmp_path):
         "--gin_file=models/t5_1_1/tiny.gin", "--gin_file=runs/eval.gin", "--gin.VOCAB_SIZE=384",
         "--gin.TASK='synthetic_reverse'", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-        "--gin.evaluate.num_examples=20",  # 3 batches of 8, the last one padded
+        "--gin.DataConfig.num_examples=20",  # 3 batches of 8, the last one padded
     ]  # fmt: skip
     results = {}
     for n in (1, 2):
@@ -174,7 +174,8 @@ def test_two_process_infer_writes_each_example_once(tmp_path):
     common = [
         "--gin_file=models/t5_1_1/tiny.gin", "--gin_file=runs/infer.gin", "--gin.VOCAB_SIZE=384",
         "--gin.TASK='synthetic_reverse'", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}", "--gin.infer.num_examples=20",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+        "--gin.DataConfig.num_examples=20",
         f"--gin.MODEL_DIR='{model_dir}'",
     ]  # fmt: skip
     outs = {}

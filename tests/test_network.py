@@ -16,8 +16,10 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5lite import gin_registry, network, partitioning
-from t5lite.losses import cross_entropy_with_logits
+from t5lite import partitioning
+from t5lite.cli import registry as gin_registry
+from t5lite.model import network
+from t5lite.model.losses import cross_entropy_with_logits
 
 # --- tiny configs --------------------------------------------------------------------------
 
@@ -245,8 +247,8 @@ def test_outputs_and_grads_equal_across_meshes(arch, mesh_shape, dims):
     batch_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batch)
     step = part.partition(
         jax.value_and_grad(functools.partial(_mean_loss, cfg)),
-        in_axis_resources=(param_sh, batch_sh),
-        out_axis_resources=(None, param_sh),
+        in_shardings=(param_sh, batch_sh),
+        out_shardings=(None, param_sh),
     )
     loss, grads = step(jax.device_put(params, param_sh), jax.device_put(batch, batch_sh))
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)

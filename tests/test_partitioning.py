@@ -25,8 +25,8 @@ PRESETS = ["data_parallel", "megatron", "fsdp", "fully_sharded"]
 
 def preset_rules(name):
     """The rules table as the shipped gin preset binds it."""
-    from t5lite import gin_registry
-    from t5lite.gin_utils import find_gin_file
+    from t5lite.cli import registry as gin_registry
+    from t5lite.cli.gin_config import find_gin_file
 
     with gin.unlock_config():
         gin.clear_config()
@@ -107,8 +107,8 @@ def test_exact_shardings_and_numerics(preset, shape, tokens, reference):
     batch_sh = part.logical_to_sharding(P("batch", "length"))
     step = part.partition(
         jax.value_and_grad(loss_fn),
-        in_axis_resources=(param_sh, batch_sh),
-        out_axis_resources=(None, param_sh),
+        in_shardings=(param_sh, batch_sh),
+        out_shardings=(None, param_sh),
     )
     loss, grads = step(params, jax.device_put(tokens, batch_sh))
     ref_loss, ref_grads = reference

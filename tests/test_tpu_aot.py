@@ -24,8 +24,8 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     from t5lite.insight import report as rep
     from t5lite.insight.topology import get_topology
-    from t5lite.models import EncoderDecoderModel
-    from t5lite.network import T5Config
+    from t5lite.model.models import EncoderDecoderModel
+    from t5lite.model.network import T5Config
     from t5lite.partitioning import Partitioner, create_mesh, standard_logical_axis_rules
     from t5lite.trainer import Trainer
 

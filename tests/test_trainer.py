@@ -9,8 +9,9 @@ from conftest import require_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5lite import network, optimizers, partitioning
-from t5lite.models import EncoderDecoderModel
+from t5lite import partitioning
+from t5lite.model import network, optimizers
+from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer, summarize
 
 TINY = network.T5Config(
@@ -160,7 +161,7 @@ def test_adafactor_state_is_factored_and_sharded_by_logical_axes():
 
 
 def test_label_smoothing_matches_optax_minus_entropy():
-    from t5lite import losses
+    from t5lite.model import losses
 
     logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 11)) * 3
     targets = jnp.array([[1, 4, 0], [7, 2, 10]])
@@ -178,7 +179,6 @@ def test_label_smoothing_matches_optax_minus_entropy():
 
 
 def test_model_that_does_not_fit_reports_memory(monkeypatch):
-    from t5lite import train_loop
     from t5lite.insight.sharding import format_bytes
 
     tr = _trainer()
@@ -193,9 +193,11 @@ def test_model_that_does_not_fit_reports_memory(monkeypatch):
     mem = mem.memory_analysis()
     need = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - mem.alias_size_in_bytes)  # fmt: skip
-    monkeypatch.setattr(train_loop.jax, "local_devices", lambda: [SmallDevice()])
-    with pytest.raises(train_loop.TrainingError) as e:
-        train_loop._check_fits(tr, tr.abstract_state())
+    import t5lite.programs.train as train_program
+
+    monkeypatch.setattr(train_program.jax, "local_devices", lambda: [SmallDevice()])
+    with pytest.raises(train_program.TrainingError) as e:
+        train_program._check_fits(tr, tr.abstract_state())
     assert str(e.value) == (
         f"the train step needs {format_bytes(need)} per device but FakeAccelerator has 1.00 KiB: "
         "shard more (see `t5lite plan`) or use smaller batches"

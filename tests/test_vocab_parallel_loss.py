@@ -15,8 +15,9 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5lite import network, partitioning
-from t5lite.losses import cross_entropy_with_logits
+from t5lite import partitioning
+from t5lite.model import network
+from t5lite.model.losses import cross_entropy_with_logits
 
 VOCAB = 200  # a size no other dimension of the test program has
 

@@ -22,27 +22,14 @@ from typing import Any, TextIO
 
 import jax
 
+from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
 from t5lite.insight.report import StepReport, mesh_over, step_report
 from t5lite.insight.sharding import _fmt_bytes
-from t5lite.insight.topology import DeviceSpec, GiB, device_spec, get_topology
-from t5lite.models import BaseModel
-from t5lite.partitioning import (
-    Partitioner,
-    PartitioningError,
-    data_parallel_logical_axis_rules,
-    standard_logical_axis_rules,
-)
+from t5lite.insight.topology import get_topology
+from t5lite.model.models import BaseModel
+from t5lite.model.network import REMAT_POLICIES
+from t5lite.partitioning import PRESETS, Partitioner, PartitioningError, preset_rules
 from t5lite.trainer import Trainer
-
-# name -> (activation_partitioning_dims, parameter_partitioning_dims); None: data parallel.
-PRESETS: dict[str, tuple[int, int] | None] = {
-    "data_parallel": None,
-    "megatron": (1, 1),
-    "fsdp": (1, 2),
-    "activations_2d": (2, 1),
-    "fully_sharded": (2, 2),
-}
-REMAT_POLICIES = ("none", "minimal", "full")
 
 # Used only to rank when the device's figures are unknown (CPU): the order of layouts then
 # depends on their ratio, not on these values.
@@ -64,10 +51,7 @@ class Layout:
         return f"{self.data}x{self.model} {self.preset} remat={self.remat}"
 
     def rules(self) -> tuple[tuple[str, Any], ...]:
-        dims = PRESETS[self.preset]
-        if dims is None:
-            return data_parallel_logical_axis_rules()
-        return standard_logical_axis_rules(*dims)
+        return preset_rules(self.preset)
 
     def gin(self, config_class: str) -> str:
         """Gin bindings that reproduce this layout for `t5lite train` (include after the run)."""

@@ -27,17 +27,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
 from t5lite.insight.hlo import KINDS, Collective, parse_collectives
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
-from t5lite.insight.topology import DeviceSpec, GiB, device_spec, get_topology
-from t5lite.models import BaseModel
+from t5lite.insight.topology import get_topology
+from t5lite.model.models import BaseModel
 from t5lite.partitioning import (
     DATA,
     MODEL,
     CompiledFunction,
     Partitioner,
-    _mesh_axes_of,
     create_mesh,
+    mesh_axes_of,
 )
 from t5lite.trainer import Trainer
 
@@ -143,7 +144,7 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     # The model axis splits MLP and heads; activations' embed stays whole (1D activations).
     model_size = math.prod(
         trainer.partitioner.mesh.shape[t]
-        for t in _mesh_axes_of(_rule_of(trainer.partitioner, "mlp"))
+        for t in mesh_axes_of(_rule_of(trainer.partitioner, "mlp"))
     )
     acts = 0
     if hasattr(cfg, "num_encoder_layers"):
@@ -176,14 +177,14 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
 def _unreduced_gradient_bytes(trainer: Trainer) -> int:
     """Gradient bytes per device before the reduction over the batch's mesh axes."""
     part = trainer.partitioner
-    batch_axes = set(_mesh_axes_of(part.data_partition_spec[0]))
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
     for x, s in zip(
         jax.tree_util.tree_leaves(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
     ):
         split = math.prod(
-            part.mesh.shape[t] for e in s.spec for t in _mesh_axes_of(e) if t not in batch_axes
+            part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e) if t not in batch_axes
         )
         total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
     return total
@@ -270,11 +271,11 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     """Per-device communication the layout implies, before any compiler gets to it."""
     part = trainer.partitioner
     mesh_shape = dict(part.mesh.shape)
-    batch_axes = tuple(t for t in _mesh_axes_of(part.data_partition_spec[0]) if mesh_shape[t] > 1)
+    batch_axes = tuple(t for t in mesh_axes_of(part.data_partition_spec[0]) if mesh_shape[t] > 1)
     data_bytes = 0
     if batch_axes:
         for p in report.placements:
-            used = {t for e in p.spec for t in _mesh_axes_of(e)}
+            used = {t for e in p.spec for t in mesh_axes_of(e)}
             # The gradient of the part of p one batch group shares: sharded over model axes only.
             model_split = math.prod(mesh_shape[t] for t in used if t not in batch_axes)
             grad = p.bytes_total // model_split
@@ -282,7 +283,7 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
             if used & set(batch_axes):  # 2D parameters: gathered for forward and backward
                 data_bytes += 2 * grad
     model_axes = tuple(
-        t for t in _mesh_axes_of(_rule_of(part, "mlp")) if mesh_shape[t] > 1 and t not in batch_axes
+        t for t in mesh_axes_of(_rule_of(part, "mlp")) if mesh_shape[t] > 1 and t not in batch_axes
     )
     model_bytes = 0
     if model_axes:

@@ -19,46 +19,13 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-GiB = 2**30
+from t5lite.insight.hardware import TPU_CHIPS, ChipSpec, DeviceSpec, GiB, device_spec_of_kind
+
+__all__ = ["DeviceSpec", "GiB", "Topology", "TopologyError", "get_topology", "num_devices"]
 
 
 class TopologyError(ValueError):
     """A topology name libtpu cannot build, or libtpu missing; the message says which."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ChipSpec:
-    """Published figures of one TPU generation (per chip)."""
-
-    generation: str  # as written in topology names: v4, v5e, v5p, v6e
-    device_kind: str  # `jax.Device.device_kind`
-    hbm_bytes: int
-    peak_flops: float  # dense bf16 FLOP/s
-    ici_bytes_per_s: float  # total inter-chip interconnect bandwidth of one chip
-    cores_per_chip: int  # devices libtpu's topology gives per chip
-
-
-# Google Cloud's TPU system-architecture pages (bf16 peak, HBM, ICI per chip).
-TPU_CHIPS: dict[str, ChipSpec] = {
-    c.generation: c
-    for c in (
-        ChipSpec("v4", "TPU v4", 32 * GiB, 275e12, 2400e9 / 8, 2),
-        ChipSpec("v5e", "TPU v5 lite", 16 * GiB, 197e12, 1600e9 / 8, 1),
-        ChipSpec("v5p", "TPU v5", 95 * GiB, 459e12, 4800e9 / 8, 1),
-        ChipSpec("v6e", "TPU v6 lite", 32 * GiB, 918e12, 3584e9 / 8, 1),
-    )
-}
-_BY_KIND = {c.device_kind: c for c in TPU_CHIPS.values()}
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """What a planner needs to know about one device (None: unknown)."""
-
-    device_kind: str
-    memory_bytes: int | None
-    peak_flops: float | None
-    link_bytes_per_s: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,31 +52,6 @@ def num_devices(name: str) -> int:
     """Devices of a topology, from its name alone (no JAX): chips × cores per chip."""
     chip, dims = _parse(name)
     return math.prod(dims) * chip.cores_per_chip
-
-
-def device_spec_of_kind(device_kind: str, cores_per_chip: int | None = None) -> DeviceSpec:
-    """Per-device figures for a TPU `device_kind` (a chip's HBM and FLOPs split over its cores)."""
-    chip = _BY_KIND.get(device_kind)
-    if chip is None:
-        return DeviceSpec(device_kind, None, None, None)
-    n = cores_per_chip or chip.cores_per_chip
-    return DeviceSpec(
-        device_kind, chip.hbm_bytes // n, chip.peak_flops / n, chip.ici_bytes_per_s / n
-    )
-
-
-def device_spec(device: Any) -> DeviceSpec:
-    """Figures of a real (or compile-only) JAX device: memory from the runtime when it knows."""
-    spec = device_spec_of_kind(device.device_kind)
-    with contextlib.suppress(Exception):  # compile-only and CPU devices have no memory stats
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit:
-            spec = dataclasses.replace(spec, memory_bytes=int(limit))
-    if spec.peak_flops is None:
-        from t5lite.metrics_writer import peak_flops
-
-        spec = dataclasses.replace(spec, peak_flops=peak_flops(device.device_kind))
-    return spec
 
 
 def libtpu_available() -> bool:

@@ -1,7 +1,7 @@
 """Checkpoint policy: step directories, async saves, atomic commit, keep rules, restore.
 
 Raw array I/O lives in `tensorstore_io.py`, the on-disk layout (names, metadata, commit marker)
-in `checkpoint_layout.py`; this module decides what goes where and when.
+in `layout.py`; this module decides what goes where and when.
 
 A save is written to `checkpoint_<step>.tmp`; after every process has written its shards,
 process 0 writes the metadata and `COMMIT` (fsynced) and renames the directory to its final
@@ -39,9 +39,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5lite import checkpoint_layout as layout
-from t5lite import tensorstore_io as tsio
-from t5lite.checkpoint_layout import (  # noqa: F401  (re-exported: the public checkpoint API)
+from t5lite.checkpoint import layout
+from t5lite.checkpoint import tensorstore_io as tsio
+from t5lite.checkpoint.layout import (
     COMMIT_FILE,
     DELETING_SUFFIX,
     EXTRA_FILE,
@@ -51,7 +51,6 @@ from t5lite.checkpoint_layout import (  # noqa: F401  (re-exported: the public c
     TMP_SUFFIX,
     CheckpointError,
     committed_steps,
-    is_committed,
     read_metadata,
 )
 

@@ -50,10 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
         )
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from t5lite import distributed, gin_utils  # imports JAX: only after XLA_FLAGS is set
-    from t5lite.checkpoints import CheckpointError
+    from t5lite import distributed  # imports JAX: only after XLA_FLAGS is set
+    from t5lite.checkpoint import CheckpointError
+    from t5lite.cli import gin_config as gin_utils
     from t5lite.partitioning import PartitioningError
-    from t5lite.train_loop import TrainingError
+    from t5lite.programs.train import TrainingError
 
     # User mistakes (bad bindings, layouts, checkpoints, values) end in one line naming the
     # culprit; T5LITE_DEBUG=1 shows the traceback instead. Other exceptions keep theirs.
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_errors = ()
     try:
         if args.command == "convert":
-            from t5lite import convert
+            from t5lite.hf import convert
 
             if not args.out_dir or not (
                 args.hf_dir if args.direction == "import" else args.checkpoint
@@ -79,12 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         gin_utils.parse_gin(args.gin_file, bindings)  # before joining: bad configs fail fast
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
                                heartbeat_timeout_s=args.heartbeat_timeout_s)  # fmt: skip
-        from t5lite import gin_registry as reg
+        from t5lite.cli import registry as reg
 
         fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer,
               "inspect": reg.inspect, "plan": reg.plan}[args.command]  # fmt: skip
-        topo = args.topology and args.command in ("inspect", "plan")
-        fn(**({"topology": args.topology} if topo else {}))
+        kwargs: dict = {}
+        if args.topology and args.command in ("inspect", "plan"):
+            kwargs["topology"] = args.topology
+        if args.command == "train":  # config.gin: what this run used, written once it is set up
+            kwargs["operative_config"] = gin_utils.operative_config
+        fn(**kwargs)
     except user_errors as e:
         print(f"t5lite {args.command}: error: {gin_utils.one_line(e)}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """The on-disk layout of a t5lite checkpoint: names, metadata, tree paths, commit markers.
 
-Shared by the writer (`checkpoints.CheckpointManager`) and every reader. Layout of one checkpoint
+Shared by the writer (`manager.CheckpointManager`) and every reader. Layout of one checkpoint
 (no pickle anywhere; every file opens with plain tools):
 
     <directory>/checkpoint_<step>/
@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
+
+from t5lite.pytree import key_str, path_str
 
 FORMAT = "t5lite.checkpoint"
 FORMAT_VERSION = 1
@@ -40,19 +41,6 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # Tree paths
-
-
-def key_str(k: Any) -> str:
-    """One component of a JAX key path as text (dict key, attribute name or list index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """A JAX key path as the '/'-joined string that names an array in `metadata.json`."""
-    return "/".join(key_str(k) for k in path)
 
 
 def flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
-from t5lite import decoding, losses, network
-from t5lite.optimizers import AdamW, Optimizer
+from t5lite.model import decoding, losses, network
+from t5lite.model.optimizers import AdamW, Optimizer
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -66,6 +66,8 @@ class BaseModel(abc.ABC):
 
     # --- to be provided by subclasses -----------------------------------------------------
     FEATURES: ClassVar[tuple[str, ...]] = ()
+    FEATURE_CONVERTER: ClassVar[str] = ""
+    """The seqio_lite feature converter whose output features this model reads."""
 
     @abc.abstractmethod
     def module(self) -> nn.Module:
@@ -81,13 +83,11 @@ class BaseModel(abc.ABC):
             rngs=rngs,
         )
 
-    # --- shared -----------------------------------------------------------------------------
-
+    @abc.abstractmethod
     def dummy_batch(self, batch_size: int, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Zero features of the right shapes, e.g. for initialisation and AOT compilation."""
-        return {
-            k: np.zeros((batch_size, lengths[k.split("_")[0]]), np.int32) for k in self.FEATURES
-        }
+
+    # --- shared -----------------------------------------------------------------------------
 
     def init(self, rng: Array, batch: Batch) -> PyTree:
         """Flax variables (boxed with logical axes) for batches shaped like `batch`."""
@@ -257,6 +257,7 @@ class EncoderDecoderModel(BaseModel):
         "encoder_positions",
         "decoder_positions",
     )
+    FEATURE_CONVERTER: ClassVar[str] = "enc_dec"
     _INPUT_NAMES: ClassVar[tuple[str, ...]] = (
         "encoder_input_tokens",
         "decoder_input_tokens",
@@ -337,6 +338,7 @@ class DecoderOnlyModel(BaseModel):
         "decoder_positions",
         "decoder_causal_attention",
     )
+    FEATURE_CONVERTER: ClassVar[str] = "lm"
     _INPUT_NAMES: ClassVar[tuple[str, ...]] = (
         "decoder_input_tokens",
         "decoder_target_tokens",

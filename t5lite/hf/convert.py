@@ -2,8 +2,8 @@
 
 Import writes `OUT/checkpoint_0` (a params-only t5lite checkpoint whose extra state records the
 network config) and `OUT/model.gin` (the config as gin bindings). Fine-tune from it with
-`--gin.train.init_checkpoint='OUT/checkpoint_0'` and `--gin_file=OUT/model.gin`. Export reads
-the config back from the checkpoint and writes `config.json` + `model.safetensors`.
+`--gin.CheckpointConfig.init_checkpoint='OUT/checkpoint_0'` and `--gin_file=OUT/model.gin`.
+Export reads the config back from the checkpoint and writes `config.json` + `model.safetensors`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import dataclasses
 import os
 from pathlib import Path
 
-from t5lite import hf_convert, network
-from t5lite.checkpoints import CheckpointManager, restore_checkpoint
+from t5lite.checkpoint import CheckpointManager, restore_checkpoint
+from t5lite.hf import weights as hf_convert
+from t5lite.model import network
 
 _CONFIG_TYPES = {"T5Config": network.T5Config, "DecoderOnlyConfig": network.DecoderOnlyConfig}
 _MODEL_OF = {"T5Config": "EncoderDecoderModel", "DecoderOnlyConfig": "DecoderOnlyModel"}
 
 
 def _config_json(config: network.T5Config | network.DecoderOnlyConfig) -> dict:
-    # The same record `train_loop.train` stores with every checkpoint.
+    # The same record `programs.train` stores with every checkpoint.
     return {"type": type(config).__name__, **dataclasses.asdict(config)}
 
 
@@ -38,7 +39,7 @@ def model_gin(config: network.T5Config | network.DecoderOnlyConfig) -> str:
     kind = type(config).__name__
     lines = [
         "# Written by `t5lite convert`: the imported model's network config.",
-        "import t5lite.gin_registry",
+        "import t5lite.cli.registry",
         "",
         f"MODEL = @{_MODEL_OF[kind]}()",
         f"{_MODEL_OF[kind]}.network_config = @network.{kind}()",
@@ -74,7 +75,7 @@ def t5lite_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> P
     if not extra or "network_config" not in extra:
         raise ValueError(
             f"{checkpoint}: no network config in its extra state (export needs a checkpoint "
-            "written by `t5lite convert` or by training with `train.init_checkpoint`)"
+            "written by `t5lite convert` or by training with `CheckpointConfig.init_checkpoint`)"
         )
     hf_convert.export_hf(config_from_json(extra["network_config"]), state["params"], out)
     return out

@@ -25,7 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from t5lite import network
+from t5lite.model import network
 
 Params = dict[str, Any]
 _CONFIG = "config.json"

@@ -12,8 +12,8 @@ import gin
 
 # Packaged configs: `t5lite.configs` after an install; the repository's configs/ in a checkout.
 _CONFIG_DIRS = (
-    Path(__file__).resolve().parent / "configs",
-    Path(__file__).resolve().parent.parent / "configs",
+    Path(__file__).resolve().parents[1] / "configs",
+    Path(__file__).resolve().parents[2] / "configs",
 )
 
 
@@ -41,7 +41,7 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
     Raises ConfigError with gin's message (naming the binding) on any mistake, before anything
     is built or compiled.
     """
-    from t5lite import gin_registry  # noqa: F401  (registers the configurables)
+    from t5lite.cli import registry as gin_registry  # noqa: F401  (registers the configurables)
 
     for d in _CONFIG_DIRS:
         if d.is_dir() and str(d) not in gin.config._LOCATION_PREFIXES:
@@ -61,6 +61,11 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
         raise ConfigError(one_line(e)) from e
     finally:
         logging.getLogger().removeFilter(quiet)
+
+
+def operative_config() -> str:
+    """Every binding of the parsed gin files and flags, as `config.gin` records them."""
+    return gin.config_str()
 
 
 def one_line(e: BaseException) -> str:

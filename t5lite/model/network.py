@@ -28,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import layers
+from t5lite.model import layers
 
 Array = jax.Array
 RematPolicy = Literal["none", "minimal", "full"]
+REMAT_POLICIES: tuple[str, ...] = ("none", "minimal", "full")
+"""What `remat_policy` accepts: save everything, save matmul outputs only, save nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +147,8 @@ AnyConfig = T5Config | DecoderOnlyConfig
 
 
 def _check_remat(policy: str) -> None:
-    if policy not in ("none", "minimal", "full"):
-        raise ValueError(f"remat_policy must be 'none', 'minimal' or 'full', got {policy!r}")
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
 def _dropout(cfg: AnyConfig, x: Array, deterministic: bool) -> Array:

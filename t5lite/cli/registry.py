@@ -1,0 +1,55 @@
+"""The one place where library objects become gin configurables.
+
+Library modules never import gin; importing this module registers them (the CLI and notebooks do),
+so a gin file can say `Partitioner.logical_axis_rules = @standard_logical_axis_rules()`.
+The names below are the configurable versions; call them (not the library originals) to have gin
+bindings applied.
+"""
+
+import gin
+
+from t5lite import partitioning
+from t5lite.insight import plan as _plan
+from t5lite.insight import report
+from t5lite.model import models, network, optimizers
+from t5lite.programs import configs
+from t5lite.programs import evaluate as _evaluate
+from t5lite.programs import infer as _infer
+from t5lite.programs import train as _train
+
+
+def _register(obj, module: str = "t5lite"):
+    return gin.external_configurable(obj, module=module)
+
+
+# --- partitioning -------------------------------------------------------------------------
+standard_logical_axis_rules = _register(partitioning.standard_logical_axis_rules)
+data_parallel_logical_axis_rules = _register(partitioning.data_parallel_logical_axis_rules)
+create_mesh = _register(partitioning.create_mesh)
+Partitioner = _register(partitioning.Partitioner)
+
+# --- networks (configs and constructors) ---------------------------------------------------
+T5Config = _register(network.T5Config, "network")
+DecoderOnlyConfig = _register(network.DecoderOnlyConfig, "network")
+EncoderDecoder = _register(network.EncoderDecoder, "network")
+DecoderOnly = _register(network.DecoderOnly, "network")
+
+# --- models and optimizers -------------------------------------------------------------------
+EncoderDecoderModel = _register(models.EncoderDecoderModel)
+DecoderOnlyModel = _register(models.DecoderOnlyModel)
+AdamW = _register(optimizers.AdamW)
+Adafactor = _register(optimizers.Adafactor)
+rsqrt_schedule = _register(optimizers.rsqrt_schedule)
+warmup_cosine_schedule = _register(optimizers.warmup_cosine_schedule)
+constant_schedule = _register(optimizers.constant_schedule)
+
+# --- programs ----------------------------------------------------------------------------------
+DataConfig = _register(configs.DataConfig)
+CheckpointConfig = _register(configs.CheckpointConfig)
+EvalConfig = _register(configs.EvalConfig)
+LogConfig = _register(configs.LogConfig)
+train = _register(_train.train)
+evaluate = _register(_evaluate.evaluate)
+infer = _register(_infer.infer)
+inspect = _register(report.inspect)
+plan = _register(_plan.plan)

@@ -1,0 +1,62 @@
+"""Mesh, logical-axis rules and the Partitioner: how logical names become `NamedSharding`s.
+
+- `mesh.py`: mesh construction (`create_mesh`, TPU submeshes, hybrid DCN × ICI meshes).
+- `rules.py`: the rules tables, the `PRESETS` table, resolution and validation of layouts.
+- `partitioner.py`: the `Partitioner` (shardings, data layout, jit with explicit shardings).
+"""
+
+from t5lite.partitioning.mesh import (
+    DATA,
+    MODEL,
+    REPLICA,
+    PartitioningError,
+    create_mesh,
+    submesh_device_array,
+)
+from t5lite.partitioning.partitioner import (
+    CompiledFunction,
+    DataLayout,
+    PartitionedFunction,
+    Partitioner,
+)
+from t5lite.partitioning.rules import (
+    PRESETS,
+    ExplicitSpec,
+    LogicalRules,
+    MeshAxis,
+    Placement,
+    data_parallel_logical_axis_rules,
+    logical_axes_of,
+    mesh_axes_of,
+    preset_rules,
+    resolve_logical_axes,
+    standard_logical_axis_rules,
+    validate_spec,
+)
+from t5lite.pytree import path_str
+
+__all__ = [
+    "DATA",
+    "MODEL",
+    "PRESETS",
+    "REPLICA",
+    "CompiledFunction",
+    "DataLayout",
+    "ExplicitSpec",
+    "LogicalRules",
+    "MeshAxis",
+    "PartitionedFunction",
+    "Partitioner",
+    "PartitioningError",
+    "Placement",
+    "create_mesh",
+    "data_parallel_logical_axis_rules",
+    "logical_axes_of",
+    "mesh_axes_of",
+    "path_str",
+    "preset_rules",
+    "resolve_logical_axes",
+    "standard_logical_axis_rules",
+    "submesh_device_array",
+    "validate_spec",
+]

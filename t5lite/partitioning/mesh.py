@@ -1,0 +1,170 @@
+"""Device meshes: `('data', 'model')`, hybrid `('replica', 'data', 'model')` and TPU submeshes.
+
+The mesh axis names live here and in the rules tables only; model code never sees them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+DATA, MODEL, REPLICA = "data", "model", "replica"
+
+
+class PartitioningError(ValueError):
+    """A layout, mesh or batch that cannot be partitioned; the message names the culprit."""
+
+
+def create_mesh(
+    num_partitions: int | None = None,
+    *,
+    model_parallel_submesh: Sequence[int] | None = None,
+    ici_mesh_shape: Sequence[int] | None = None,
+    dcn_mesh_shape: Sequence[int] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """Builds the device mesh with axes `('data', 'model')`, or `('replica', 'data', 'model')`.
+
+    Give exactly one of:
+      num_partitions: size of the `model` axis; `data` takes the remaining devices.
+      model_parallel_submesh: the physical TPU block (e.g. `(2, 2, 1, 2)` = x, y, z, core) that
+        forms one model-parallel group; its product is the `model` size. On devices without
+        physical coordinates (CPU, GPU) only the product matters.
+      ici_mesh_shape: explicit `(data, model)` or `(replica, data, model)` within a slice; with
+        `dcn_mesh_shape` (same length) the mesh is hybrid: axis i has `dcn[i] * ici[i]` devices,
+        the slow DCN links outermost.
+
+    Unlike t5x, `num_partitions` is honoured on CPU too, so fake-device tests see real meshes.
+    Device order is topology-aware (`mesh_utils`) on TPU and GPU.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    given = [
+        n
+        for n, v in (
+            ("num_partitions", num_partitions),
+            ("model_parallel_submesh", model_parallel_submesh),
+            ("ici_mesh_shape", ici_mesh_shape),
+        )
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise PartitioningError(f"create_mesh: give only one of {given}")
+    if dcn_mesh_shape is not None and ici_mesh_shape is None:
+        raise PartitioningError("create_mesh: dcn_mesh_shape needs ici_mesh_shape")
+    if not given:
+        num_partitions = 1
+
+    if ici_mesh_shape is not None:
+        ici = tuple(int(d) for d in ici_mesh_shape)
+        if len(ici) not in (2, 3):
+            raise PartitioningError(
+                f"create_mesh: ici_mesh_shape {ici} must have 2 (data, model) or 3 "
+                "(replica, data, model) entries"
+            )
+        dcn = tuple(int(d) for d in dcn_mesh_shape) if dcn_mesh_shape is not None else None
+        if dcn is not None and len(dcn) != len(ici):
+            raise PartitioningError(
+                f"create_mesh: dcn_mesh_shape {dcn} and ici_mesh_shape {ici} differ in length"
+            )
+        shape = tuple(i * (dcn[k] if dcn else 1) for k, i in enumerate(ici))
+        names = (DATA, MODEL) if len(ici) == 2 else (REPLICA, DATA, MODEL)
+        check_mesh_size(shape, names, len(devices))
+        if dcn is not None:
+            arr = _hybrid_device_array(ici, dcn, devices)
+        else:
+            arr = _device_array(shape, devices)
+        return Mesh(arr, names)
+
+    if model_parallel_submesh is not None:
+        sub = tuple(int(d) for d in model_parallel_submesh)
+        num_partitions = math.prod(sub)
+        if len(devices) % num_partitions:
+            raise PartitioningError(
+                f"create_mesh: model_parallel_submesh {sub} has {num_partitions} devices, "
+                f"which does not divide the {len(devices)} devices present"
+            )
+        if all(hasattr(d, "coords") for d in devices):
+            return Mesh(submesh_device_array(devices, sub), (DATA, MODEL))
+
+    assert num_partitions is not None
+    if num_partitions < 1 or len(devices) % num_partitions:
+        raise PartitioningError(
+            f"create_mesh: num_partitions={num_partitions} does not divide the "
+            f"{len(devices)} devices present"
+        )
+    shape = (len(devices) // num_partitions, num_partitions)
+    return Mesh(_device_array(shape, devices), (DATA, MODEL))
+
+
+def check_mesh_size(shape: tuple[int, ...], names: tuple[str, ...], num_devices: int) -> None:
+    """Rejects a mesh shape whose device count differs from the devices present."""
+    if math.prod(shape) != num_devices:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
+        raise PartitioningError(
+            f"mesh ({axes}) has {math.prod(shape)} devices but {num_devices} devices are present"
+        )
+
+
+def _device_array(shape: tuple[int, ...], devices: list[Any]) -> np.ndarray:
+    """Devices in topology-aware order where JAX knows the topology, else in id order."""
+    if devices[0].platform in ("tpu", "gpu", "cuda", "rocm"):
+        from jax.experimental import mesh_utils
+
+        return mesh_utils.create_device_mesh(shape, devices)
+    return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def _hybrid_device_array(
+    ici: tuple[int, ...], dcn: tuple[int, ...], devices: list[Any]
+) -> np.ndarray:
+    """A DCN × ICI mesh: granules (slices, or processes) are the outer index of every axis."""
+    if hasattr(devices[0], "slice_index") or jax.process_count() > 1:
+        from jax.experimental import mesh_utils
+
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=not hasattr(devices[0], "slice_index")
+        )
+    # One process without slices (fake CPU devices): consecutive blocks of devices play granules.
+    arr = np.asarray(devices, dtype=object).reshape(*dcn, *ici)
+    n = len(ici)
+    arr = arr.transpose([a for k in range(n) for a in (k, n + k)])
+    return arr.reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def submesh_device_array(devices: Sequence[Any], submesh: tuple[int, ...]) -> np.ndarray:
+    """Arranges TPU devices so each `model` group is one physical block of shape `submesh`.
+
+    Devices carry `coords` (x, y, z) and `core_on_chip`. The physical mesh (X, Y, Z, cores) is
+    tiled by `submesh`; tiles index `data`, positions within a tile index `model` (t5x's layout,
+    which keeps model-parallel all-reduces on the shortest links).
+    """
+    coords = np.array([(*d.coords, getattr(d, "core_on_chip", 0)) for d in devices])
+    phys = tuple(int(c) + 1 for c in coords.max(axis=0))
+    if len(submesh) != len(phys):
+        raise PartitioningError(
+            f"model_parallel_submesh {submesh} must have {len(phys)} entries (x, y, z, core)"
+        )
+    if math.prod(phys) != len(devices):
+        raise PartitioningError(f"devices do not fill the physical mesh {phys}")
+    for s, p in zip(submesh, phys):
+        if p % s:
+            raise PartitioningError(
+                f"model_parallel_submesh {submesh} does not tile the physical mesh {phys}"
+            )
+    grid = np.empty(phys, dtype=object)
+    for d, c in zip(devices, coords):
+        grid[tuple(c)] = d
+    n = len(phys)
+    tiled = grid.reshape([x for p, s in zip(phys, submesh) for x in (p // s, s)])
+    tiled = tiled.transpose(list(range(0, 2 * n, 2)) + list(range(1, 2 * n, 2)))
+    return tiled.reshape(len(devices) // math.prod(submesh), math.prod(submesh))
+
+
+def mesh_str(mesh: Mesh) -> str:
+    """`{data: 2, model: 4}`: a mesh's shape for messages."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mesh.shape.items()) + "}"

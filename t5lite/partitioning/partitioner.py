@@ -1,0 +1,403 @@
+"""The `Partitioner`: one mesh and one rules table; shardings, data layout and jit.
+
+Everything handed to it (parameters, optimizer state, batches) is described by logical axes;
+it returns `NamedSharding`s and jitted functions with explicit input/output shardings (XLA GSPMD
+or Shardy partitions the rest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax.core import meta
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from t5lite.partitioning.mesh import PartitioningError, check_mesh_size, create_mesh, mesh_str
+from t5lite.partitioning.rules import (
+    ExplicitSpec,
+    LogicalRules,
+    Placement,
+    describe,
+    is_axes_leaf,
+    logical_axes_of,
+    mesh_axes_of,
+    resolve_logical_axes,
+    shard_shape,
+    standard_logical_axis_rules,
+    validate_spec,
+)
+from t5lite.pytree import path_str
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DataLayout:
+    """Which part of the global batch this process loads (t5x's `DataLayout`)."""
+
+    batch_size: int  # global batch size
+    shard_id: int  # this process's data shard
+    num_shards: int  # number of distinct data shards across processes
+    is_first_host_in_replica_set: bool  # False on processes that load a copy of another's shard
+
+    @property
+    def per_process_batch_size(self) -> int:
+        return self.batch_size // self.num_shards
+
+
+class Partitioner:
+    """Turns logical axes into `NamedSharding`s and jits functions on one mesh with one table.
+
+    The mesh and the rules table are the only places mesh axes appear; everything handed to the
+    partitioner (parameters, optimizer state, batches) is described by logical axes.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh | None = None,
+        *,
+        num_partitions: int | None = None,
+        model_parallel_submesh: Sequence[int] | None = None,
+        ici_mesh_shape: Sequence[int] | None = None,
+        dcn_mesh_shape: Sequence[int] | None = None,
+        logical_axis_rules: LogicalRules | None = None,
+        strict: bool = False,
+        shard_if_divisible: Sequence[str] = ("kv_heads",),
+    ):
+        """Builds the partitioner.
+
+        Args:
+          mesh: a ready mesh; otherwise one is built by `create_mesh` from the next arguments.
+          num_partitions, model_parallel_submesh, ici_mesh_shape, dcn_mesh_shape: see
+            `create_mesh`.
+          logical_axis_rules: the rules table (default: `standard_logical_axis_rules()`).
+          strict: turn "replicated despite a rule" and unannotated parameters into errors.
+          shard_if_divisible: logical names replicated, not rejected, when they do not divide.
+        """
+        if mesh is None:
+            mesh = create_mesh(
+                num_partitions,
+                model_parallel_submesh=model_parallel_submesh,
+                ici_mesh_shape=ici_mesh_shape,
+                dcn_mesh_shape=dcn_mesh_shape,
+            )
+        check_mesh_size(tuple(mesh.devices.shape), tuple(mesh.axis_names), mesh.devices.size)
+        self.mesh = mesh
+        self.rules = tuple(
+            (str(n), tuple(a) if isinstance(a, list) else a)
+            for n, a in (logical_axis_rules or standard_logical_axis_rules())
+        )
+        for name, axis in self.rules:
+            for t in mesh_axes_of(axis):
+                if t not in mesh.shape:
+                    raise PartitioningError(
+                        f"rule ({name!r}, {axis!r}) names mesh axis {t!r}, which mesh "
+                        f"{mesh_str(mesh)} does not have"
+                    )
+        self.strict = strict
+        self.shard_if_divisible = tuple(shard_if_divisible)
+
+    # --- context --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The mesh and rules under which model code's `with_logical_constraint` resolves."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    # --- logical -> physical --------------------------------------------------------------
+
+    def placements(self, abstract_tree: PyTree, axes_tree: PyTree) -> PyTree:
+        """One validated `Placement` per array of `abstract_tree` (arrays or ShapeDtypeStructs).
+
+        `axes_tree` has the same structure with `PartitionSpec`s of logical names (or
+        `ExplicitSpec`, or None for replicated) as leaves; it may also be a prefix of it.
+        """
+        flat_axes, axes_treedef = jax.tree_util.tree_flatten_with_path(
+            axes_tree, is_leaf=is_axes_leaf
+        )
+        # Broadcast a prefix tree of axes over the arrays (e.g. one spec for a whole batch dict).
+        subtrees = axes_treedef.flatten_up_to(abstract_tree)
+        out = []
+        for (prefix, axes), sub in zip(flat_axes, subtrees):
+            out.append(
+                jax.tree_util.tree_map_with_path(
+                    lambda p, x, axes=axes, q=prefix: self._place(path_str(q + p), x, axes), sub
+                )
+            )
+        return jax.tree_util.tree_unflatten(axes_treedef, out)
+
+    def _place(self, path: str, x: Any, axes: Any) -> Placement:
+        shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+        dtype = np.dtype(getattr(x, "dtype", np.float32))
+        flagged: tuple[str, ...] = ()
+        if isinstance(axes, ExplicitSpec):
+            spec, logical = axes.spec, tuple(axes.spec)
+            validate_spec(spec, shape, self.mesh, path=path)
+        elif axes is None:
+            if self.strict and shape:
+                raise PartitioningError(
+                    f"{describe(path, shape, None, self.mesh)}: has no logical axes "
+                    "(strict partitioning requires every parameter to be annotated)"
+                )
+            spec, logical = PartitionSpec(), None
+        else:
+            logical = tuple(axes)
+            if len(logical) < len(shape):  # a spec may leave trailing dimensions implicit
+                logical = logical + (None,) * (len(shape) - len(logical))
+            spec, flagged = resolve_logical_axes(
+                logical,
+                self.rules,
+                shape=shape,
+                mesh=self.mesh,
+                path=path,
+                shard_if_divisible=self.shard_if_divisible,
+            )
+            if flagged and self.strict:
+                raise PartitioningError(
+                    f"{describe(path, shape, logical, self.mesh)}: logical axes {list(flagged)} "
+                    f"have sharding rules but stay replicated under {spec} (strict mode)"
+                )
+        return Placement(
+            path=path,
+            shape=shape,
+            dtype=dtype,
+            logical_axes=logical,
+            spec=spec,
+            shard_shape=shard_shape(shape, spec, self.mesh),
+            replicated_despite_rule=flagged,
+        )
+
+    def shardings(self, abstract_tree: PyTree, axes_tree: PyTree) -> PyTree:
+        """Validated `NamedSharding`s for every array of `abstract_tree`."""
+        return jax.tree_util.tree_map(
+            lambda p: NamedSharding(self.mesh, p.spec),
+            self.placements(abstract_tree, axes_tree),
+            is_leaf=lambda x: isinstance(x, Placement),
+        )
+
+    def logical_to_mesh_axes(self, axes_tree: PyTree) -> PyTree:
+        """Shape-free translation of a tree of logical specs into mesh-axis `PartitionSpec`s."""
+
+        def one(axes: Any) -> PartitionSpec:
+            if axes is None:
+                return PartitionSpec()
+            if isinstance(axes, ExplicitSpec):
+                validate_spec(axes.spec, None, self.mesh)
+                return axes.spec
+            return resolve_logical_axes(tuple(axes), self.rules, mesh=self.mesh)[0]
+
+        return jax.tree_util.tree_map(one, axes_tree, is_leaf=is_axes_leaf)
+
+    def logical_to_sharding(self, axes_tree: PyTree) -> PyTree:
+        """Shape-free translation of a tree of logical specs into `NamedSharding`s."""
+        return jax.tree_util.tree_map(
+            lambda s: NamedSharding(self.mesh, s),
+            self.logical_to_mesh_axes(axes_tree),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def _to_sharding(self, resources: PyTree) -> PyTree:
+        """Mesh-axis PartitionSpecs / None / NamedShardings -> NamedShardings."""
+
+        def one(r: Any) -> Any:
+            if r is None:
+                return NamedSharding(self.mesh, PartitionSpec())
+            if isinstance(r, PartitionSpec):
+                validate_spec(r, None, self.mesh)
+                return NamedSharding(self.mesh, r)
+            return r
+
+        return jax.tree_util.tree_map(
+            one, resources, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)
+        )
+
+    # --- initialisation and jit -----------------------------------------------------------
+
+    def initialize(self, init_fn: Callable[..., PyTree], *args: Any) -> tuple[PyTree, PyTree]:
+        """Partitioned initialisation: parameters are born sharded, never whole on one device.
+
+        `init_fn(*args)` returns Flax variables whose leaves may be boxed with logical axes.
+        Shapes come from `jax.eval_shape` (nothing allocated), shardings from the rules, and
+        `init_fn` then runs under `jax.jit(out_shardings=...)`.
+
+        Returns:
+          `(variables, logical_axes)`: unboxed arrays and the matching tree of logical specs.
+        """
+        abstract_boxed = jax.eval_shape(init_fn, *args)
+        axes = logical_axes_of(abstract_boxed)
+        shardings = self.shardings(meta.unbox(abstract_boxed), axes)
+
+        def unboxed_init(*a: Any) -> PyTree:
+            return meta.unbox(init_fn(*a))
+
+        with self.context():
+            variables = jax.jit(unboxed_init, out_shardings=shardings)(*args)
+        return variables, axes
+
+    def abstract_initialize(
+        self, init_fn: Callable[..., PyTree], *args: Any
+    ) -> tuple[PyTree, PyTree]:
+        """Like `initialize` but returns `ShapeDtypeStruct`s with shardings; allocates nothing."""
+        abstract_boxed = jax.eval_shape(init_fn, *args)
+        axes = logical_axes_of(abstract_boxed)
+        abstract = meta.unbox(abstract_boxed)
+        shardings = self.shardings(abstract, axes)
+        return (
+            jax.tree_util.tree_map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                abstract,
+                shardings,
+            ),
+            axes,
+        )
+
+    def partition(
+        self,
+        fn: Callable[..., Any],
+        in_shardings: PyTree,
+        out_shardings: PyTree,
+        *,
+        static_argnums: int | Sequence[int] = (),
+        donate_argnums: int | Sequence[int] = (),
+    ) -> PartitionedFunction:
+        """Jits `fn` with explicit shardings; calls run under this partitioner's mesh and rules.
+
+        Resources are pytrees (or prefixes) of `NamedSharding`, mesh-axis `PartitionSpec`, or
+        None (replicated). Use `shardings` / `logical_to_sharding` to get them from logical axes.
+        """
+        jitted = jax.jit(
+            fn,
+            in_shardings=self._to_sharding(in_shardings),
+            out_shardings=self._to_sharding(out_shardings),
+            static_argnums=static_argnums,
+            donate_argnums=donate_argnums,
+        )
+        return PartitionedFunction(jitted, self)
+
+    def compile(self, partitioned_fn: PartitionedFunction, *args: Any) -> CompiledFunction:
+        """Lowers and compiles ahead of time (args may be `ShapeDtypeStruct`s)."""
+        with self.context():
+            compiled = partitioned_fn.lower(*args).compile()
+        return CompiledFunction(compiled, self)
+
+    # --- data -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def data_partition_spec(self) -> PartitionSpec:
+        """Mesh axes of the batch dimension, from the rule for `batch`."""
+        spec, _ = resolve_logical_axes(("batch",), self.rules, mesh=self.mesh)
+        return spec
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(self.mesh.shape[t] for t in mesh_axes_of(self.data_partition_spec[0]))
+
+    def _check_batch(self, batch_size: int) -> None:
+        if batch_size % self.data_parallel_size:
+            raise PartitioningError(
+                f"global batch size {batch_size} is not divisible by the data-parallel size "
+                f"{self.data_parallel_size} (batch → mesh axes {self.data_partition_spec[0]!r} "
+                f"of mesh {mesh_str(self.mesh)})"
+            )
+
+    def get_data_layout(self, batch_size: int) -> DataLayout:
+        """Which slice of each global batch of `batch_size` examples this process must load."""
+        self._check_batch(batch_size)
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.data_partition_spec[0]))
+        owner: dict[tuple[int, int], int] = {}  # batch slice -> lowest process holding it
+        for d, idx in sharding.devices_indices_map((batch_size,)).items():
+            key = (idx[0].start or 0, idx[0].stop or batch_size)
+            owner[key] = min(owner.get(key, d.process_index), d.process_index)
+        mine = sorted(
+            {
+                (i[0].start or 0, i[0].stop or batch_size)
+                for i in sharding.addressable_devices_indices_map((batch_size,)).values()
+            }
+        )
+        start, stop = mine[0][0], mine[-1][1]
+        if sum(b - a for a, b in mine) != stop - start:
+            raise PartitioningError(
+                f"this process's devices hold a non-contiguous part of the batch ({mine}); "
+                "build the mesh so each process owns whole data shards"
+            )
+        local = stop - start
+        return DataLayout(
+            batch_size=batch_size,
+            shard_id=start // local,
+            num_shards=batch_size // local,
+            is_first_host_in_replica_set=all(owner[k] == jax.process_index() for k in mine),
+        )
+
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        """Sharding of a batch array: dimension 0 over the batch's mesh axes, the rest whole."""
+        return NamedSharding(
+            self.mesh, PartitionSpec(self.data_partition_spec[0], *([None] * (ndim - 1)))
+        )
+
+    def host_local_to_global(
+        self, batch: Mapping[str, np.ndarray], global_batch_size: int
+    ) -> dict[str, jax.Array]:
+        """Assembles global `jax.Array`s from this process's slice of each batch feature."""
+        self._check_batch(global_batch_size)
+        layout = self.get_data_layout(global_batch_size)
+        out = {}
+        for name, local in batch.items():
+            local = np.asarray(local)
+            if local.shape[0] != layout.per_process_batch_size:
+                raise PartitioningError(
+                    f"batch feature {name!r} has {local.shape[0]} local examples; this process "
+                    f"must load {layout.per_process_batch_size} of the global batch of "
+                    f"{global_batch_size}"
+                )
+            out[name] = jax.make_array_from_process_local_data(
+                self.batch_sharding(local.ndim), local, (global_batch_size, *local.shape[1:])
+            )
+        return out
+
+
+class PartitionedFunction:
+    """A jitted function bound to a partitioner: calls and lowering run under its mesh+rules."""
+
+    def __init__(self, jitted: Any, partitioner: Partitioner):
+        self._jitted = jitted
+        self._partitioner = partitioner
+
+    def __call__(self, *args: Any) -> Any:
+        with self._partitioner.context():
+            return self._jitted(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with self._partitioner.context():
+            return self._jitted.lower(*args)
+
+
+class CompiledFunction:
+    """An ahead-of-time compiled function with its memory and cost analyses."""
+
+    def __init__(self, compiled: Any, partitioner: Partitioner):
+        self._compiled = compiled
+        self._partitioner = partitioner
+
+    def __call__(self, *args: Any) -> Any:
+        with self._partitioner.context():
+            return self._compiled(*args)
+
+    def memory_analysis(self) -> Any:
+        return self._compiled.memory_analysis()
+
+    def cost_analysis(self) -> dict[str, float]:
+        cost = self._compiled.cost_analysis()
+        # Older JAX returns a one-element list of dicts.
+        return cost[0] if isinstance(cost, list | tuple) else (cost or {})
+
+    def as_text(self) -> str:
+        return self._compiled.as_text()

@@ -1,0 +1,317 @@
+"""Rules tables and their resolution: how logical axis names become `PartitionSpec`s.
+
+Model code names array dimensions with logical axes (`batch`, `embed`, `mlp`, ...). A rules table
+maps those names onto mesh axes (`data`, `model`, optionally `replica`). This module is the only
+place that knows how a name becomes a `PartitionSpec`.
+
+Rule order is priority with fallback, exactly as in Flax/t5x: for each rule in turn, the first
+dimension carrying the rule's logical name takes the rule's mesh axis if that dimension is still
+unassigned and no other dimension of the same array already uses that mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax.core import meta
+from jax.sharding import Mesh, PartitionSpec
+
+from t5lite.partitioning.mesh import DATA, MODEL, PartitioningError, mesh_str
+
+MeshAxis = str | tuple[str, ...] | None
+LogicalRules = Sequence[tuple[str, MeshAxis]]
+PyTree = Any
+
+
+# Names that are never sharded by the standard tables (explicit `None`, so the rule exists and a
+# missing rule can be told apart from a deliberately replicated name).
+_REPLICATED_NAMES = ("length", "kv", "relpos_buckets", "layers")
+
+
+def standard_logical_axis_rules(
+    activation_partitioning_dims: int = 1,
+    parameter_partitioning_dims: int = 1,
+    additional_rules: LogicalRules | None = None,
+    data_axis: MeshAxis = DATA,
+) -> tuple[tuple[str, MeshAxis], ...]:
+    """The t5x rules table for 1D/2D activation and parameter partitioning.
+
+    Args:
+      activation_partitioning_dims: 1 shards activations over `batch` only; 2 also shards their
+        `embed` dimension over `model` (2D activation partitioning, GSPMD §3.3).
+      parameter_partitioning_dims: 1 shards parameters over `model` only (Megatron-style); 2 also
+        shards their `embed` dimension over `data` (ZeRO-3 / FSDP).
+      additional_rules: appended after the standard ones (lowest priority).
+      data_axis: the mesh axis (or axes) the batch is split over; `('replica', 'data')` on a
+        multi-slice mesh.
+
+    Returns:
+      A tuple of `(logical_name, mesh_axis_or_None)` pairs, highest priority first.
+    """
+    if activation_partitioning_dims not in (1, 2) or parameter_partitioning_dims not in (1, 2):
+        raise PartitioningError(
+            "standard_logical_axis_rules: activation_partitioning_dims and "
+            "parameter_partitioning_dims must each be 1 or 2, got "
+            f"{activation_partitioning_dims} and {parameter_partitioning_dims}"
+        )
+    rules: list[tuple[str, MeshAxis]] = [
+        ("batch", data_axis),
+        ("vocab", MODEL),
+        ("mlp", MODEL),
+        ("heads", MODEL),
+        ("kv_heads", MODEL),
+        ("joined_kv", MODEL),
+    ]
+    # The order of the two `embed` rules is what makes 2/2 work: activations [batch, length,
+    # embed] take `model` (batch holds `data`); parameters [embed, mlp] find `model` taken by
+    # `mlp` and fall back to `data`.
+    if activation_partitioning_dims == 1 and parameter_partitioning_dims == 1:
+        rules.append(("embed", None))
+    elif activation_partitioning_dims == 2 and parameter_partitioning_dims == 1:
+        rules.append(("embed", MODEL))
+    elif activation_partitioning_dims == 1 and parameter_partitioning_dims == 2:
+        rules.append(("embed", DATA))
+    else:
+        rules += [("embed", MODEL), ("embed", DATA)]
+    rules += [(name, None) for name in _REPLICATED_NAMES]
+    rules += list(additional_rules or ())
+    return tuple(rules)
+
+
+def data_parallel_logical_axis_rules(
+    additional_rules: LogicalRules | None = None,
+) -> tuple[tuple[str, MeshAxis], ...]:
+    """Pure data parallelism: the batch is split over every mesh axis, all weights replicated."""
+    rules: list[tuple[str, MeshAxis]] = [("batch", (DATA, MODEL))]
+    for name in ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "embed", *_REPLICATED_NAMES):
+        rules.append((name, None))
+    return tuple(rules + list(additional_rules or ()))
+
+
+# The named layouts: one table that the gin presets (configs/partitioning/*.gin), `t5lite plan`
+# and the tests all read. name -> (activation_partitioning_dims, parameter_partitioning_dims);
+# None: pure data parallelism.
+PRESETS: dict[str, tuple[int, int] | None] = {
+    "data_parallel": None,
+    "megatron": (1, 1),
+    "fsdp": (1, 2),
+    "activations_2d": (2, 1),
+    "fully_sharded": (2, 2),
+}
+
+
+def preset_rules(name: str) -> tuple[tuple[str, MeshAxis], ...]:
+    """The rules table of a named preset (see `PRESETS`)."""
+    if name not in PRESETS:
+        raise PartitioningError(f"unknown partitioning preset {name!r}; known: {sorted(PRESETS)}")
+    dims = PRESETS[name]
+    return (
+        data_parallel_logical_axis_rules() if dims is None else standard_logical_axis_rules(*dims)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplicitSpec:
+    """A layout given in mesh axes (e.g. by `nn.with_partitioning`), bypassing the rules."""
+
+    spec: PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one array is laid out on the mesh."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    logical_axes: tuple[str | None, ...] | None  # None: not annotated; explicit specs: mesh axes
+    spec: PartitionSpec
+    shard_shape: tuple[int, ...]
+    # Logical names with a rule to a real mesh axis that ended up unsharded because the axis was
+    # taken by another dimension of the same array (or, for `shard_if_divisible` names, because
+    # the dimension does not divide).
+    replicated_despite_rule: tuple[str, ...] = ()
+
+    @property
+    def bytes_total(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shard_shape) * np.dtype(self.dtype).itemsize
+
+
+def mesh_axes_of(assignment: MeshAxis) -> tuple[str, ...]:
+    if assignment is None:
+        return ()
+    return (assignment,) if isinstance(assignment, str) else tuple(assignment)
+
+
+def describe(path: str, shape: Sequence[int] | None, axes: Any, mesh: Mesh | None) -> str:
+    parts = [f"parameter {path!r}" if path else "array"]
+    if shape is not None:
+        parts.append(f"shape {tuple(shape)}")
+    if axes is not None:
+        parts.append(f"logical axes {tuple(axes)}")
+    if mesh is not None:
+        parts.append(f"mesh {mesh_str(mesh)}")
+    return ", ".join(parts)
+
+
+def resolve_logical_axes(
+    logical_axes: Sequence[str | None],
+    rules: LogicalRules,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    path: str = "",
+    shard_if_divisible: Sequence[str] = (),
+) -> tuple[PartitionSpec, tuple[str, ...]]:
+    """Maps one array's logical axes to a `PartitionSpec` with Flax's priority-and-fallback rule.
+
+    Args:
+      logical_axes: one logical name (or None) per dimension.
+      rules: the rules table.
+      shape, mesh: when given, divisibility is checked (and `shard_if_divisible` applied).
+      path: the array's name for error messages.
+      shard_if_divisible: logical names that fall back to the next rule (or replication) instead
+        of failing when their dimension does not divide the mesh axis (e.g. `kv_heads`).
+
+    Returns:
+      The `PartitionSpec` and the logical names left unsharded despite a sharding rule.
+
+    Raises:
+      PartitioningError: a name without any rule, a name used twice, a rule to a mesh axis the
+        mesh lacks, or a dimension that does not divide its mesh axes.
+    """
+    axes = tuple(logical_axes)
+    if shape is not None and len(shape) != len(axes):
+        raise PartitioningError(
+            f"{describe(path, shape, axes, mesh)}: {len(axes)} logical axes for "
+            f"{len(shape)} dimensions"
+        )
+    names = [a for a in axes if a is not None]
+    if len(set(names)) != len(names):
+        raise PartitioningError(
+            f"{describe(path, shape, axes, mesh)}: a logical axis name occurs twice"
+        )
+    known = {name for name, _ in rules}
+    for a in names:
+        if a not in known:
+            raise PartitioningError(
+                f"{describe(path, shape, axes, mesh)}: logical axis {a!r} has no rule in the "
+                f"logical_axis_rules table (known names: {sorted(known)})"
+            )
+
+    unassigned = object()
+    result: list[Any] = [unassigned if a is not None else None for a in axes]
+    wanted: set[str] = set()  # names that some rule would have sharded
+    for rule_name, mesh_axis in rules:
+        if rule_name not in names:
+            continue
+        pos = axes.index(rule_name)
+        targets = mesh_axes_of(mesh_axis)
+        if mesh is not None:
+            for t in targets:
+                if t not in mesh.shape:
+                    raise PartitioningError(
+                        f"rule ({rule_name!r}, {mesh_axis!r}) names mesh axis {t!r}, which mesh "
+                        f"{mesh_str(mesh)} does not have"
+                    )
+        if targets:
+            wanted.add(rule_name)
+        if result[pos] is not unassigned:
+            continue
+        taken = {t for r in result if r is not unassigned for t in mesh_axes_of(r)}
+        if taken.intersection(targets):
+            continue
+        if (
+            targets
+            and shape is not None
+            and mesh is not None
+            and rule_name in shard_if_divisible
+            and shape[pos] % math.prod(mesh.shape[t] for t in targets)
+        ):
+            continue
+        result[pos] = mesh_axis
+    result = [None if r is unassigned else r for r in result]
+    flagged = tuple(a for a, r in zip(axes, result) if a in wanted and r is None)
+    spec = PartitionSpec(*result)
+    if shape is not None and mesh is not None:
+        validate_spec(spec, shape, mesh, path=path, logical_axes=axes)
+    return spec, flagged
+
+
+def validate_spec(
+    spec: PartitionSpec,
+    shape: Sequence[int] | None,
+    mesh: Mesh,
+    *,
+    path: str = "",
+    logical_axes: Sequence[str | None] | None = None,
+) -> None:
+    """Rejects illegal layouts (a mesh axis used twice), unknown mesh axes and uneven splits."""
+    used: dict[str, int] = {}
+    for dim, entry in enumerate(spec):
+        for t in mesh_axes_of(entry):
+            if t not in mesh.shape:
+                raise PartitioningError(
+                    f"{describe(path, shape, logical_axes, mesh)}: PartitionSpec {spec} names "
+                    f"mesh axis {t!r}, which the mesh does not have"
+                )
+            if t in used:
+                raise PartitioningError(
+                    f"{describe(path, shape, logical_axes, mesh)}: illegal layout {spec}: "
+                    f"dimensions {used[t]} and {dim} are both mapped to mesh axis {t!r}"
+                )
+            used[t] = dim
+    if shape is None:
+        return
+    if len(spec) > len(shape):
+        raise PartitioningError(
+            f"{describe(path, shape, logical_axes, mesh)}: PartitionSpec {spec} has more "
+            "entries than the array has dimensions"
+        )
+    for dim, entry in enumerate(spec):
+        size = math.prod(mesh.shape[t] for t in mesh_axes_of(entry))
+        if shape[dim] % size:
+            raise PartitioningError(
+                f"{describe(path, shape, logical_axes, mesh)}: dimension {dim} of size "
+                f"{shape[dim]} is not divisible by mesh axes {entry!r} of size {size}"
+            )
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        out[dim] //= math.prod(mesh.shape[t] for t in mesh_axes_of(entry))
+    return tuple(out)
+
+
+def is_axes_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec | ExplicitSpec)
+
+
+def logical_axes_of(boxed_tree: PyTree) -> PyTree:
+    """The logical axes of a tree of Flax variables (boxed by `with_logical_partitioning`).
+
+    Returns a tree of the unboxed structure whose leaves are `PartitionSpec`s of logical names,
+    `ExplicitSpec`s for mesh-axis boxes (`nn.with_partitioning`), or None where not annotated.
+    """
+
+    def axes(x: Any) -> Any:
+        if isinstance(x, nn.LogicallyPartitioned):
+            return PartitionSpec(*x.names)
+        if isinstance(x, nn.Partitioned):
+            return ExplicitSpec(PartitionSpec(*x.names))
+        return None
+
+    return jax.tree_util.tree_map(
+        axes, boxed_tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
+    )

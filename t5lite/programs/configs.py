@@ -1,0 +1,80 @@
+"""The grouped settings of the programs, as small frozen dataclasses gin binds.
+
+Like t5x's `DatasetConfig` / `SaveCheckpointConfig`: `train.data = @DataConfig()` and
+`DataConfig.batch_size = 128` read as one group in a gin file and in the operative config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Which examples a program reads, how long they are and how many go in one step."""
+
+    task: str
+    """A registered seqio_lite task or mixture name."""
+    task_feature_lengths: Mapping[str, int]
+    """Tokens per feature, e.g. `{'inputs': 512, 'targets': 114}`."""
+    batch_size: int
+    """Global examples per step (all processes, all microbatches together)."""
+    split: str | None = None
+    """The split to read (None: 'train' for `train`, 'validation' for `evaluate` and `infer`)."""
+    num_examples: int | None = None
+    """Eval / infer: the first N examples of the split (None: all)."""
+    pack: bool = True
+    """Train: pack several examples per row. An unpacked iterator state restores under any
+    process count; a packed one only under the same."""
+    use_cached: bool = False
+    """Train: read the task's offline cache (`python -m seqio_lite.cache_tasks`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """When checkpoints are written and which are kept."""
+
+    period: int = 1000
+    """Steps between saves (0: only at the end and on preemption)."""
+    keep: int | None = 3
+    """The newest N checkpoints are kept (None: all)."""
+    keep_period: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this."""
+    init_checkpoint: str | None = None
+    """A checkpoint whose parameters start a fresh run (fine-tuning, e.g. one written by
+    `t5lite convert`); ignored when the model directory has a checkpoint to resume."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation during training."""
+
+    task: str | None = None
+    """Task or mixture to evaluate (None: the training task)."""
+    split: str = "validation"
+    num_examples: int | None = 256
+    """The first N examples of the split (None: all)."""
+    batch_size: int | None = None
+    """Eval batch size (None: the training batch size)."""
+    period: int = 0
+    """Evaluate every this many steps (0: only after the last step)."""
+    max_decode_length: int | None = None
+    """Decode length for predict metrics (None: the targets length)."""
+    num_predictions_to_print: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """What the train loop prints and records."""
+
+    period: int = 10
+    """Steps between printed log lines (metrics.jsonl and TensorBoard get every step)."""
+    grad_norm: bool | None = None
+    """Log the global gradient norm (None: when the optimizer clips, where it costs nothing;
+    see `Trainer`)."""
+
+
+def split_of(data: DataConfig, default: str) -> str:
+    """`data.split`, or the program's own default split when it is not set."""
+    return data.split if data.split is not None else default

@@ -1,0 +1,118 @@
+"""The `eval` program: a checkpoint's task metrics, and the evaluation train() runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+import seqio_lite
+from t5lite.checkpoint import CheckpointManager
+from t5lite.model.models import BaseModel
+from t5lite.partitioning import Partitioner
+from t5lite.programs import metrics_writer as mw
+from t5lite.programs.configs import DataConfig, split_of
+from t5lite.trainer import Trainer, TrainState
+
+
+def make_evaluator(
+    model: BaseModel,
+    task: str,
+    lengths: dict[str, int],
+    *,
+    split: str,
+    num_examples: int | None,
+    batch_size: int,
+) -> seqio_lite.Evaluator:
+    """A seqio_lite evaluator whose batches have the model's features."""
+    return seqio_lite.Evaluator(
+        task, lengths, split=split, batch_size=batch_size,
+        feature_converter=model.FEATURE_CONVERTER, num_examples=num_examples,
+    )  # fmt: skip
+
+
+def run_evaluation(
+    evaluator: seqio_lite.Evaluator,
+    trainer: Trainer,
+    state: TrainState,
+    *,
+    decode_len: int,
+    writer: mw.MetricsWriter,
+    step: int,
+    num_to_print: int = 3,
+) -> dict[str, Any]:
+    """The tasks' predict metrics on KV-cached decodes; prints a few predictions."""
+    predict_fn = trainer.predict_fn(state.params, decode_len)
+    results = evaluator.evaluate(predict_fn=predict_fn)
+    out: dict[str, Any] = {}
+    shown: list[str] = []
+    for task_name, metrics in results.items():
+        out.update({f"{task_name}/{k}": v for k, v in metrics.items()})
+        exs = evaluator.examples(task_name)[:num_to_print]
+        if exs:
+            batch, _ = evaluator.batches(task_name)[0]
+            ids = predict_fn(batch)
+            task = next(t for t in evaluator.tasks if t.name == task_name)
+            vocab = task.output_features["targets"].vocabulary
+            for ex, row in zip(exs, ids):
+                src = ex.get("inputs_pretokenized", "")
+                tgt = ex.get("targets_pretokenized", "")
+                shown.append(f"  {src!s:>20} -> {vocab.decode(row)!s:<20} (target {tgt})")
+    writer.write(step, out, prefix="eval")
+    if shown:
+        writer.info("predictions:\n" + "\n".join(shown))
+    return out
+
+
+def restored_trainer(
+    model: BaseModel,
+    partitioner: Partitioner | None,
+    data: DataConfig,
+    model_dir: str,
+    checkpoint_step: int | None,
+) -> tuple[Trainer, TrainState]:
+    """A trainer for `data.batch_size` rows and the parameters of a committed checkpoint."""
+    trainer = Trainer(
+        model, partitioner or Partitioner(), batch_size=data.batch_size,
+        lengths=data.task_feature_lengths,
+    )  # fmt: skip
+    ckpt = CheckpointManager(model_dir)
+    try:
+        state, _ = ckpt.restore(trainer.abstract_state(), step=checkpoint_step, extra=False)
+    finally:
+        ckpt.close()
+    return trainer, state
+
+
+def evaluate(
+    *,
+    model_dir: str,
+    model: BaseModel,
+    data: DataConfig,
+    partitioner: Partitioner | None = None,
+    checkpoint_step: int | None = None,
+    max_decode_length: int | None = None,
+) -> dict[str, Any]:
+    """Evaluates a checkpoint (latest by default) with the task's metrics; returns them.
+
+    Args:
+      model_dir, checkpoint_step: the checkpoint (the latest committed one by default).
+      model, partitioner: what to run on which mesh.
+      data: the examples (`split` defaults to 'validation'; `num_examples` the first N).
+      max_decode_length: decode length for predict metrics (default: the targets length).
+    """
+    trainer, state = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
+    evaluator = make_evaluator(
+        model, data.task, dict(data.task_feature_lengths), split=split_of(data, "validation"),
+        num_examples=data.num_examples, batch_size=data.batch_size,
+    )  # fmt: skip
+    writer = mw.MetricsWriter(
+        model_dir, total_steps=int(state.step), enabled=jax.process_index() == 0
+    )
+    try:
+        return run_evaluation(
+            evaluator, trainer, state, writer=writer, step=int(state.step),
+            decode_len=max_decode_length or data.task_feature_lengths["targets"],
+        )  # fmt: skip
+    finally:
+        writer.close()

@@ -1,0 +1,224 @@
+"""The `train` program: steps, checkpoints, evaluation and logs for one model directory.
+
+An ordinary function a notebook can call with the grouped configs of `configs.py`; the CLI
+binds the same arguments with gin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+import seqio_lite
+from t5lite.checkpoint import CheckpointManager, restore_checkpoint
+from t5lite.distributed import ProgressWatchdog
+from t5lite.insight.flops import transformer_train_flops
+from t5lite.insight.hardware import peak_flops
+from t5lite.insight.sharding import format_bytes
+from t5lite.model.models import BaseModel
+from t5lite.partitioning import Partitioner
+from t5lite.programs import metrics_writer as mw
+from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
+from t5lite.programs.evaluate import make_evaluator, run_evaluation
+from t5lite.trainer import Trainer, summarize
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, model too large); the message says why."""
+
+
+def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
+    """Fails early, naming the memory needed, when the train step cannot fit on the device."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit:
+        return  # CPU: no fixed device memory to compare against
+    compiled = trainer.partitioner.compile(
+        trainer.train_step, state_abstract, trainer.batch_abstract
+    )
+    mem = compiled.memory_analysis()
+    need = (
+        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )  # fmt: skip
+    if need > limit:
+        raise TrainingError(
+            f"the train step needs {format_bytes(need)} per device but {device.device_kind} "
+            f"has {format_bytes(limit)}: shard more (see `t5lite plan`) or use smaller batches"
+        )
+
+
+def _check_vocab(task: str, model: BaseModel) -> None:
+    """Token ids beyond the model's vocabulary would silently give NaN or garbage."""
+    obj = seqio_lite.get_task_or_mixture(task)
+    tasks = obj.tasks if isinstance(obj, seqio_lite.Mixture) else [obj]
+    model_vocab = model.network_config.vocab_size
+    for t in tasks:
+        for name, feature in t.output_features.items():
+            size = feature.vocabulary.vocab_size
+            if size > model_vocab:
+                raise ValueError(
+                    f"task {t.name!r} feature {name!r} has a vocabulary of {size} ids but the "
+                    f"model's vocab_size is {model_vocab}"
+                )
+
+
+def train(
+    *,
+    model_dir: str,
+    model: BaseModel,
+    data: DataConfig,
+    num_steps: int,
+    partitioner: Partitioner | None = None,
+    num_microbatches: int = 1,
+    seed: int = 0,
+    checkpoint: CheckpointConfig = CheckpointConfig(),  # noqa: B008 (frozen)
+    evaluation: EvalConfig | None = None,
+    log: LogConfig = LogConfig(),  # noqa: B008 (frozen)
+    stop_after_steps: int | None = None,
+    step_timeout_s: float | None = 600.0,
+    operative_config: Callable[[], str] | None = None,
+) -> dict[str, Any]:
+    """Trains `model` on `data`, resuming from the latest checkpoint in `model_dir`.
+
+    Args:
+      model_dir: checkpoints, `config.gin`, `metrics.jsonl` and TensorBoard events go here.
+      model, partitioner: what to train and on which mesh with which rules.
+      data: task, feature lengths, global batch size and pipeline options.
+      num_steps: total steps (a resumed run continues up to it).
+      num_microbatches: splits each batch for gradient accumulation.
+      seed: initialisation, data order and dropout (`fold_in(seed, step)`).
+      checkpoint: save period and retention, and an optional checkpoint to start from (a
+        checkpoint is also written at the final step and on SIGTERM).
+      evaluation: evaluate during and after training (None: never).
+      log: printed-log period and optional metrics.
+      stop_after_steps: stop (with a checkpoint) after this many steps of this invocation,
+        as a preemption would; for tests and time-boxed jobs.
+      step_timeout_s: exit with an error when no step completes for this long (after the
+        first, compiled step): a multi-process run whose peer died stops instead of hanging.
+      operative_config: returns the text written to `model_dir/config.gin` once the run is set
+        up (the CLI passes gin's operative config).
+
+    Returns:
+      The last train metrics and the last eval metrics.
+    """
+    partitioner = partitioner or Partitioner()
+    lengths = dict(data.task_feature_lengths)
+    batch_size = data.batch_size
+    _check_vocab(data.task, model)
+    trainer = Trainer(
+        model, partitioner, batch_size=batch_size, lengths=lengths,
+        num_microbatches=num_microbatches, seed=seed, log_grad_norm=log.grad_norm,
+    )  # fmt: skip
+    is_chief = jax.process_index() == 0
+    writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
+                              log_period=log.period)  # fmt: skip
+    layout = partitioner.get_data_layout(batch_size)
+    dataset = seqio_lite.get_dataset(
+        data.task, lengths, split_of(data, "train"), layout.per_process_batch_size,
+        shard_id=layout.shard_id, num_shards=layout.num_shards, seed=seed,
+        feature_converter=model.FEATURE_CONVERTER, pack=data.pack, use_cached=data.use_cached,
+    )  # fmt: skip
+    ckpt = CheckpointManager(
+        model_dir, save_period=checkpoint.period, keep=checkpoint.keep,
+        keep_period=checkpoint.keep_period,
+    )  # fmt: skip
+    ckpt.install_preemption_handler()
+    _check_fits(trainer, trainer.abstract_state())
+
+    if ckpt.latest_step() is not None:
+        state, extra = ckpt.restore(trainer.abstract_state())
+        dataset.set_state(extra["data"])
+        writer.info(f"resumed from {ckpt.step_dir(int(state.step))}")
+    else:
+        state = trainer.init_state()
+        if checkpoint.init_checkpoint:
+            # Parameters from the checkpoint (cast and resharded); optimizer state stays fresh.
+            state, _ = restore_checkpoint(
+                checkpoint.init_checkpoint, state, extra=False, params_only=True
+            )
+            writer.info(f"initialised parameters from {checkpoint.init_checkpoint}")
+    if is_chief and operative_config is not None:
+        _write_operative_config(model_dir, operative_config())
+
+    evaluator = None
+    if evaluation is not None:
+        evaluator = make_evaluator(
+            model, evaluation.task or data.task, lengths, split=evaluation.split,
+            num_examples=evaluation.num_examples,
+            batch_size=evaluation.batch_size or batch_size,
+        )  # fmt: skip
+        eval_trainer = trainer
+        if evaluation.batch_size and evaluation.batch_size != batch_size:
+            eval_trainer = Trainer(model, partitioner, batch_size=evaluation.batch_size,
+                                   lengths=lengths, seed=seed)  # fmt: skip
+        decode_len = evaluation.max_decode_length or lengths["targets"]
+    flops = transformer_train_flops(
+        model.network_config, lengths.get("inputs", 0), lengths["targets"]
+    )
+    peak = peak_flops(jax.devices()[0].device_kind)
+
+    net_cfg = {"type": type(model.network_config).__name__,
+               **dataclasses.asdict(model.network_config)}  # fmt: skip
+    start = int(state.step)
+    last: dict[str, Any] = {}
+    eval_metrics: dict[str, Any] = {}
+    t_prev = time.time()
+    watchdog = None
+    for step in range(start + 1, num_steps + 1):
+        batch = trainer.global_batch(next(dataset))
+        state, metrics = trainer.train_step(state, batch)
+        m = summarize(jax.device_get(metrics))
+        if watchdog is None:  # armed after the first step: compilation time is unbounded
+            watchdog = ProgressWatchdog(step_timeout_s)
+        watchdog.ping()
+        if not math.isfinite(m["loss"]):
+            latest = ckpt.latest_step()
+            watchdog.close()
+            ckpt.close()
+            raise TrainingError(
+                f"loss is {m['loss']} at step {step}; stopping. The last good checkpoint is "
+                + (str(ckpt.step_dir(latest)) if latest is not None else "none (no save yet)")
+            )
+        now = time.time()
+        dt, t_prev = now - t_prev, now
+        m["step_time_s"] = dt
+        m["seqs_per_s"] = batch_size / dt
+        m["tokens_per_s"] = batch_size * sum(lengths.values()) / dt
+        m["mfu"] = (flops * batch_size / dt / (peak * jax.device_count())) if peak else "n/a (CPU)"
+        writer.write(step, m)
+        last = m
+        is_final = step == num_steps
+        stop_now = stop_after_steps is not None and step - start >= stop_after_steps
+        extra = {"data": dataset.get_state(), "step": step, "seed": seed,
+                 "network_config": net_cfg}  # fmt: skip
+        preempted = ckpt.maybe_save(
+            step, state, extra=extra, logical_axes=trainer.state_axes,
+            is_final=is_final or stop_now,
+        )  # fmt: skip
+        if evaluator and ((evaluation.period and step % evaluation.period == 0) or is_final):
+            eval_metrics = run_evaluation(
+                evaluator, eval_trainer, state, decode_len=decode_len, writer=writer, step=step,
+                num_to_print=evaluation.num_predictions_to_print,
+            )  # fmt: skip
+        if preempted or stop_now:
+            writer.info(f"stopped at step {step}; checkpoint committed")
+            break
+    if watchdog is not None:
+        watchdog.close()
+    ckpt.close()
+    writer.close()
+    return {"train": last, "eval": eval_metrics}
+
+
+def _write_operative_config(model_dir: str, text: str) -> None:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.gin"), "w") as f:
+        f.write(text)
