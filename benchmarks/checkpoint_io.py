@@ -105,7 +105,7 @@ def t5lite_save(tree, d: Path, checksum: bool = True) -> tuple[float, float]:
 
 def t5lite_restore(target, d: Path):
     t0 = time.perf_counter()
-    out, _ = CheckpointManager(d).restore(target, extra=False)
+    out, _ = CheckpointManager(d).restore(target, with_extra=False)
     jax.block_until_ready(out)
     return time.perf_counter() - t0, out
 

@@ -161,6 +161,36 @@ class FeatureConverter(abc.ABC):
         return examples
 
 
+def complete_features(
+    batch: Mapping[str, np.ndarray], features: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """`batch` plus the `features` it lacks, with what they mean for an unpacked batch.
+
+    A model reads a fixed feature set; an unpacked batch (or a converter without a feature,
+    e.g. `decoder_causal_attention` from the LM converter) omits some. One example per row:
+    segment id 1 on tokens and 0 on padding, positions counting from 0, loss on every
+    non-padding target, no bidirectional prefix.
+    """
+    out = dict(batch)
+    for name in features:
+        if name in out:
+            continue
+        group = "encoder" if name.startswith("encoder") else "decoder"
+        tokens = out["encoder_input_tokens" if group == "encoder" else "decoder_target_tokens"]
+        if name == "decoder_loss_weights":
+            out[name] = (out["decoder_target_tokens"] != 0).astype(np.int32)
+        elif name.endswith("_segment_ids"):
+            out[name] = (tokens != 0).astype(np.int32)
+        elif name.endswith("_positions"):
+            out[name] = np.where(tokens != 0, np.arange(tokens.shape[1], dtype=np.int32), 0)
+            out[name] = out[name].astype(np.int32)
+        elif name == "decoder_causal_attention":
+            out[name] = np.zeros_like(tokens, np.int32)
+        else:
+            raise ValueError(f"no converter feature {name!r} (batch has {sorted(batch)})")
+    return out
+
+
 class EncDecFeatureConverter(FeatureConverter):
     """Encoder-decoder (T5): inputs -> encoder, targets -> decoder."""
 

@@ -18,6 +18,7 @@ import optax
 from flax.core import meta
 from jax.sharding import PartitionSpec
 
+from seqio_lite.feature_converters import complete_features
 from seqio_lite.vocabularies import EOS_ID, PAD_ID
 from t5lite.model import optimizers
 from t5lite.model.models import FEATURE_AXES, BaseModel
@@ -243,14 +244,9 @@ class Trainer:
 
     def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, Array]:
         """This process's numpy batch -> global arrays with the batch sharding."""
-        local = {k: v for k, v in local_batch.items() if k in self.batch_abstract}
-        missing = set(self.batch_abstract) - set(local)
-        if missing:
-            # Features a converter does not produce (e.g. no packing) default to what they mean.
-            n = next(iter(local.values())).shape[0]
-            for k in sorted(missing):
-                shape = (n, *self.batch_abstract[k].shape[1:])
-                local[k] = _default_feature(k, local, shape)
+        # Features a converter does not produce (e.g. no packing) default to what they mean.
+        local = complete_features(local_batch, list(self.batch_abstract))
+        local = {k: local[k] for k in self.batch_abstract}
         return self.partitioner.host_local_to_global(local, self.batch_size)
 
     def global_batch_from_full(self, batch: Mapping[str, np.ndarray]) -> dict[str, Array]:
@@ -287,19 +283,6 @@ def _rows_of_this_process(batch, layout):
     """This process's rows of a batch that every process holds in full."""
     lo = layout.shard_id * layout.per_process_batch_size
     return {k: np.asarray(v)[lo : lo + layout.per_process_batch_size] for k, v in batch.items()}
-
-
-def _default_feature(name: str, batch: Mapping[str, np.ndarray], shape: tuple[int, ...]):
-    """What a feature means for an unpacked batch: one example per row, 0 = padding."""
-    side = "encoder" if name.startswith("encoder") else "decoder"
-    tokens = batch.get("encoder_input_tokens" if side == "encoder" else "decoder_target_tokens")
-    if name == "decoder_loss_weights":
-        return (batch["decoder_target_tokens"] > 0).astype(np.int32)
-    if tokens is not None and name.endswith("_segment_ids"):
-        return (tokens > 0).astype(np.int32)
-    if tokens is not None and name.endswith("_positions"):
-        return np.where(tokens > 0, np.arange(shape[1], dtype=np.int32)[None], 0).astype(np.int32)
-    return np.zeros(shape, np.int32)  # decoder_causal_attention: no prefix
 
 
 def summarize(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores; the README test command runs it
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORD_KEYS = {"benchmark", "date", "machine", "versions", "figures"}
 FIGURE_KEYS = {"name", "value", "unit", "reference", "ratio", "goal", "met"}

@@ -180,7 +180,7 @@ def test_dtype_cast_params_only_and_assignment_map(tmp_path):
     # A renamed parameter via the regex assignment map; a new parameter falls back to init.
     new = {"mlp": {"wi": jnp.zeros_like(kernel)}, "new_bias": jnp.ones(3)}
     with pytest.raises(CheckpointError, match=r"'params/mlp/wi'.*missing"):
-        mgr.restore({"params": new}, extra=False)
+        mgr.restore({"params": new}, with_extra=False)
     amap = [(r"params/mlp/wi", r"params/dense/kernel"), (r"params/new_.*", None)]
     restored, _ = mgr.restore({"params": new}, assignment_map=amap)
     assert_bit_equal(restored["params"]["mlp"]["wi"], kernel)

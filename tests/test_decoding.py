@@ -255,7 +255,7 @@ def test_prompt_prefill_and_initial_index():
 # --- the same tokens on every mesh; the cache sharded as its logical axes say ----------------
 
 MESHES = [(1, 8), (2, 4), (4, 2)]
-PRESETS = {"megatron": (1, 1), "fsdp": (1, 2)}
+PRESETS = ("megatron", "fsdp")  # names in partitioning.PRESETS
 # Every mesh, preset and architecture appears in the fast set; the rest of the product is slow.
 _FAST = {("t5", (2, 4), "megatron"), ("lm", (4, 2), "fsdp"), ("lm", (1, 8), "megatron")}
 _MESH_CASES = [
@@ -267,7 +267,7 @@ _MESH_CASES = [
 
 def _partitioner(mesh_shape, preset):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "model"))
-    rules = partitioning.standard_logical_axis_rules(*PRESETS[preset])
+    rules = partitioning.preset_rules(preset)
     return partitioning.Partitioner(mesh=mesh, logical_axis_rules=rules)
 
 

@@ -136,3 +136,25 @@ def test_top_level_names_resolve_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function without its docstring."""
+    lines = fn.end_lineno - fn.lineno + 1
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def test_modules_and_functions_stay_small():
+    too_big = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "seqio_lite").rglob("*.py")]):
+        rel = path.relative_to(PACKAGE.parent)
+        text = path.read_text()
+        if text.count("\n") > 600:
+            too_big.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _body_lines(node) > 80:
+                too_big.append(f"{rel}:{node.lineno} {node.name}: {_body_lines(node)} lines")
+    assert too_big == []

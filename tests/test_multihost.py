@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores; the README test command runs it
+
 TINY = [
     "--gin_file=quickstart.gin",
     "--gin.BATCH_SIZE=8",

@@ -148,7 +148,9 @@ def test_preset_parameter_count(preset, expected, published, scan):
             [f"configs/models/{preset}.gin"], [f"SCAN_LAYERS = {scan}"]
         )
         is_t5 = preset.startswith("t5")
-        model = gin_registry.EncoderDecoder() if is_t5 else gin_registry.DecoderOnly()
+        # The gin-bound config, as the run files hand it to the model.
+        cfg = gin_registry.T5Config() if is_t5 else gin_registry.DecoderOnlyConfig()
+        model = network.EncoderDecoder(cfg) if is_t5 else network.DecoderOnly(cfg)
     finally:
         gin.clear_config()
     assert model.config.scan_layers is scan

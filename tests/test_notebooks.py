@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores; the README test command runs it
+
 nbformat = pytest.importorskip("nbformat", reason="notebook tests need the [test] extra")
 nbclient = pytest.importorskip("nbclient", reason="notebook tests need the [test] extra")
 

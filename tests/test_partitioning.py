@@ -20,7 +20,7 @@ from t5lite.insight.sharding import sharding_report
 from t5lite.partitioning import Partitioner, PartitioningError
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-PRESETS = ["data_parallel", "megatron", "fsdp", "fully_sharded"]
+PRESETS = list(partitioning.PRESETS)  # every named layout, as gin, plan and notebooks see them
 
 
 def preset_rules(name):
@@ -58,6 +58,12 @@ EXPECTED = {
         "attn/value": P(D, M, None), "attn/out": P(M, None, D),
         "mlp/wi": P(D, M), "mlp/wo": P(M, D),
     },
+    "activations_2d": {  # Megatron, plus embed -> model wherever `model` is still free
+        "embedding": P(M, None), "scale": P(M),
+        "attn/query": P(None, M, None), "attn/key": P(None, M, None),
+        "attn/value": P(None, M, None), "attn/out": P(M, None, None),
+        "mlp/wi": P(None, M), "mlp/wo": P(M, None),
+    },
     "fully_sharded": {
         "embedding": P(M, D), "scale": P(M),
         "attn/query": P(D, M, None), "attn/key": P(D, M, None),
@@ -87,8 +93,20 @@ def reference(tokens):
     return jax.jit(jax.value_and_grad(loss_fn))(params, tokens)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("shape", MESHES)
+# Every preset and every mesh shape appears in the fast set; the rest of the product is slow.
+_CASES = [
+    pytest.param(p, m, marks=() if i % len(MESHES) == j else pytest.mark.slow, id=f"{m}-{p}")
+    for i, p in enumerate(PRESETS) for j, m in enumerate(MESHES)
+]  # fmt: skip
+
+
+def test_every_preset_has_its_gin_file_and_expectations():
+    assert set(EXPECTED) == set(PRESETS)
+    for name in PRESETS:
+        assert preset_rules(name) == partitioning.preset_rules(name)
+
+
+@pytest.mark.parametrize(("preset", "shape"), _CASES)
 def test_exact_shardings_and_numerics(preset, shape, tokens, reference):
     require_devices(8)
     part = Partitioner(

@@ -111,7 +111,7 @@ def restore_checkpoint(
     path: str | os.PathLike,
     target: Any = None,
     *,
-    extra: bool = True,
+    with_extra: bool = True,
     strict: bool = True,
     assignment_map: Sequence[tuple[str, str | None]] | None = None,
     params_only: bool = False,
@@ -127,7 +127,7 @@ def restore_checkpoint(
         Leaves with a sharding come back as global jax.Arrays with that sharding, on any mesh and
         process count; leaves without one (numpy, sharding=None) as numpy arrays. Stored floats
         are cast to the target dtype. None: a nested dict of numpy arrays, as stored.
-      extra: also return the JSON state saved with the arrays.
+      with_extra: also return the JSON state saved with the arrays (`save`'s `extra`).
       strict: a target leaf missing from the checkpoint is an error; otherwise it keeps its
         concrete target value (fresh initialisation).
       assignment_map: (regex, replacement) pairs; the first regex that fully matches a target
@@ -171,7 +171,7 @@ def restore_checkpoint(
         )
         by_path = dict(zip(paths, values))
         tree = jax.tree_util.tree_map(lambda a: by_path[a], meta["tree"])
-        return tree, layout.read_extra(p) if extra else None
+        return tree, layout.read_extra(p) if with_extra else None
 
     leaves, treedef = layout.flatten(target)
     rules = [(re.compile(r), repl) for r, repl in (assignment_map or [])]
@@ -196,28 +196,34 @@ def restore_checkpoint(
                 )
             out.append(leaf)
             continue
-        info = arrays[src]
-        # Python scalars in the target (e.g. a step counter) restore as numpy scalars.
-        shape = tuple(np.shape(leaf))
-        dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
-        if tuple(info["shape"]) != shape:
-            raise CheckpointError(
-                f"checkpoint {p}: array '{src}' has shape {tuple(info['shape'])}, "
-                f"target '{tpath}' expects {shape}"
-            )
-        if not _castable(np.dtype(info["dtype"]), dtype):
-            raise CheckpointError(
-                f"checkpoint {p}: array '{src}' has dtype {info['dtype']}, target '{tpath}' "
-                f"expects {dtype}; only float-to-float casts are done on restore"
-            )
-        sharding = getattr(leaf, "sharding", None)
-        requests.append((src, shape, dtype, sharding))
+        shape, dtype = _checked_target(p, src, arrays[src], tpath, leaf)
+        requests.append((src, shape, dtype, getattr(leaf, "sharding", None)))
         slots.append(len(out))
         out.append(None)
     for i, v in zip(slots, read(requests)):
         out[i] = v
     state = jax.tree_util.tree_unflatten(treedef, out)
-    return state, (layout.read_extra(p) if extra and not params_only else None)
+    return state, (layout.read_extra(p) if with_extra and not params_only else None)
+
+
+def _checked_target(
+    p: Path, src: str, info: dict, tpath: str, leaf: Any
+) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a stored array is read as, or an error naming both sides."""
+    # Python scalars in the target (e.g. a step counter) restore as numpy scalars.
+    shape = tuple(np.shape(leaf))
+    dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+    if tuple(info["shape"]) != shape:
+        raise CheckpointError(
+            f"checkpoint {p}: array '{src}' has shape {tuple(info['shape'])}, "
+            f"target '{tpath}' expects {shape}"
+        )
+    if not _castable(np.dtype(info["dtype"]), dtype):
+        raise CheckpointError(
+            f"checkpoint {p}: array '{src}' has dtype {info['dtype']}, target '{tpath}' "
+            f"expects {dtype}; only float-to-float casts are done on restore"
+        )
+    return shape, dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +519,7 @@ class CheckpointManager:
         target: Any = None,
         step: int | str | os.PathLike | None = None,
         *,
-        extra: bool = True,
+        with_extra: bool = True,
         strict: bool = True,
         assignment_map: Sequence[tuple[str, str | None]] | None = None,
         params_only: bool = False,
@@ -523,7 +529,7 @@ class CheckpointManager:
         Args:
           target: see `restore_checkpoint`.
           step: None (latest), a step number, or a path to a `checkpoint_<step>` directory.
-          extra, strict, assignment_map, params_only: see `restore_checkpoint`.
+          with_extra, strict, assignment_map, params_only: see `restore_checkpoint`.
 
         Returns:
           (state, extra).
@@ -546,7 +552,7 @@ class CheckpointManager:
         return restore_checkpoint(
             path,
             target,
-            extra=extra,
+            with_extra=with_extra,
             strict=strict,
             assignment_map=assignment_map,
             params_only=params_only,

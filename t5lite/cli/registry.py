@@ -25,14 +25,13 @@ def _register(obj, module: str = "t5lite"):
 # --- partitioning -------------------------------------------------------------------------
 standard_logical_axis_rules = _register(partitioning.standard_logical_axis_rules)
 data_parallel_logical_axis_rules = _register(partitioning.data_parallel_logical_axis_rules)
+preset_rules = _register(partitioning.preset_rules)
 create_mesh = _register(partitioning.create_mesh)
 Partitioner = _register(partitioning.Partitioner)
 
-# --- networks (configs and constructors) ---------------------------------------------------
+# --- network configs ---------------------------------------------------
 T5Config = _register(network.T5Config, "network")
 DecoderOnlyConfig = _register(network.DecoderOnlyConfig, "network")
-EncoderDecoder = _register(network.EncoderDecoder, "network")
-DecoderOnly = _register(network.DecoderOnly, "network")
 
 # --- models and optimizers -------------------------------------------------------------------
 EncoderDecoderModel = _register(models.EncoderDecoderModel)

@@ -26,8 +26,8 @@ from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
 from t5lite.insight.report import StepReport, mesh_over, step_report
 from t5lite.insight.sharding import _fmt_bytes
 from t5lite.insight.topology import get_topology
+from t5lite.model.config import REMAT_POLICIES
 from t5lite.model.models import BaseModel
-from t5lite.model.network import REMAT_POLICIES
 from t5lite.partitioning import PRESETS, Partitioner, PartitioningError, preset_rules
 from t5lite.trainer import Trainer
 
@@ -55,15 +55,10 @@ class Layout:
 
     def gin(self, config_class: str) -> str:
         """Gin bindings that reproduce this layout for `t5lite train` (include after the run)."""
-        dims = PRESETS[self.preset]
-        if dims is None:
-            rules = ["Partitioner.logical_axis_rules = @data_parallel_logical_axis_rules()"]
-        else:
-            rules = [
-                "Partitioner.logical_axis_rules = @standard_logical_axis_rules()",
-                f"standard_logical_axis_rules.activation_partitioning_dims = {dims[0]}",
-                f"standard_logical_axis_rules.parameter_partitioning_dims = {dims[1]}",
-            ]
+        rules = [
+            "Partitioner.logical_axis_rules = @preset_rules()",
+            f"preset_rules.name = '{self.preset}'",
+        ]
         return "\n".join(
             [
                 f"# Written by `t5lite plan`: mesh data={self.data} x model={self.model}, "

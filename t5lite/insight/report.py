@@ -390,36 +390,7 @@ class StepReport:
             verdict = "fits" if p.total <= dev_mem else "DOES NOT FIT"
             lines.append(f"  of {format_bytes(dev_mem)}: {verdict} (predicted)")
         if self.memory is not None:
-            lines += ["", "collectives of the compiled step (per device):"]
-            table = [("kind", "mesh axes", "count", "bytes", "sent per device")]
-            for r in self.collectives:
-                table.append(
-                    (
-                        r.kind,
-                        r.axes_str,
-                        str(r.count),
-                        format_bytes(r.bytes),
-                        format_bytes(r.link_bytes),
-                    )
-                )
-            if len(table) == 1:
-                table.append(("(none)", "", "", "", ""))
-            table.append(("per kind:", "", "", "", ""))
-            for kind in KINDS:  # every kind, zeros included, so an absence is visible
-                rs = [r for r in self.collectives if r.kind == kind]
-                table.append(
-                    (
-                        f"  {kind}",
-                        "(any)",
-                        str(sum(r.count for r in rs)),
-                        format_bytes(sum(r.bytes for r in rs)),
-                        format_bytes(sum(r.link_bytes for r in rs)),
-                    )
-                )
-            widths = [max(len(t[i]) for t in table) for i in range(5)]
-            lines += [
-                "  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table
-            ]
+            lines += ["", "collectives of the compiled step (per device):", *self._collectives()]
         a = self.analytic
         data = "+".join(a.data_axes) or DATA
         lines += [
@@ -442,6 +413,23 @@ class StepReport:
                 )
             lines += ["", est]
         return "\n".join(lines)
+
+    def _collectives(self) -> list[str]:
+        """The compiled step's collectives, one row per kind and mesh axes, then per kind."""
+        table = [("kind", "mesh axes", "count", "bytes", "sent per device")]
+        for r in self.collectives:
+            row = (r.kind, r.axes_str, str(r.count), format_bytes(r.bytes))
+            table.append((*row, format_bytes(r.link_bytes)))
+        if len(table) == 1:
+            table.append(("(none)", "", "", "", ""))
+        table.append(("per kind:", "", "", "", ""))
+        for kind in KINDS:  # every kind, zeros included, so an absence is visible
+            rs = [r for r in self.collectives if r.kind == kind]
+            count, size = sum(r.count for r in rs), sum(r.bytes for r in rs)
+            link = sum(r.link_bytes for r in rs)
+            table.append((f"  {kind}", "(any)", str(count), format_bytes(size), format_bytes(link)))
+        widths = [max(len(t[i]) for t in table) for i in range(5)]
+        return ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
 
 
 def compile_train_step(trainer: Trainer) -> CompiledFunction:

@@ -29,11 +29,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from seqio_lite.vocabularies import EOS_ID, PAD_ID
+
 Array = jax.Array
 PyTree = Any
 
-PAD_ID = 0
-EOS_ID = 1
 # NOTE: a large finite negative (not -inf) keeps sums and divisions of scores finite.
 NEG_INF = -1.0e7
 

@@ -19,9 +19,8 @@ Parameter tree (unscanned; scanned replaces `layers_{i}` by one `layers` with a 
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,125 +29,10 @@ from flax import linen as nn
 
 from t5lite.model import layers
 
+# The configs are importable from here too: gin names them `network.T5Config` etc.
+from t5lite.model.config import AnyConfig, DecoderOnlyConfig, T5Config
+
 Array = jax.Array
-RematPolicy = Literal["none", "minimal", "full"]
-REMAT_POLICIES: tuple[str, ...] = ("none", "minimal", "full")
-"""What `remat_policy` accepts: save everything, save matmul outputs only, save nothing."""
-
-
-@dataclasses.dataclass(frozen=True)
-class T5Config:
-    """T5.1.1 encoder-decoder hyper-parameters (defaults: T5.1.1 small)."""
-
-    vocab_size: int = 32128
-    """V, vocabulary size (32128 for the T5 SentencePiece model, padded)."""
-    emb_dim: int = 512
-    """D, model width."""
-    num_heads: int = 6
-    """H, attention heads."""
-    num_encoder_layers: int = 8
-    num_decoder_layers: int = 8
-    head_dim: int = 64
-    """K, width of one head (H * K need not equal D)."""
-    mlp_dim: int = 1024
-    """F, feed-forward hidden width."""
-    variant: Literal["t5.1.1", "t5.1.0"] = "t5.1.1"
-    """'t5.1.1': gated GELU, untied logits. 't5.1.0': ReLU, logits tied to the input embedding
-    and scaled by 1/sqrt(D)."""
-    dropout_rate: float = 0.0
-    relpos_num_buckets: int = 32
-    relpos_max_distance: int = 128
-    layer_norm_epsilon: float = 1e-6
-    dtype: str = "float32"
-    """Activation dtype ('bfloat16' on accelerators). Logits, softmax and norms are fp32."""
-    param_dtype: str = "float32"
-    """Parameter storage dtype."""
-    one_hot_embedding: bool = False
-    """Embed via one-hot matmul (vocab-parallel lookup when the table is vocab-sharded)."""
-    scan_layers: bool = False
-    remat_policy: RematPolicy = "none"
-
-    # Uniform interface shared with DecoderOnlyConfig, read by the layer classes.
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def mlp_activations(self) -> tuple[str, ...]:
-        return ("relu",) if self.variant == "t5.1.0" else ("gelu", "linear")
-
-    @property
-    def logits_via_embedding(self) -> bool:
-        return self.variant == "t5.1.0"
-
-    use_rope = False
-    rope_theta = 10000.0
-    scale_attn_logits = False
-
-    def __post_init__(self) -> None:
-        if self.variant not in ("t5.1.1", "t5.1.0"):
-            raise ValueError(f"T5Config.variant must be 't5.1.1' or 't5.1.0', got {self.variant!r}")
-        _check_remat(self.remat_policy)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderOnlyConfig:
-    """Decoder-only LM hyper-parameters (defaults: a Llama-style small model)."""
-
-    vocab_size: int = 32000
-    emb_dim: int = 512
-    num_heads: int = 8
-    num_kv_heads: int | None = None
-    """G, key/value heads for grouped-query attention (None: = num_heads)."""
-    num_layers: int = 8
-    head_dim: int = 64
-    mlp_dim: int = 1536
-    mlp_activation: Literal["gelu", "silu"] = "silu"
-    """Gated MLP activation: 'silu' (SwiGLU, Llama) or 'gelu' (GeGLU, T5.1.1)."""
-    position_embedding: Literal["rope", "relative"] = "rope"
-    rope_theta: float = 10000.0
-    relpos_num_buckets: int = 32
-    relpos_max_distance: int = 128
-    logits_via_embedding: bool = False
-    """Tie the output projection to the input embedding (no rescaling, as in HF Llama)."""
-    scale_attn_logits: bool = True
-    """Scale logits by 1/sqrt(K) (Llama). False folds it into the query init (T5)."""
-    dropout_rate: float = 0.0
-    layer_norm_epsilon: float = 1e-6
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    one_hot_embedding: bool = False
-    scan_layers: bool = False
-    remat_policy: RematPolicy = "none"
-
-    def __post_init__(self) -> None:
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.position_embedding not in ("rope", "relative"):
-            raise ValueError(
-                f"position_embedding must be 'rope' or 'relative', got {self.position_embedding!r}"
-            )
-        _check_remat(self.remat_policy)
-
-    @property
-    def mlp_activations(self) -> tuple[str, ...]:
-        return (self.mlp_activation, "linear")
-
-    @property
-    def use_rope(self) -> bool:
-        return self.position_embedding == "rope"
-
-
-AnyConfig = T5Config | DecoderOnlyConfig
-
-
-def _check_remat(policy: str) -> None:
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
 def _dropout(cfg: AnyConfig, x: Array, deterministic: bool) -> Array:
@@ -423,24 +307,26 @@ class Decoder(nn.Module):
         )
         x_BLD = _norm(cfg, "decoder_norm")(x_BLD)
         x_BLD = _dropout(cfg, x_BLD, deterministic)
-        if cfg.logits_via_embedding:
-            logits_BLV = self.shared_embedding.attend(x_BLD)
-            if isinstance(cfg, T5Config):
-                # NOTE: T5.1.0 (tied) rescales the logits by 1/sqrt(D), as HF T5 does.
-                logits_BLV = logits_BLV / np.sqrt(cfg.emb_dim)
-        else:
-            kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-            logits_BLV = layers.DenseGeneral(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                dtype=jnp.float32,
-                param_dtype=cfg.param_dtype,
-                kernel_init=kernel_init,
-                name="logits_dense",
-            )(x_BLD.astype(jnp.float32))
-        return nn.with_logical_constraint(
-            logits_BLV.astype(jnp.float32), ("batch", "length", "vocab")
-        )
+        return _output_logits(cfg, self.shared_embedding, x_BLD)
+
+
+def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) -> Array:
+    """fp32 logits [B, L, V]: tied to the embedding, or a `logits_dense` projection."""
+    if cfg.logits_via_embedding:
+        logits_BLV = shared_embedding.attend(x_BLD)
+        if cfg.scale_tied_logits:
+            logits_BLV = logits_BLV / np.sqrt(cfg.emb_dim)
+    else:
+        kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+        logits_BLV = layers.DenseGeneral(
+            cfg.vocab_size,
+            ("embed", "vocab"),
+            dtype=jnp.float32,
+            param_dtype=cfg.param_dtype,
+            kernel_init=kernel_init,
+            name="logits_dense",
+        )(x_BLD.astype(jnp.float32))
+    return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 def _padding_or_segments(tokens_BL: Array | None, segment_ids_BL: Array | None) -> Array | None:

@@ -106,14 +106,23 @@ PRESETS: dict[str, tuple[int, int] | None] = {
 }
 
 
-def preset_rules(name: str) -> tuple[tuple[str, MeshAxis], ...]:
-    """The rules table of a named preset (see `PRESETS`)."""
+def preset_rules(
+    name: str, additional_rules: LogicalRules | None = None, data_axis: MeshAxis = DATA
+) -> tuple[tuple[str, MeshAxis], ...]:
+    """The rules table of a named preset (see `PRESETS`).
+
+    Args:
+      name: a key of `PRESETS`.
+      additional_rules: appended after the preset's rules (lowest priority).
+      data_axis: the mesh axis (or axes) the batch is split over (standard tables only);
+        `('replica', 'data')` on a multi-slice mesh.
+    """
     if name not in PRESETS:
         raise PartitioningError(f"unknown partitioning preset {name!r}; known: {sorted(PRESETS)}")
     dims = PRESETS[name]
-    return (
-        data_parallel_logical_axis_rules() if dims is None else standard_logical_axis_rules(*dims)
-    )
+    if dims is None:
+        return data_parallel_logical_axis_rules(additional_rules)
+    return standard_logical_axis_rules(*dims, additional_rules, data_axis=data_axis)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,7 +78,7 @@ def restored_trainer(
     )  # fmt: skip
     ckpt = CheckpointManager(model_dir)
     try:
-        state, _ = ckpt.restore(trainer.abstract_state(), step=checkpoint_step, extra=False)
+        state, _ = ckpt.restore(trainer.abstract_state(), step=checkpoint_step, with_extra=False)
     finally:
         ckpt.close()
     return trainer, state

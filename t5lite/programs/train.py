@@ -6,11 +6,11 @@ binds the same arguments with gin.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import jax
@@ -26,7 +26,7 @@ from t5lite.partitioning import Partitioner
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
 from t5lite.programs.evaluate import make_evaluator, run_evaluation
-from t5lite.trainer import Trainer, summarize
+from t5lite.trainer import Trainer, TrainState, summarize
 
 
 class TrainingError(RuntimeError):
@@ -132,45 +132,18 @@ def train(
     )  # fmt: skip
     ckpt.install_preemption_handler()
     _check_fits(trainer, trainer.abstract_state())
-
-    if ckpt.latest_step() is not None:
-        state, extra = ckpt.restore(trainer.abstract_state())
-        dataset.set_state(extra["data"])
-        writer.info(f"resumed from {ckpt.step_dir(int(state.step))}")
-    else:
-        state = trainer.init_state()
-        if checkpoint.init_checkpoint:
-            # Parameters from the checkpoint (cast and resharded); optimizer state stays fresh.
-            state, _ = restore_checkpoint(
-                checkpoint.init_checkpoint, state, extra=False, params_only=True
-            )
-            writer.info(f"initialised parameters from {checkpoint.init_checkpoint}")
+    state = _restore_or_init(trainer, ckpt, dataset, checkpoint.init_checkpoint, writer)
     if is_chief and operative_config is not None:
         _write_operative_config(model_dir, operative_config())
+    evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
+    throughput = _Throughput(model, lengths, batch_size)
+    # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
+    cfg = model.network_config
+    run_info = {"seed": seed, "network_config": {"type": type(cfg).__name__, **asdict(cfg)}}
 
-    evaluator = None
-    if evaluation is not None:
-        evaluator = make_evaluator(
-            model, evaluation.task or data.task, lengths, split=evaluation.split,
-            num_examples=evaluation.num_examples,
-            batch_size=evaluation.batch_size or batch_size,
-        )  # fmt: skip
-        eval_trainer = trainer
-        if evaluation.batch_size and evaluation.batch_size != batch_size:
-            eval_trainer = Trainer(model, partitioner, batch_size=evaluation.batch_size,
-                                   lengths=lengths, seed=seed)  # fmt: skip
-        decode_len = evaluation.max_decode_length or lengths["targets"]
-    flops = transformer_train_flops(
-        model.network_config, lengths.get("inputs", 0), lengths["targets"]
-    )
-    peak = peak_flops(jax.devices()[0].device_kind)
-
-    net_cfg = {"type": type(model.network_config).__name__,
-               **dataclasses.asdict(model.network_config)}  # fmt: skip
     start = int(state.step)
     last: dict[str, Any] = {}
     eval_metrics: dict[str, Any] = {}
-    t_prev = time.time()
     watchdog = None
     for step in range(start + 1, num_steps + 1):
         batch = trainer.global_batch(next(dataset))
@@ -180,34 +153,17 @@ def train(
             watchdog = ProgressWatchdog(step_timeout_s)
         watchdog.ping()
         if not math.isfinite(m["loss"]):
-            latest = ckpt.latest_step()
             watchdog.close()
-            ckpt.close()
-            raise TrainingError(
-                f"loss is {m['loss']} at step {step}; stopping. The last good checkpoint is "
-                + (str(ckpt.step_dir(latest)) if latest is not None else "none (no save yet)")
-            )
-        now = time.time()
-        dt, t_prev = now - t_prev, now
-        m["step_time_s"] = dt
-        m["seqs_per_s"] = batch_size / dt
-        m["tokens_per_s"] = batch_size * sum(lengths.values()) / dt
-        m["mfu"] = (flops * batch_size / dt / (peak * jax.device_count())) if peak else "n/a (CPU)"
-        writer.write(step, m)
-        last = m
+            _stop_non_finite(ckpt, step, m["loss"])
+        last = {**m, **throughput.measure()}
+        writer.write(step, last)
         is_final = step == num_steps
         stop_now = stop_after_steps is not None and step - start >= stop_after_steps
-        extra = {"data": dataset.get_state(), "step": step, "seed": seed,
-                 "network_config": net_cfg}  # fmt: skip
-        preempted = ckpt.maybe_save(
-            step, state, extra=extra, logical_axes=trainer.state_axes,
-            is_final=is_final or stop_now,
-        )  # fmt: skip
-        if evaluator and ((evaluation.period and step % evaluation.period == 0) or is_final):
-            eval_metrics = run_evaluation(
-                evaluator, eval_trainer, state, decode_len=decode_len, writer=writer, step=step,
-                num_to_print=evaluation.num_predictions_to_print,
-            )  # fmt: skip
+        extra = {"data": dataset.get_state(), "step": step, **run_info}
+        preempted = ckpt.maybe_save(step, state, extra=extra, logical_axes=trainer.state_axes,
+                                    is_final=is_final or stop_now)  # fmt: skip
+        if evaluate is not None:
+            eval_metrics = evaluate(state, step, is_final) or eval_metrics
         if preempted or stop_now:
             writer.info(f"stopped at step {step}; checkpoint committed")
             break
@@ -216,6 +172,94 @@ def train(
     ckpt.close()
     writer.close()
     return {"train": last, "eval": eval_metrics}
+
+
+def _stop_non_finite(ckpt: CheckpointManager, step: int, loss: float) -> None:
+    latest = ckpt.latest_step()
+    ckpt.close()
+    raise TrainingError(
+        f"loss is {loss} at step {step}; stopping. The last good checkpoint is "
+        + (str(ckpt.step_dir(latest)) if latest is not None else "none (no save yet)")
+    )
+
+
+def _restore_or_init(
+    trainer: Trainer,
+    ckpt: CheckpointManager,
+    dataset: Any,
+    init_checkpoint: str | None,
+    writer: mw.MetricsWriter,
+) -> TrainState:
+    """The latest checkpoint of the run (with the data iterator's position), or a fresh state,
+    or fresh with the parameters of `init_checkpoint` (fine-tuning)."""
+    if ckpt.latest_step() is not None:
+        state, extra = ckpt.restore(trainer.abstract_state())
+        dataset.set_state(extra["data"])
+        writer.info(f"resumed from {ckpt.step_dir(int(state.step))}")
+        return state
+    state = trainer.init_state()
+    if init_checkpoint:
+        # Parameters from the checkpoint (cast and resharded); optimizer state stays fresh.
+        state, _ = restore_checkpoint(init_checkpoint, state, with_extra=False, params_only=True)
+        writer.info(f"initialised parameters from {init_checkpoint}")
+    return state
+
+
+def _periodic_evaluation(
+    trainer: Trainer,
+    data: DataConfig,
+    evaluation: EvalConfig | None,
+    writer: mw.MetricsWriter,
+) -> Callable[[TrainState, int, bool], dict[str, Any] | None] | None:
+    """`evaluate(state, step, is_final)`: the eval metrics when `evaluation` says to run at
+    this step (every `period` steps and after the last), else None."""
+    if evaluation is None:
+        return None
+    lengths = dict(data.task_feature_lengths)
+    batch_size = evaluation.batch_size or data.batch_size
+    evaluator = make_evaluator(
+        trainer.model, evaluation.task or data.task, lengths, split=evaluation.split,
+        num_examples=evaluation.num_examples, batch_size=batch_size,
+    )  # fmt: skip
+    eval_trainer = trainer
+    if batch_size != trainer.batch_size:  # predict functions compile for their batch size
+        eval_trainer = Trainer(trainer.model, trainer.partitioner, batch_size=batch_size,
+                               lengths=lengths, seed=trainer.seed)  # fmt: skip
+    decode_len = evaluation.max_decode_length or lengths["targets"]
+
+    def evaluate(state: TrainState, step: int, is_final: bool) -> dict[str, Any] | None:
+        if not (is_final or (evaluation.period and step % evaluation.period == 0)):
+            return None
+        return run_evaluation(
+            evaluator, eval_trainer, state, decode_len=decode_len, writer=writer, step=step,
+            num_to_print=evaluation.num_predictions_to_print,
+        )  # fmt: skip
+
+    return evaluate
+
+
+class _Throughput:
+    """Step time, sequences and tokens per second and MFU, between consecutive calls."""
+
+    def __init__(self, model: BaseModel, lengths: dict[str, int], batch_size: int):
+        self.batch_size = batch_size
+        self.tokens = batch_size * sum(lengths.values())
+        self.flops = batch_size * transformer_train_flops(
+            model.network_config, lengths.get("inputs", 0), lengths["targets"]
+        )
+        peak = peak_flops(jax.devices()[0].device_kind)
+        self.peak = peak * jax.device_count() if peak else None
+        self.t_prev = time.time()
+
+    def measure(self) -> dict[str, Any]:
+        now = time.time()
+        dt, self.t_prev = now - self.t_prev, now
+        return {
+            "step_time_s": dt,
+            "seqs_per_s": self.batch_size / dt,
+            "tokens_per_s": self.tokens / dt,
+            "mfu": self.flops / dt / self.peak if self.peak else "n/a (CPU)",
+        }
 
 
 def _write_operative_config(model_dir: str, text: str) -> None:
