@@ -188,6 +188,11 @@ class Trainer:
             # optax's norm, op for op: next to `clip_by_global_norm` XLA computes it once.
             metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["learning_rate"] = self.model.optimizer.learning_rate_at(state.step)
+        # One boolean reduction over the new parameters (fused by XLA with the update that
+        # writes them): a non-finite gradient reaches every parameter it touches through the
+        # optimizer, and the optimizer's own NaNs are caught too. The train program stops
+        # before saving a state for which this is False.
+        metrics["params_finite"] = all_finite(params)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _eval_step(self, params: PyTree, batch: Mapping[str, Array]):
@@ -285,9 +290,19 @@ def _rows_of_this_process(batch, layout):
     return {k: np.asarray(v)[lo : lo + layout.per_process_batch_size] for k, v in batch.items()}
 
 
+def all_finite(tree: PyTree) -> Array:
+    """A scalar bool: every floating-point element of `tree` is finite."""
+    flags = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
 def summarize(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Summable step metrics -> the numbers a person reads."""
-    m = {k: float(v) for k, v in metrics.items()}
+    m = {k: float(v) for k, v in metrics.items() if k != "params_finite"}
     w = max(m.get("weight_sum", 0.0), 1e-9)
     out = {
         "loss": m["loss_sum"] / w,

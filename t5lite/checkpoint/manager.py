@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from t5lite.checkpoint import layout
@@ -117,6 +118,7 @@ def restore_checkpoint(
     params_only: bool = False,
     params_key: str = "params",
     concurrency: int = 128,
+    allow_non_finite: bool = False,
 ) -> tuple[Any, dict | None]:
     """Restores one committed checkpoint directory onto the shardings of `target`.
 
@@ -137,6 +139,8 @@ def restore_checkpoint(
         the extra state is not returned (fine-tuning from a pretrained checkpoint).
       params_key: first path component of the parameters.
       concurrency: TensorStore I/O concurrency.
+      allow_non_finite: restore arrays holding NaN or Inf (by default an error naming the first
+        such array: a diverged state is not something to resume or evaluate by accident).
 
     Returns:
       (state with the structure of `target`, extra dict or None).
@@ -169,6 +173,8 @@ def restore_checkpoint(
         values = read(
             [(a, tuple(arrays[a]["shape"]), np.dtype(arrays[a]["dtype"]), None) for a in paths]
         )
+        if not allow_non_finite:
+            _check_finite(p, paths, values)
         by_path = dict(zip(paths, values))
         tree = jax.tree_util.tree_map(lambda a: by_path[a], meta["tree"])
         return tree, layout.read_extra(p) if with_extra else None
@@ -200,10 +206,33 @@ def restore_checkpoint(
         requests.append((src, shape, dtype, getattr(leaf, "sharding", None)))
         slots.append(len(out))
         out.append(None)
-    for i, v in zip(slots, read(requests)):
+    values = read(requests)
+    if not allow_non_finite:
+        _check_finite(p, [src for src, *_ in requests], values)
+    for i, v in zip(slots, values):
         out[i] = v
     state = jax.tree_util.tree_unflatten(treedef, out)
     return state, (layout.read_extra(p) if with_extra and not params_only else None)
+
+
+def _check_finite(p: Path, names: Sequence[str], values: Sequence[Any]) -> None:
+    """Raises CheckpointError naming the first restored array that holds NaN or Inf."""
+    floats = [(n, v) for n, v in zip(names, values) if jnp.issubdtype(v.dtype, jnp.inexact)]
+    on_device = [v for _, v in floats if isinstance(v, jax.Array)]
+    # One jitted reduction per array on its own shards; only the booleans reach the host.
+    flags = iter(jax.device_get(_finite_flags(on_device)) if on_device else [])
+    for name, v in floats:
+        ok = bool(next(flags)) if isinstance(v, jax.Array) else bool(np.isfinite(v).all())
+        if not ok:
+            raise CheckpointError(
+                f"checkpoint {p}: array '{name}' holds NaN or Inf (a diverged run?); restore an "
+                "earlier checkpoint, or pass allow_non_finite=True to read it anyway"
+            )
+
+
+@jax.jit
+def _finite_flags(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.all(jnp.isfinite(a)) for a in arrays]
 
 
 def _checked_target(
@@ -523,13 +552,15 @@ class CheckpointManager:
         strict: bool = True,
         assignment_map: Sequence[tuple[str, str | None]] | None = None,
         params_only: bool = False,
+        allow_non_finite: bool = False,
     ) -> tuple[Any, dict | None]:
         """Restores the latest committed step, a given step, or a checkpoint path.
 
         Args:
           target: see `restore_checkpoint`.
           step: None (latest), a step number, or a path to a `checkpoint_<step>` directory.
-          with_extra, strict, assignment_map, params_only: see `restore_checkpoint`.
+          with_extra, strict, assignment_map, params_only, allow_non_finite: see
+            `restore_checkpoint`.
 
         Returns:
           (state, extra).
@@ -557,6 +588,7 @@ class CheckpointManager:
             assignment_map=assignment_map,
             params_only=params_only,
             concurrency=self.concurrency,
+            allow_non_finite=allow_non_finite,
         )
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import seqio_lite
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
@@ -26,6 +27,7 @@ from t5lite.partitioning import Partitioner
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
 from t5lite.programs.evaluate import make_evaluator, run_evaluation
+from t5lite.pytree import path_str
 from t5lite.trainer import Trainer, TrainState, summarize
 
 
@@ -84,6 +86,7 @@ def train(
     log: LogConfig = LogConfig(),  # noqa: B008 (frozen)
     stop_after_steps: int | None = None,
     step_timeout_s: float | None = 600.0,
+    max_stalled_steps: int = 200,
     operative_config: Callable[[], str] | None = None,
 ) -> dict[str, Any]:
     """Trains `model` on `data`, resuming from the latest checkpoint in `model_dir`.
@@ -103,6 +106,9 @@ def train(
         as a preemption would; for tests and time-boxed jobs.
       step_timeout_s: exit with an error when no step completes for this long (after the
         first, compiled step): a multi-process run whose peer died stops instead of hanging.
+      max_stalled_steps: stop with an error when the model has predicted the uniform
+        distribution (cross-entropy ln(vocab_size), zero gradient norm where it is logged) for
+        this many consecutive steps: a run that diverged silently. 0: never stop for it.
       operative_config: returns the text written to `model_dir/config.gin` once the run is set
         up (the CLI passes gin's operative config).
 
@@ -120,12 +126,7 @@ def train(
     is_chief = jax.process_index() == 0
     writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
                               log_period=log.period)  # fmt: skip
-    layout = partitioner.get_data_layout(batch_size)
-    dataset = seqio_lite.get_dataset(
-        data.task, lengths, split_of(data, "train"), layout.per_process_batch_size,
-        shard_id=layout.shard_id, num_shards=layout.num_shards, seed=seed,
-        feature_converter=model.FEATURE_CONVERTER, pack=data.pack, use_cached=data.use_cached,
-    )  # fmt: skip
+    dataset = _train_dataset(data, model, partitioner, seed)
     ckpt = CheckpointManager(
         model_dir, save_period=checkpoint.period, keep=checkpoint.keep,
         keep_period=checkpoint.keep_period,
@@ -137,6 +138,7 @@ def train(
         _write_operative_config(model_dir, operative_config())
     evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
     throughput = _Throughput(model, lengths, batch_size)
+    stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
     # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
     cfg = model.network_config
     run_info = {"seed": seed, "network_config": {"type": type(cfg).__name__, **asdict(cfg)}}
@@ -145,42 +147,103 @@ def train(
     last: dict[str, Any] = {}
     eval_metrics: dict[str, Any] = {}
     watchdog = None
-    for step in range(start + 1, num_steps + 1):
-        batch = trainer.global_batch(next(dataset))
-        state, metrics = trainer.train_step(state, batch)
-        m = summarize(jax.device_get(metrics))
-        if watchdog is None:  # armed after the first step: compilation time is unbounded
-            watchdog = ProgressWatchdog(step_timeout_s)
-        watchdog.ping()
-        if not math.isfinite(m["loss"]):
+    try:
+        for step in range(start + 1, num_steps + 1):
+            state, metrics = trainer.train_step(state, trainer.global_batch(next(dataset)))
+            raw = jax.device_get(metrics)
+            m = summarize(raw)
+            if watchdog is None:  # armed after the first step: compilation time is unbounded
+                watchdog = ProgressWatchdog(step_timeout_s)
+            watchdog.ping()
+            if not (raw["params_finite"] and all(math.isfinite(v) for v in m.values())):
+                _stop_non_finite(ckpt, state, step, m)
+            stall.check(step, m)
+            last = {**m, **throughput.measure()}
+            writer.write(step, last)
+            is_final = step == num_steps
+            stop_now = stop_after_steps is not None and step - start >= stop_after_steps
+            extra = {"data": dataset.get_state(), "step": step, **run_info}
+            preempted = ckpt.maybe_save(step, state, extra=extra, logical_axes=trainer.state_axes,
+                                        is_final=is_final or stop_now)  # fmt: skip
+            if evaluate is not None:
+                eval_metrics = evaluate(state, step, is_final) or eval_metrics
+            if preempted or stop_now:
+                writer.info(f"stopped at step {step}; checkpoint committed")
+                break
+    finally:  # also on errors: no watchdog left behind, the last save committed or cleaned up
+        if watchdog is not None:
             watchdog.close()
-            _stop_non_finite(ckpt, step, m["loss"])
-        last = {**m, **throughput.measure()}
-        writer.write(step, last)
-        is_final = step == num_steps
-        stop_now = stop_after_steps is not None and step - start >= stop_after_steps
-        extra = {"data": dataset.get_state(), "step": step, **run_info}
-        preempted = ckpt.maybe_save(step, state, extra=extra, logical_axes=trainer.state_axes,
-                                    is_final=is_final or stop_now)  # fmt: skip
-        if evaluate is not None:
-            eval_metrics = evaluate(state, step, is_final) or eval_metrics
-        if preempted or stop_now:
-            writer.info(f"stopped at step {step}; checkpoint committed")
-            break
-    if watchdog is not None:
-        watchdog.close()
-    ckpt.close()
-    writer.close()
+        ckpt.close()
+        writer.close()
     return {"train": last, "eval": eval_metrics}
 
 
-def _stop_non_finite(ckpt: CheckpointManager, step: int, loss: float) -> None:
+def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner, seed: int):
+    """This process's shard of the training examples, in the model's features."""
+    layout = partitioner.get_data_layout(data.batch_size)
+    return seqio_lite.get_dataset(
+        data.task, dict(data.task_feature_lengths), split_of(data, "train"),
+        layout.per_process_batch_size, shard_id=layout.shard_id, num_shards=layout.num_shards,
+        seed=seed, feature_converter=model.FEATURE_CONVERTER, pack=data.pack,
+        use_cached=data.use_cached,
+    )  # fmt: skip
+
+
+def _stop_non_finite(
+    ckpt: CheckpointManager, state: TrainState, step: int, m: dict[str, float]
+) -> None:
+    """Ends the run at a step whose loss, gradient norm or parameters are not finite.
+
+    That step's state is never saved; the checkpoints already committed are all finite (each
+    was saved only after its own step passed this check), so the newest one is the last good.
+    """
+    ckpt.wait()  # an earlier, finite step may still be committing: it is the last good one
     latest = ckpt.latest_step()
     ckpt.close()
+    what = [f"loss {m['loss']:.4g}"]
+    if "grad_norm" in m:
+        what.append(f"gradient norm {m['grad_norm']:.4g}")
+    flags = jax.device_get(jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), state.params))
+    bad = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(flags)[0] if not ok]
+    if bad:
+        what.append(f"{len(bad)} non-finite parameter arrays, first 'params/{bad[0]}'")
     raise TrainingError(
-        f"loss is {loss} at step {step}; stopping. The last good checkpoint is "
+        f"step {step} is not finite ({', '.join(what)}); it was not saved. The last good "
+        "checkpoint is "
         + (str(ckpt.step_dir(latest)) if latest is not None else "none (no save yet)")
+        + ": resume from it with a lower learning rate or stronger clipping"
     )
+
+
+class _StallDetector:
+    """Notices a run that predicts the uniform distribution step after step (dead, diverged).
+
+    Its cross-entropy is then ln(V) on every batch and its gradients are zero, so nothing will
+    change however long it runs; finite-value checks cannot see it.
+    """
+
+    def __init__(self, vocab_size: int, patience: int, ckpt: CheckpointManager):
+        self.uniform = math.log(vocab_size)
+        self.patience = patience
+        self.ckpt = ckpt
+        self.since: int | None = None
+
+    def check(self, step: int, m: dict[str, float]) -> None:
+        ce = m["loss"] - m.get("z_loss", 0.0)
+        stalled = abs(ce - self.uniform) <= 1e-4 * self.uniform and m.get("grad_norm", 0.0) == 0
+        if not stalled or self.patience <= 0:
+            self.since = None
+            return
+        self.since = step if self.since is None else self.since
+        if step - self.since + 1 >= self.patience:
+            latest = self.ckpt.latest_step()
+            self.ckpt.close()
+            raise TrainingError(
+                f"the model has stopped learning: cross-entropy {ce:.4f} = ln(vocab_size) "
+                f"(uniform predictions) with zero gradients since step {self.since}; checkpoints "
+                f"are kept (latest: {latest}). Lower the learning rate, or set "
+                "train.max_stalled_steps=0 to train on anyway"
+            )
 
 
 def _restore_or_init(

@@ -1,0 +1,128 @@
+"""A diverging run never commits a non-finite state, names the true last good checkpoint, and a
+run that silently stopped learning ends with an error; non-finite checkpoints are not restored."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices, run_cli
+
+import t5lite.programs.train as train_program
+from t5lite.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint
+
+QUICK = [
+    "--gin_file=quickstart.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+    "--gin.train.evaluation=None",
+    "--gin.LogConfig.period=1",
+    "--gin.warmup_cosine_schedule.warmup_steps=2",
+]
+
+
+def _committed(model_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in model_dir.glob("checkpoint_*[0-9]"))
+
+
+def test_diverging_run_never_commits_a_non_finite_state(tmp_path, capsys):
+    require_devices(8)
+    d = tmp_path / "run"
+    # A short healthy run, then the same run continued with an exploding learning rate and no
+    # clipping, saving after every step: the first non-finite step must not be saved.
+    assert run_cli("train", *QUICK, "--gin.TRAIN_STEPS=4", "--gin.CheckpointConfig.period=2",
+                   f"--gin.MODEL_DIR='{d}'") == 0  # fmt: skip
+    before = _committed(d)
+    capsys.readouterr()
+    rc = run_cli(
+        "train", *QUICK, "--gin.TRAIN_STEPS=40", "--gin.CheckpointConfig.period=1",
+        "--gin.CheckpointConfig.keep=None", f"--gin.MODEL_DIR='{d}'",
+        "--gin.warmup_cosine_schedule.peak_learning_rate=1e30",
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1:]  # progress lines come before it
+    assert rc == 1 and err[0].startswith("t5lite train: error:"), err
+    steps = _committed(d)
+    assert steps[: len(before)] == before and len(steps) > len(before), (steps, err)
+    bad_step = steps[-1] + 1  # the step after the newest committed one went non-finite
+    assert err[0].startswith(f"t5lite train: error: step {bad_step} is not finite (loss ")
+    assert (
+        f"it was not saved. The last good checkpoint is {d / f'checkpoint_{steps[-1]}'}" in err[0]
+    )
+    assert not any(p.name.endswith(".tmp") for p in d.iterdir())
+    # Every committed checkpoint is finite: the default restore checks each array.
+    for step in steps:
+        tree, _ = restore_checkpoint(d / f"checkpoint_{step}", with_extra=False)
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(tree) if x.dtype.kind == "f")
+
+
+def test_a_silently_diverged_run_ends_with_an_error(tmp_path, capsys):
+    require_devices(8)
+    # Continued with a huge learning rate that leaves every value finite, the model collapses
+    # to uniform predictions (loss ln 384 = 5.954) and would train on forever.
+    args = [*QUICK, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
+    assert run_cli("train", *args, "--gin.TRAIN_STEPS=4") == 0
+    rc = run_cli("train", *args, "--gin.TRAIN_STEPS=40", "--gin.train.max_stalled_steps=5",
+                 "--gin.warmup_cosine_schedule.peak_learning_rate=1e6")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1
+    assert err.startswith("t5lite train: error: the model has stopped learning: cross-entropy ")
+    assert err.endswith("set train.max_stalled_steps=0 to train on anyway"), err
+    assert _committed(tmp_path)[-1] >= 4  # what was saved is kept
+
+
+def test_non_finite_checkpoint_is_refused_unless_asked(tmp_path):
+    state = {"params": {"w": jnp.array([1.0, np.nan]), "b": jnp.zeros(3)}, "step": jnp.int32(3)}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, state)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)  # fmt: skip
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(tmp_path).restore(target)
+    assert str(e.value) == (
+        f"checkpoint {tmp_path / 'checkpoint_3'}: array 'params/w' holds NaN or Inf (a diverged "
+        "run?); restore an earlier checkpoint, or pass allow_non_finite=True to read it anyway"
+    )
+    with pytest.raises(CheckpointError, match="'params/w' holds NaN"):
+        restore_checkpoint(tmp_path / "checkpoint_3")  # numpy restore, no target
+    got, _ = CheckpointManager(tmp_path).restore(target, allow_non_finite=True)
+    assert np.isnan(np.asarray(got["params"]["w"])[1])
+
+
+class _Ckpt:
+    def latest_step(self):
+        return 6
+
+    def close(self):
+        pass
+
+
+def _uniform(grad_norm=0.0):
+    return {"loss": math.log(384) + 1e-3, "z_loss": 1e-3, "grad_norm": grad_norm}
+
+
+def test_a_stalled_run_stops_after_its_patience():
+    stall = train_program._StallDetector(384, 3, _Ckpt())
+    stall.check(1, _uniform())
+    stall.check(2, _uniform(grad_norm=0.5))  # still learning: the count starts again
+    stall.check(3, _uniform())
+    stall.check(4, _uniform())
+    with pytest.raises(train_program.TrainingError) as e:
+        stall.check(5, _uniform())
+    assert str(e.value) == (
+        "the model has stopped learning: cross-entropy 5.9506 = ln(vocab_size) (uniform "
+        "predictions) with zero gradients since step 3; checkpoints are kept (latest: 6). "
+        "Lower the learning rate, or set train.max_stalled_steps=0 to train on anyway"
+    )
+
+
+def test_a_learning_run_or_an_opt_out_never_stalls():
+    healthy = train_program._StallDetector(384, 2, _Ckpt())
+    off = train_program._StallDetector(384, 0, _Ckpt())
+    for step in range(1, 50):
+        healthy.check(step, {"loss": 5.0 - step / 100, "z_loss": 0.0, "grad_norm": 1.0})
+        off.check(step, _uniform())
+    assert healthy.since is None and off.since is None  # no stall counted, nothing raised
