@@ -126,3 +126,46 @@ def test_a_learning_run_or_an_opt_out_never_stalls():
         healthy.check(step, {"loss": 5.0 - step / 100, "z_loss": 0.0, "grad_norm": 1.0})
         off.check(step, _uniform())
     assert healthy.since is None and off.since is None  # no stall counted, nothing raised
+
+
+def _checksums(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and "checkpoint_" in str(p)
+    }
+
+
+def test_a_second_run_on_a_model_directory_is_refused(tmp_path, capsys):
+    require_devices(8)
+    import json
+    import socket
+    import subprocess
+
+    args = [*QUICK, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
+    assert run_cli("train", *args, "--gin.TRAIN_STEPS=3") == 0
+    assert not (tmp_path / "RUN_LOCK").exists()  # released at the end
+    before = _checksums(tmp_path)
+    other = subprocess.Popen(["sleep", "60"])  # stands for a live run on this host
+    try:
+        lock = {"host": socket.gethostname(), "pid": other.pid, "since": 0}
+        (tmp_path / "RUN_LOCK").write_text(json.dumps(lock))
+        capsys.readouterr()
+        assert run_cli("train", *args, "--gin.TRAIN_STEPS=4") == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"t5lite train: error: {tmp_path} is in use by another run (process {other.pid} on "
+            f"{socket.gethostname()}, since 1970-01-01 00:00); wait for it, use another model "
+            f"directory, or delete {tmp_path / 'RUN_LOCK'} if that run is gone"
+        ]
+        assert _checksums(tmp_path) == before  # nothing written
+    finally:
+        other.kill()
+        other.wait()
+    # The owner is gone now: the lock is stale, taken over with a message, and released.
+    assert run_cli("train", *args, "--gin.TRAIN_STEPS=4") == 0
+    out = capsys.readouterr().out
+    assert f"taking over the run lock of {tmp_path}: process {other.pid}" in out
+    assert not (tmp_path / "RUN_LOCK").exists() and _committed(tmp_path)[-1] == 4

@@ -54,12 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from t5lite.checkpoint import CheckpointError
     from t5lite.cli import gin_config as gin_utils
     from t5lite.partitioning import PartitioningError
+    from t5lite.programs.run_lock import RunLockError
     from t5lite.programs.train import TrainingError
 
     # User mistakes (bad bindings, layouts, checkpoints, values) end in one line naming the
     # culprit; T5LITE_DEBUG=1 shows the traceback instead. Other exceptions keep theirs.
     user_errors = (gin_utils.ConfigError, PartitioningError, CheckpointError, TrainingError,
-                   FileExistsError, FileNotFoundError, ValueError)  # fmt: skip
+                   RunLockError, FileExistsError, FileNotFoundError, ValueError)  # fmt: skip
     if os.environ.get("T5LITE_DEBUG"):
         user_errors = ()
     try:

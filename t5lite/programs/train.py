@@ -6,6 +6,7 @@ binds the same arguments with gin.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import seqio_lite
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
@@ -27,6 +29,7 @@ from t5lite.partitioning import Partitioner
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
 from t5lite.programs.evaluate import make_evaluator, run_evaluation
+from t5lite.programs.run_lock import RunLock, RunLockError
 from t5lite.pytree import path_str
 from t5lite.trainer import Trainer, TrainState, summarize
 
@@ -115,45 +118,50 @@ def train(
     Returns:
       The last train metrics and the last eval metrics.
     """
-    partitioner = partitioner or Partitioner()
-    lengths = dict(data.task_feature_lengths)
-    batch_size = data.batch_size
-    _check_vocab(data.task, model)
-    trainer = Trainer(
-        model, partitioner, batch_size=batch_size, lengths=lengths,
-        num_microbatches=num_microbatches, seed=seed, log_grad_norm=log.grad_norm,
-    )  # fmt: skip
-    is_chief = jax.process_index() == 0
-    writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
-                              log_period=log.period)  # fmt: skip
-    dataset = _train_dataset(data, model, partitioner, seed)
-    ckpt = CheckpointManager(
-        model_dir, save_period=checkpoint.period, keep=checkpoint.keep,
-        keep_period=checkpoint.keep_period,
-    )  # fmt: skip
-    ckpt.install_preemption_handler()
-    _check_fits(trainer, trainer.abstract_state())
-    state = _restore_or_init(trainer, ckpt, dataset, checkpoint.init_checkpoint, writer)
-    if is_chief and operative_config is not None:
-        _write_operative_config(model_dir, operative_config())
-    evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
-    throughput = _Throughput(model, lengths, batch_size)
-    stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
-    # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
-    cfg = model.network_config
-    run_info = {"seed": seed, "network_config": {"type": type(cfg).__name__, **asdict(cfg)}}
+    with contextlib.ExitStack() as stack:  # closed in reverse: watchdog, checkpoints, log, lock
+        partitioner = partitioner or Partitioner()
+        is_chief = jax.process_index() == 0
+        lock = _acquire_lock(model_dir, is_chief)  # before anything slow: one run per directory
+        if lock is not None:
+            stack.callback(lock.release)
+        lengths = dict(data.task_feature_lengths)
+        batch_size = data.batch_size
+        _check_vocab(data.task, model)
+        trainer = Trainer(
+            model, partitioner, batch_size=batch_size, lengths=lengths,
+            num_microbatches=num_microbatches, seed=seed, log_grad_norm=log.grad_norm,
+        )  # fmt: skip
+        writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
+                                  log_period=log.period)  # fmt: skip
+        stack.callback(writer.close)
+        dataset = _train_dataset(data, model, partitioner, seed)
+        ckpt = CheckpointManager(
+            model_dir, save_period=checkpoint.period, keep=checkpoint.keep,
+            keep_period=checkpoint.keep_period,
+        )  # fmt: skip
+        stack.callback(ckpt.close)  # also on errors: the last save committed or cleaned up
+        ckpt.install_preemption_handler()
+        _check_fits(trainer, trainer.abstract_state())
+        state = _restore_or_init(trainer, ckpt, dataset, checkpoint.init_checkpoint, writer)
+        if is_chief and operative_config is not None:
+            _write_operative_config(model_dir, operative_config())
+        evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
+        throughput = _Throughput(model, lengths, batch_size)
+        stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
+        # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
+        cfg = model.network_config
+        run_info = {"seed": seed, "network_config": {"type": type(cfg).__name__, **asdict(cfg)}}
 
-    start = int(state.step)
-    last: dict[str, Any] = {}
-    eval_metrics: dict[str, Any] = {}
-    watchdog = None
-    try:
+        start = int(state.step)
+        last: dict[str, Any] = {}
+        eval_metrics: dict[str, Any] = {}
+        watchdog = None
         for step in range(start + 1, num_steps + 1):
             state, metrics = trainer.train_step(state, trainer.global_batch(next(dataset)))
             raw = jax.device_get(metrics)
             m = summarize(raw)
             if watchdog is None:  # armed after the first step: compilation time is unbounded
-                watchdog = ProgressWatchdog(step_timeout_s)
+                watchdog = stack.enter_context(contextlib.closing(ProgressWatchdog(step_timeout_s)))
             watchdog.ping()
             if not (raw["params_finite"] and all(math.isfinite(v) for v in m.values())):
                 _stop_non_finite(ckpt, state, step, m)
@@ -170,12 +178,26 @@ def train(
             if preempted or stop_now:
                 writer.info(f"stopped at step {step}; checkpoint committed")
                 break
-    finally:  # also on errors: no watchdog left behind, the last save committed or cleaned up
-        if watchdog is not None:
-            watchdog.close()
-        ckpt.close()
-        writer.close()
-    return {"train": last, "eval": eval_metrics}
+        return {"train": last, "eval": eval_metrics}
+
+
+def _acquire_lock(model_dir: str, is_chief: bool) -> RunLock | None:
+    """Process 0 takes the model directory's run lock; every process learns whether it could."""
+    lock, error = None, None
+    if is_chief:
+        try:
+            lock = RunLock(model_dir).acquire()
+        except RunLockError as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+            error = RunLockError(f"{model_dir} is in use by another run (see process 0)")
+    if error is not None:
+        raise error
+    return lock
 
 
 def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner, seed: int):
