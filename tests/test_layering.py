@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
         "pytree",
     },
 }
-GIN_MODULES = {"t5lite/cli/registry.py", "t5lite/cli/gin_config.py"}
+GIN_MODULES = {"t5lite/cli/registry.py", "t5lite/cli/gin_config.py", "t5lite/cli/gin_checks.py"}
 
 
 def _layer(module: str) -> str | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +43,16 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
     Raises ConfigError with gin's message (naming the binding) on any mistake, before anything
     is built or compiled.
     """
+    from t5lite.cli import gin_checks
     from t5lite.cli import registry as gin_registry  # noqa: F401  (registers the configurables)
+
+    try:
+        gin_checks.check_flag_syntax(bindings)
+    except gin_checks.GinCheckError as e:
+        raise ConfigError(str(e)) from None
+    # A gin `import` finds modules in the working directory, as t5x users expect.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
     for d in _CONFIG_DIRS:
         if d.is_dir() and str(d) not in gin.config._LOCATION_PREFIXES:
@@ -57,10 +68,30 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
             gin.parse_config_files_and_bindings(
                 [find_gin_file(f) for f in gin_files], list(bindings), finalize_config=True
             )
+    except ImportError as e:  # a gin `import` (gin's message names the file and line)
+        raise ConfigError(
+            f"{one_line(e)}: looked in the working directory ({os.getcwd()}) and the installed "
+            "packages"
+        ) from e
     except (ValueError, KeyError, NameError, TypeError, OSError) as e:
-        raise ConfigError(one_line(e)) from e
+        raise ConfigError(_with_suggestion(one_line(e))) from e
     finally:
         logging.getLogger().removeFilter(quiet)
+    try:
+        gin_checks.check_macros(bindings)
+        gin_checks.check_types()
+    except gin_checks.GinCheckError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _with_suggestion(message: str) -> str:
+    """Adds "did you mean" to gin's message for an unknown configurable name."""
+    m = re.search(r"No configurable matching '([\w.]+)'", message)
+    if not m:
+        return message
+    known = sorted({name.split(".")[-1] for name, _ in gin.config._REGISTRY.items()})
+    close = difflib.get_close_matches(m.group(1).split(".")[-1], known, n=1)
+    return f"{message}; did you mean {close[0]}?" if close else message
 
 
 def operative_config() -> str:

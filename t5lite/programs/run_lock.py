@@ -49,12 +49,17 @@ class RunLock:
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
 
     def acquire(self) -> RunLock:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunLockError(f"model directory {self.directory}: {e.strerror}") from None
         taken_over = False
         while True:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 break
+            except PermissionError:
+                raise RunLockError(f"model directory {self.directory} is not writable") from None
             except FileExistsError:
                 owner = _owner(self.path)
                 host, pid = owner.get("host"), owner.get("pid")

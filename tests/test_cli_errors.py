@@ -1,0 +1,101 @@
+"""A user's mistakes through the CLI: exit code 1, exactly one line naming the culprit, before
+anything compiles, and nothing written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+QUICK = [
+    "--gin_file=quickstart.gin",
+    "--gin.TRAIN_STEPS=3",
+    "--gin.train.evaluation=None",
+    "--gin.warmup_cosine_schedule.warmup_steps=1",
+]
+
+# (extra flags, the error line after "t5lite train: error: ")
+CASES = [
+    (["--gin.TRAN_STEPS=5"],
+     "--gin.TRAN_STEPS: no loaded gin file uses the macro %TRAN_STEPS; did you mean TRAIN_STEPS?"),
+    (["--gin.BATCH_SIZ=4"],
+     "--gin.BATCH_SIZ: no loaded gin file uses the macro %BATCH_SIZ; did you mean BATCH_SIZE?"),
+    (["--gin.MODEL_DIR=runs/x"],
+     "--gin.MODEL_DIR=runs/x: gin values are Python literals; quote a string: "
+     "--gin.MODEL_DIR=\"'runs/x'\""),
+    (["--gin.TASK=synthetic_reverse"],
+     "--gin.TASK=synthetic_reverse: gin values are Python literals; quote a string: "
+     "--gin.TASK=\"'synthetic_reverse'\""),
+    (["--gin.DataConfig.batch_size='32'"],
+     "DataConfig.batch_size = '32': expects int, got str"),
+    (["--gin.BATCH_SIZE='32'"],
+     "DataConfig.batch_size = %BATCH_SIZE = '32': expects int, got str"),
+    (["--gin.LogConfig.period=1.5"], "LogConfig.period = 1.5: expects int, got float"),
+    (["--gin.DataConfig.pack='no'"], "DataConfig.pack = 'no': expects bool, got str"),
+    (["--gin.AdamW.learning_rate='x'"],
+     "AdamW.learning_rate = 'x': expects float | a function (@name()), got str"),
+    (["--gin.CheckpointConfig.keep='3'"],
+     "CheckpointConfig.keep = '3': expects int | None, got str"),
+    (["--gin.Datconfig.batch_size=3"],
+     "No configurable matching 'Datconfig'. In bindings string line 5 Datconfig.batch_size=3; "
+     "did you mean DataConfig?"),
+    (["--gin_file=no_such.gin"], None),  # names the file and where it looked (checked below)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "line"), CASES, ids=[c[0][0] for c in CASES])
+def test_gin_mistakes_end_in_one_line(flags, line, tmp_path, capsys):
+    model_dir = tmp_path / "run"
+    rc = run_cli("train", *QUICK, f"--gin.MODEL_DIR='{model_dir}'", *flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    if line is None:
+        assert err[0].startswith("t5lite train: error: gin file 'no_such.gin' not found in ")
+    else:
+        assert err[0] == f"t5lite train: error: {line}"
+    assert not model_dir.exists()  # failed before anything was written
+
+
+def test_a_gin_import_that_is_not_found(tmp_path, capsys, monkeypatch):
+    (tmp_path / "user.gin").write_text("import no_such_module_xyz\ninclude 'quickstart.gin'\n")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("train", "--gin_file=user.gin") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "t5lite train: error: No module named 'no_such_module_xyz' In file \"user.gin\", line 1 "
+        f"import no_such_module_xyz: looked in the working directory ({tmp_path}) and the "
+        "installed packages"
+    ]
+
+
+def test_a_gin_file_imports_a_module_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text("import t5lite.cli.registry\nLOADED = True\n")
+    (tmp_path / "user.gin").write_text("import my_tasks\ninclude 'quickstart.gin'\n")
+    monkeypatch.chdir(tmp_path)
+    from t5lite.cli import gin_config
+
+    gin_config.parse_gin(["user.gin"], [])
+    import my_tasks
+
+    assert my_tasks.LOADED
+
+
+@pytest.mark.parametrize("kind", ["file", "read_only"])
+def test_an_unusable_model_directory(kind, tmp_path, capsys):
+    if kind == "file":
+        target = tmp_path / "a_file"
+        target.write_text("precious")
+        want = f"model directory {target}: File exists"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        target = tmp_path / "ro"
+        target.mkdir()
+        target.chmod(0o500)
+        want = f"model directory {target} is not writable"
+    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{target}'") == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"t5lite train: error: {want}"]
+    if kind == "file":
+        assert Path(target).read_text() == "precious"
