@@ -89,6 +89,7 @@ class Trainer:
         rng = jax.random.PRNGKey(seed)
         boxed = jax.eval_shape(model.init, rng, self.batch_abstract)
         self.params_axes = logical_axes_of(boxed)["params"]
+        partitioner.check_rule_names(_logical_names(self.params_axes))
         params_abstract = meta.unbox(boxed)["params"]
         self.tx = model.optimizer.create(self.params_axes)
         opt_axes = optimizers.optimizer_state_axes(
@@ -259,6 +260,17 @@ class Trainer:
         contributes only its own rows, so every example is computed once."""
         layout = self.partitioner.get_data_layout(self.batch_size)
         return self.global_batch(_rows_of_this_process(batch, layout))
+
+
+def _logical_names(axes_tree: PyTree) -> set[str]:
+    """Every logical axis name in a tree of `PartitionSpec`s of names."""
+    names: set[str] = set()
+    for spec in jax.tree_util.tree_leaves(
+        axes_tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    ):
+        for entry in spec if isinstance(spec, PartitionSpec) else ():
+            names.update([entry] if isinstance(entry, str) else [e for e in entry or () if e])
+    return names
 
 
 def fit_batch(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ anything compiles, and nothing written."""
 from __future__ import annotations
 
 import pytest
-from conftest import run_cli
+from conftest import require_devices, run_cli
 
 QUICK = [
     "--gin_file=quickstart.gin",
@@ -38,6 +38,13 @@ CASES = [
     (["--gin.Datconfig.batch_size=3"],
      "No configurable matching 'Datconfig'. In bindings string line 5 Datconfig.batch_size=3; "
      "did you mean DataConfig?"),
+    (["--gin.preset_rules.additional_rules=[('embd', 'data')]"],
+     "rules table: no parameter or activation has the logical axis 'embd'; did you mean 'embed'? "
+     "(known: batch, embed, heads, joined_kv, kv, kv_heads, layers, length, mlp, relpos_buckets, "
+     "vocab)"),
+    (["--gin.preset_rules.name='fsdpp'"],
+     "unknown partitioning preset 'fsdpp' (did you mean 'fsdp'?); known: activations_2d, "
+     "data_parallel, fsdp, fully_sharded, megatron In call to configurable 'preset_rules'"),
     (["--gin_file=no_such.gin"], None),  # names the file and where it looked (checked below)
 ]  # fmt: skip
 
@@ -52,7 +59,8 @@ def test_gin_mistakes_end_in_one_line(flags, line, tmp_path, capsys):
         assert err[0].startswith("t5lite train: error: gin file 'no_such.gin' not found in ")
     else:
         assert err[0] == f"t5lite train: error: {line}"
-    assert not model_dir.exists()  # failed before anything was written
+    # Failed before anything was written (at most an empty directory the run lock made).
+    assert not model_dir.exists() or not any(model_dir.iterdir())
 
 
 def test_a_gin_import_that_is_not_found(tmp_path, capsys, monkeypatch):
@@ -91,3 +99,36 @@ def test_an_unusable_model_directory(kind, tmp_path, capsys):
     assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{target}'") == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"t5lite train: error: {want}"]
     assert precious.read_text() == "precious"
+
+
+def test_a_rule_that_cannot_apply_is_a_warning_at_train_start():
+    import t5lite.programs.train as train_program
+    from t5lite import (
+        EncoderDecoderModel,
+        Partitioner,
+        T5Config,
+        Trainer,
+        create_mesh,
+        standard_logical_axis_rules,  # fmt: skip
+    )
+
+    require_devices(8)
+    config = T5Config(vocab_size=128, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=32,
+                      num_encoder_layers=1, num_decoder_layers=1)  # fmt: skip
+    model = EncoderDecoderModel(config)
+    rules = [("embed", "model"), *standard_logical_axis_rules(1, 1)]  # embed takes `model` first
+    part = Partitioner(create_mesh(num_partitions=2), logical_axis_rules=rules)
+    trainer = Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
+    lines = []
+
+    class Writer:
+        def info(self, text):
+            lines.append(text)
+
+    train_program._warn_replicated(trainer, Writer())
+    assert len(lines) == 1
+    assert (
+        lines[0].startswith("warning: ")
+        and "parameter arrays keep a dimension replicated" in lines[0]
+    )
+    assert "`t5lite inspect` lists them" in lines[0]

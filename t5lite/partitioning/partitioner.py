@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -25,6 +26,7 @@ from t5lite.partitioning.rules import (
     ExplicitSpec,
     LogicalRules,
     Placement,
+    data_parallel_logical_axis_rules,
     describe,
     is_axes_leaf,
     logical_axes_of,
@@ -35,6 +37,14 @@ from t5lite.partitioning.rules import (
     validate_spec,
 )
 from t5lite.pytree import path_str
+
+# Every logical name t5lite's networks use (parameters, activations, KV caches): the names of
+# the standard tables.
+_STANDARD_NAMES = frozenset(
+    name
+    for table in (standard_logical_axis_rules(2, 2), data_parallel_logical_axis_rules())
+    for name, _ in table
+)
 
 PyTree = Any
 
@@ -175,6 +185,23 @@ class Partitioner:
             shard_shape=shard_shape(shape, spec, self.mesh),
             replicated_despite_rule=flagged,
         )
+
+    def check_rule_names(self, used: Iterable[str]) -> None:
+        """Refuses a rule for a logical name nothing uses (a typo such as 'embd' silently
+        leaves its dimensions replicated).
+
+        `used`: the model's parameter names; names of the standard tables (the activations and
+        caches of t5lite's networks) are always accepted.
+        """
+        known = set(used) | set(_STANDARD_NAMES)
+        for name, _ in self.rules:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise PartitioningError(
+                    f"rules table: no parameter or activation has the logical axis '{name}'"
+                    f"{hint} (known: {', '.join(sorted(known))})"
+                )
 
     def shardings(self, abstract_tree: PyTree, axes_tree: PyTree) -> PyTree:
         """Validated `NamedSharding`s for every array of `abstract_tree`."""

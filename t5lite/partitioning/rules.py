@@ -12,6 +12,7 @@ unassigned and no other dimension of the same array already uses that mesh axis.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -118,7 +119,11 @@ def preset_rules(
         `('replica', 'data')` on a multi-slice mesh.
     """
     if name not in PRESETS:
-        raise PartitioningError(f"unknown partitioning preset {name!r}; known: {sorted(PRESETS)}")
+        close = difflib.get_close_matches(name, sorted(PRESETS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PartitioningError(
+            f"unknown partitioning preset {name!r}{hint}; known: {', '.join(sorted(PRESETS))}"
+        )
     dims = PRESETS[name]
     if dims is None:
         return data_parallel_logical_axis_rules(additional_rules)

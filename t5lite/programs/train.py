@@ -25,7 +25,7 @@ from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import peak_flops
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.models import BaseModel
-from t5lite.partitioning import Partitioner
+from t5lite.partitioning import Partitioner, Placement
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
 from t5lite.programs.evaluate import make_evaluator, run_evaluation
@@ -142,6 +142,7 @@ def train(
         stack.callback(ckpt.close)  # also on errors: the last save committed or cleaned up
         ckpt.install_preemption_handler()
         _check_fits(trainer, trainer.abstract_state())
+        _warn_replicated(trainer, writer)
         state = _restore_or_init(trainer, ckpt, dataset, checkpoint.init_checkpoint, writer)
         if is_chief and operative_config is not None:
             _write_operative_config(model_dir, operative_config())
@@ -179,6 +180,23 @@ def train(
                 writer.info(f"stopped at step {step}; checkpoint committed")
                 break
         return {"train": last, "eval": eval_metrics}
+
+
+def _warn_replicated(trainer: Trainer, writer: mw.MetricsWriter) -> None:
+    """One line when a rule names a parameter dimension that still stays replicated (its mesh
+    axis was taken by another dimension of the same array), as `t5lite inspect` marks with !."""
+    placements = trainer.partitioner.placements(trainer.state_abstract.params, trainer.params_axes)
+    flagged = [
+        p for p in jax.tree_util.tree_leaves(placements, is_leaf=lambda x: isinstance(x, Placement))
+        if p.replicated_despite_rule
+    ]  # fmt: skip
+    if flagged:
+        first = flagged[0]
+        writer.info(
+            f"warning: {len(flagged)} parameter arrays keep a dimension replicated although a "
+            f"rule names it (first: params/{first.path} {list(first.replicated_despite_rule)} "
+            f"under {first.spec}); `t5lite inspect` lists them"
+        )
 
 
 def _acquire_lock(model_dir: str, is_chief: bool) -> RunLock | None:
