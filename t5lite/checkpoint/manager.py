@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from t5lite.checkpoint import layout
 from t5lite.checkpoint import tensorstore_io as tsio
+from t5lite.checkpoint.checks import check_finite, checked_target
 from t5lite.checkpoint.layout import (
     COMMIT_FILE,
     DELETING_SUFFIX,
@@ -99,13 +99,6 @@ def _any_process_failed(name: str, ok: bool) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Restore
-
-
-def _castable(src: np.dtype, dst: np.dtype) -> bool:
-    if src == dst:
-        return True
-    # Only float <-> float casts (fp32 -> bf16 parameters); anything else is a wrong target.
-    return jax.dtypes.issubdtype(src, np.floating) and jax.dtypes.issubdtype(dst, np.floating)
 
 
 def restore_checkpoint(
@@ -174,7 +167,7 @@ def restore_checkpoint(
             [(a, tuple(arrays[a]["shape"]), np.dtype(arrays[a]["dtype"]), None) for a in paths]
         )
         if not allow_non_finite:
-            _check_finite(p, paths, values)
+            check_finite(p, paths, values)
         by_path = dict(zip(paths, values))
         tree = jax.tree_util.tree_map(lambda a: by_path[a], meta["tree"])
         return tree, layout.read_extra(p) if with_extra else None
@@ -202,57 +195,17 @@ def restore_checkpoint(
                 )
             out.append(leaf)
             continue
-        shape, dtype = _checked_target(p, src, arrays[src], tpath, leaf)
+        shape, dtype = checked_target(p, src, arrays[src], tpath, leaf)
         requests.append((src, shape, dtype, getattr(leaf, "sharding", None)))
         slots.append(len(out))
         out.append(None)
     values = read(requests)
     if not allow_non_finite:
-        _check_finite(p, [src for src, *_ in requests], values)
+        check_finite(p, [src for src, *_ in requests], values)
     for i, v in zip(slots, values):
         out[i] = v
     state = jax.tree_util.tree_unflatten(treedef, out)
     return state, (layout.read_extra(p) if with_extra and not params_only else None)
-
-
-def _check_finite(p: Path, names: Sequence[str], values: Sequence[Any]) -> None:
-    """Raises CheckpointError naming the first restored array that holds NaN or Inf."""
-    floats = [(n, v) for n, v in zip(names, values) if jnp.issubdtype(v.dtype, jnp.inexact)]
-    on_device = [v for _, v in floats if isinstance(v, jax.Array)]
-    # One jitted reduction per array on its own shards; only the booleans reach the host.
-    flags = iter(jax.device_get(_finite_flags(on_device)) if on_device else [])
-    for name, v in floats:
-        ok = bool(next(flags)) if isinstance(v, jax.Array) else bool(np.isfinite(v).all())
-        if not ok:
-            raise CheckpointError(
-                f"checkpoint {p}: array '{name}' holds NaN or Inf (a diverged run?); restore an "
-                "earlier checkpoint, or pass allow_non_finite=True to read it anyway"
-            )
-
-
-@jax.jit
-def _finite_flags(arrays: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.all(jnp.isfinite(a)) for a in arrays]
-
-
-def _checked_target(
-    p: Path, src: str, info: dict, tpath: str, leaf: Any
-) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype a stored array is read as, or an error naming both sides."""
-    # Python scalars in the target (e.g. a step counter) restore as numpy scalars.
-    shape = tuple(np.shape(leaf))
-    dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
-    if tuple(info["shape"]) != shape:
-        raise CheckpointError(
-            f"checkpoint {p}: array '{src}' has shape {tuple(info['shape'])}, "
-            f"target '{tpath}' expects {shape}"
-        )
-    if not _castable(np.dtype(info["dtype"]), dtype):
-        raise CheckpointError(
-            f"checkpoint {p}: array '{src}' has dtype {info['dtype']}, target '{tpath}' "
-            f"expects {dtype}; only float-to-float casts are done on restore"
-        )
-    return shape, dtype
 
 
 # ---------------------------------------------------------------------------------------------
