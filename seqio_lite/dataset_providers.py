@@ -16,6 +16,7 @@ cache job (`cache_tasks.py`); their `rng` depends only on the example's index in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -300,6 +301,23 @@ class Mixture:
 # --------------------------------------------------------------------------------------------
 
 
+class UnknownNameError(KeyError, ValueError):
+    """An unregistered task or mixture name; the message suggests the closest registered one.
+
+    A KeyError for seqio compatibility and a ValueError so that a CLI reports it as a user's
+    mistake; `str()` is the message itself (KeyError's would quote it).
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> UnknownNameError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return UnknownNameError(f"no {kind} named {name!r}{hint} (registered: {', '.join(known)})")
+
+
 class _Registry:
     """Name -> object, with clear errors for duplicates and unknown names."""
 
@@ -315,7 +333,7 @@ class _Registry:
 
     def get(self, name: str) -> Any:
         if name not in self._items:
-            raise KeyError(f"No {self._kind} named {name!r}; registered: {sorted(self._items)}")
+            raise _unknown(self._kind.lower(), name, sorted(self._items))
         return self._items[name]
 
     def remove(self, name: str) -> None:
@@ -340,7 +358,6 @@ def get_task_or_mixture(name_or_obj: str | Task | Mixture) -> Task | Mixture:
         return MixtureRegistry.get(name_or_obj)
     if name_or_obj in TaskRegistry:
         return TaskRegistry.get(name_or_obj)
-    raise KeyError(
-        f"No task or mixture named {name_or_obj!r}; tasks: {TaskRegistry.names()}, "
-        f"mixtures: {MixtureRegistry.names()}"
+    raise _unknown(
+        "task or mixture", name_or_obj, sorted(TaskRegistry.names() + MixtureRegistry.names())
     )

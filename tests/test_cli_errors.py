@@ -63,6 +63,18 @@ def test_gin_mistakes_end_in_one_line(flags, line, tmp_path, capsys):
     assert not model_dir.exists() or not any(model_dir.iterdir())
 
 
+def test_an_unknown_task_name(tmp_path, capsys):
+    model_dir = tmp_path / "run"
+    rc = run_cli("train", *QUICK, f"--gin.MODEL_DIR='{model_dir}'", "--gin.TASK='synthetic_revers'")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith(
+        "t5lite train: error: no task or mixture named 'synthetic_revers'; did you mean "
+        "'synthetic_reverse'? (registered: "
+    )
+    assert not model_dir.exists()
+
+
 def test_a_gin_import_that_is_not_found(tmp_path, capsys, monkeypatch):
     (tmp_path / "user.gin").write_text("import no_such_module_xyz\ninclude 'quickstart.gin'\n")
     monkeypatch.chdir(tmp_path)
@@ -132,3 +144,31 @@ def test_a_rule_that_cannot_apply_is_a_warning_at_train_start():
         and "parameter arrays keep a dimension replicated" in lines[0]
     )
     assert "`t5lite inspect` lists them" in lines[0]
+
+
+def test_a_checkpoint_that_does_not_fit_fails_before_compiling(tmp_path, capsys):
+    require_devices(8)
+    args = [*QUICK, f"--gin.MODEL_DIR='{tmp_path}'", "--gin.CheckpointConfig.period=3"]
+    assert run_cli("train", *args) == 0
+    capsys.readouterr()
+    # The same directory with a wider model: refused from metadata.json, nothing compiled.
+    assert run_cli("train", *args, "--gin.TRAIN_STEPS=6", "--gin.MLP_DIM=512") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"t5lite train: error: checkpoint {tmp_path / 'checkpoint_3'}: array 'params/"
+    )
+    assert "has shape" in err[0] and "expects" in err[0] and "512" in err[0]
+
+
+def test_progress_lines_and_a_finished_run(tmp_path, capsys):
+    require_devices(8)
+    args = [*QUICK, f"--gin.MODEL_DIR='{tmp_path}'"]
+    assert run_cli("train", *args) == 0
+    out = capsys.readouterr().err  # the log goes to stderr
+    assert "compiling the train step, then steps 1 to 3" in out
+    assert "compiled; the first step took " in out
+    assert f"done: step 3, {tmp_path / 'checkpoint_3'}, " in out
+    assert run_cli("train", *args) == 0  # rerun: says so, trains nothing
+    out = capsys.readouterr().err  # the log goes to stderr
+    assert f"{tmp_path} is complete: trained to step 3 of 3; nothing to do" in out
+    assert "compiling" not in out

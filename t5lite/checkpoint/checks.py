@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5lite.checkpoint import layout
 from t5lite.checkpoint.layout import CheckpointError
 
 
@@ -58,3 +59,20 @@ def checked_target(
             f"expects {dtype}; only float-to-float casts are done on restore"
         )
     return shape, dtype
+
+
+def check_against_metadata(path: str | Path, target: Any, params_only: bool = False) -> None:
+    """Compares a checkpoint's `metadata.json` with a target's shapes and dtypes, reading no
+    array: a checkpoint that cannot restore onto the model fails in seconds, before anything
+    is built, initialised or compiled. Raises the CheckpointError a restore would."""
+    p = Path(path)
+    arrays = layout.read_metadata(p)["arrays"]
+    for tpath, leaf in layout.flatten(target)[0]:
+        if params_only and tpath.split("/")[0] != "params":
+            continue
+        if tpath not in arrays:
+            raise CheckpointError(
+                f"checkpoint {p}: array '{tpath}' (for target '{tpath}') is missing; "
+                "pass strict=False to keep fresh initialisation for missing parameters"
+            )
+        checked_target(p, tpath, arrays[tpath], tpath, leaf)

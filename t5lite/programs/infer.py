@@ -108,6 +108,9 @@ def infer(
             assert len(records) == offset - lo
             if is_chief:
                 append_records(output_file, records)
+    if is_chief:
+        kept = f" after the {done} already there" if done else ""
+        print(f"infer: wrote {len(expected) - done} records to {output_file}{kept}", flush=True)
     return output_file
 
 

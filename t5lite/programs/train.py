@@ -20,6 +20,7 @@ import numpy as np
 
 import seqio_lite
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
+from t5lite.checkpoint.checks import check_against_metadata
 from t5lite.distributed import ProgressWatchdog
 from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import peak_flops
@@ -120,15 +121,11 @@ def train(
     """
     with contextlib.ExitStack() as stack:  # closed in reverse: watchdog, checkpoints, log, lock
         partitioner = partitioner or Partitioner()
+        _check_vocab(data.task, model)  # also an unknown task name, before anything is written
         is_chief = jax.process_index() == 0
-        lock = _acquire_lock(model_dir, is_chief)  # before anything slow: one run per directory
-        if lock is not None:
-            stack.callback(lock.release)
-        lengths = dict(data.task_feature_lengths)
-        batch_size = data.batch_size
-        _check_vocab(data.task, model)
+        _acquire_lock(model_dir, is_chief, stack)  # before anything slow: one run per directory
         trainer = Trainer(
-            model, partitioner, batch_size=batch_size, lengths=lengths,
+            model, partitioner, batch_size=data.batch_size, lengths=data.task_feature_lengths,
             num_microbatches=num_microbatches, seed=seed, log_grad_norm=log.grad_norm,
         )  # fmt: skip
         writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
@@ -141,28 +138,30 @@ def train(
         )  # fmt: skip
         stack.callback(ckpt.close)  # also on errors: the last save committed or cleaned up
         ckpt.install_preemption_handler()
+        _check_start_checkpoint(ckpt, checkpoint.init_checkpoint, trainer)
         _check_fits(trainer, trainer.abstract_state())
         _warn_replicated(trainer, writer)
         state = _restore_or_init(trainer, ckpt, dataset, checkpoint.init_checkpoint, writer)
         if is_chief and operative_config is not None:
             _write_operative_config(model_dir, operative_config())
         evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
-        throughput = _Throughput(model, lengths, batch_size)
+        throughput = _Throughput(model, dict(data.task_feature_lengths), data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
-        cfg = model.network_config
-        run_info = {"seed": seed, "network_config": {"type": type(cfg).__name__, **asdict(cfg)}}
+        run_info = {"seed": seed, "network_config": _network_record(model.network_config)}
 
         start = int(state.step)
-        last: dict[str, Any] = {}
-        eval_metrics: dict[str, Any] = {}
+        last, eval_metrics = {}, {}  # the latest train and eval metrics
         watchdog = None
+        t0 = time.time()
+        writer.info(_start_line(model_dir, start, num_steps))
         for step in range(start + 1, num_steps + 1):
             state, metrics = trainer.train_step(state, trainer.global_batch(next(dataset)))
             raw = jax.device_get(metrics)
             m = summarize(raw)
             if watchdog is None:  # armed after the first step: compilation time is unbounded
                 watchdog = stack.enter_context(contextlib.closing(ProgressWatchdog(step_timeout_s)))
+                writer.info(f"compiled; the first step took {time.time() - t0:.1f} s")
             watchdog.ping()
             if not (raw["params_finite"] and all(math.isfinite(v) for v in m.values())):
                 _stop_non_finite(ckpt, state, step, m)
@@ -179,7 +178,37 @@ def train(
             if preempted or stop_now:
                 writer.info(f"stopped at step {step}; checkpoint committed")
                 break
+        if start < num_steps:
+            writer.info(_done_line(ckpt, time.time() - t0))
         return {"train": last, "eval": eval_metrics}
+
+
+def _check_start_checkpoint(
+    ckpt: CheckpointManager, init_checkpoint: str | None, trainer: Trainer
+) -> None:
+    """Before anything compiles: the checkpoint the run starts from fits this model."""
+    latest = ckpt.latest_step()
+    if latest is not None:
+        check_against_metadata(ckpt.step_dir(latest), trainer.state_abstract)
+    elif init_checkpoint:
+        check_against_metadata(init_checkpoint, trainer.state_abstract, params_only=True)
+
+
+def _network_record(cfg: Any) -> dict[str, Any]:
+    return {"type": type(cfg).__name__, **asdict(cfg)}
+
+
+def _done_line(ckpt: CheckpointManager, seconds: float) -> str:
+    ckpt.wait()  # the final save is committed before it is announced
+    latest = ckpt.latest_step()
+    where = ckpt.step_dir(latest) if latest is not None else "no checkpoint"
+    return f"done: step {latest}, {where}, {seconds:.0f} s"
+
+
+def _start_line(model_dir: str, start: int, num_steps: int) -> str:
+    if start >= num_steps:
+        return f"{model_dir} is complete: trained to step {start} of {num_steps}; nothing to do"
+    return f"compiling the train step, then steps {start + 1} to {num_steps}"
 
 
 def _warn_replicated(trainer: Trainer, writer: mw.MetricsWriter) -> None:
@@ -199,8 +228,9 @@ def _warn_replicated(trainer: Trainer, writer: mw.MetricsWriter) -> None:
         )
 
 
-def _acquire_lock(model_dir: str, is_chief: bool) -> RunLock | None:
-    """Process 0 takes the model directory's run lock; every process learns whether it could."""
+def _acquire_lock(model_dir: str, is_chief: bool, stack: contextlib.ExitStack) -> None:
+    """Process 0 takes the model directory's run lock (released when `stack` closes); every
+    process learns whether it could."""
     lock, error = None, None
     if is_chief:
         try:
@@ -215,7 +245,8 @@ def _acquire_lock(model_dir: str, is_chief: bool) -> RunLock | None:
             error = RunLockError(f"{model_dir} is in use by another run (see process 0)")
     if error is not None:
         raise error
-    return lock
+    if lock is not None:
+        stack.callback(lock.release)
 
 
 def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner, seed: int):
