@@ -3,6 +3,11 @@ anything compiles, and nothing written."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from conftest import require_devices, run_cli
 
@@ -172,3 +177,35 @@ def test_progress_lines_and_a_finished_run(tmp_path, capsys):
     out = capsys.readouterr().err  # the log goes to stderr
     assert f"{tmp_path} is complete: trained to step 3 of 3; nothing to do" in out
     assert "compiling" not in out
+
+
+def _subprocess_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    return subprocess.run([sys.executable, "-m", "t5lite", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_help_describes_gin_presets_and_required_macros(tmp_path):
+    out = _subprocess_cli("train", "--help", cwd=tmp_path)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "--gin.NAME=VALUE bindings, values as Python literals" in text
+    assert ("partitioning/: activations_2d.gin, data_parallel.gin, fsdp.gin, fully_sharded.gin, "
+            "megatron.gin, multislice.gin") in text  # fmt: skip
+    assert "runs/pretrain.gin: MODEL_DIR, TASK, TASK_FEATURE_LENGTHS, TRAIN_STEPS" in text
+
+
+def test_no_libtpu_noise_on_a_machine_without_tpus(tmp_path):
+    # JAX_PLATFORMS unset, as for a user: JAX starts every backend it finds, libtpu included.
+    out = _subprocess_cli(
+        "train", "--gin_file=quickstart.gin", "--gin.NUM_PARTITIONS=1", "--gin.TRAIN_STEPS=2",
+        "--gin.BATCH_SIZE=4", "--gin.warmup_cosine_schedule.warmup_steps=1",
+        "--gin.train.evaluation=None", f"--gin.MODEL_DIR='{tmp_path / 'run'}'", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    # What libtpu prints when it starts without TPU metadata (seen before this was fixed).
+    markers = ("TPU_WORKER_HOSTNAMES", "TPU accelerator type", "libtpu.so", "InitGoogle")
+    noise = [line for line in out.stderr.splitlines() if any(m in line for m in markers)]
+    assert noise == []
+    assert "done: step 2" in out.stderr

@@ -94,6 +94,24 @@ def _with_suggestion(message: str) -> str:
     return f"{message}; did you mean {close[0]}?" if close else message
 
 
+def describe_configs() -> str:
+    """The packaged gin files by folder, and the macros each run file requires (for --help)."""
+    root = next((d for d in _CONFIG_DIRS if d.is_dir()), None)
+    if root is None:
+        return ""
+    lines = ["packaged gin files (--gin_file=NAME):"]
+    for folder in ("models", "partitioning", "runs"):
+        names = sorted(str(p.relative_to(root)) for p in (root / folder).rglob("*.gin"))
+        lines.append(f"  {folder}/: " + ", ".join(n.removeprefix(f"{folder}/") for n in names))
+    lines.append("  " + ", ".join(sorted(p.name for p in root.glob("*.gin"))))
+    lines.append("required macros (set with --gin.NAME=VALUE; strings quoted: \"'...'\"):")
+    for run in sorted((root / "runs").glob("*.gin")):
+        required = re.findall(r"^(\w+) = %gin.REQUIRED", run.read_text(), flags=re.M)
+        if required:
+            lines.append(f"  runs/{run.name}: {', '.join(required)}")
+    return "\n".join(lines)
+
+
 def operative_config() -> str:
     """Every binding of the parsed gin files and flags, as `config.gin` records them."""
     return gin.config_str()

@@ -6,6 +6,7 @@ Intentionally thin: it parses flags and gin, then calls one library function.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 from collections.abc import Sequence
@@ -13,8 +14,21 @@ from collections.abc import Sequence
 COMMANDS = ("train", "eval", "infer", "inspect", "plan", "convert")
 
 
+_USAGE = """
+gin: --gin_file=FILE (repeatable; the working directory, then the packaged configs/) and
+--gin.NAME=VALUE bindings, values as Python literals: --gin.TRAIN_STEPS=1000,
+--gin.MODEL_DIR="'/tmp/run'", --gin.DataConfig.pack=False, --gin.preset_rules.name="'fsdp'".
+
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="t5lite", description=__doc__)
+    from t5lite.cli.gin_config import describe_configs  # reads files only: JAX stays unloaded
+
+    p = argparse.ArgumentParser(
+        prog="t5lite", description=__doc__, epilog=_USAGE + describe_configs(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("command", choices=COMMANDS)
     p.add_argument("--gin_file", action="append", default=[], help="repeatable; searched in "
                    "the working directory, then the packaged configs/")  # fmt: skip
@@ -81,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gin_utils.parse_gin(args.gin_file, bindings)  # before joining: bad configs fail fast
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
                                heartbeat_timeout_s=args.heartbeat_timeout_s)  # fmt: skip
+        _start_backends_quietly()
         from t5lite.cli import registry as reg
 
         fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer,
@@ -98,6 +113,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         distributed.exit_on_peer_failure(args.command, e)
         raise
     return 0
+
+
+def _start_backends_quietly() -> None:
+    """Starts JAX's backends with stderr held back on a machine without TPUs.
+
+    The `[tpu]` extra installs libtpu to compile for TPU topologies ahead of time; on any other
+    machine it prints ~5 lines of metadata warnings whenever JAX starts its backends. They are
+    shown only if starting fails.
+    """
+    if os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return  # a chosen platform, or TPU hardware whose messages matter
+    import jax
+
+    from t5lite.insight.topology import quiet_stderr
+
+    failed = None
+    with quiet_stderr() as captured:
+        try:
+            jax.devices()
+        except Exception as e:  # shown below with what libtpu said
+            failed = e
+    if failed is not None:
+        sys.stderr.write("".join(captured))
+        raise failed
 
 
 def console_main() -> None:

@@ -64,7 +64,7 @@ def libtpu_available() -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_stderr() -> Iterator[list[str]]:
+def quiet_stderr() -> Iterator[list[str]]:
     """Silences libtpu's start-up warnings about cloud metadata (written straight to fd 2).
 
     Yields a list that receives what was written, so a failure can still show it.
@@ -99,7 +99,7 @@ def get_topology(name: str) -> Topology:
     from jax.experimental import topologies
 
     try:
-        with _quiet_stderr() as log:
+        with quiet_stderr() as log:
             desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # libtpu reports bad names as runtime errors
         detail = log[0].strip().splitlines()[-1:] if log else []
