@@ -208,6 +208,13 @@ def restore_checkpoint(
     return state, (layout.read_extra(p) if with_extra and not params_only else None)
 
 
+def _preemption_sync_manager() -> Any:
+    """JAX's preemption sync manager of a multi-process run (None when there is none)."""
+    from jax._src import distributed  # the public API has no accessor for it
+
+    return getattr(distributed.global_state, "preemption_sync_manager", None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Manager
 
@@ -437,21 +444,22 @@ class CheckpointManager:
     def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         """On SIGTERM, `maybe_save` saves at the next step and tells the trainer to stop.
 
-        Must be called from the main thread. With several processes JAX's preemption sync point
-        (set up by `jax.distributed.initialize`) makes all processes agree on the step.
+        Must be called from the main thread. With several processes JAX's preemption notifier
+        (set up by `jax.distributed.initialize`) hears SIGTERM on any process and its sync point
+        makes all processes stop at one step; a Python handler would replace the notifier's
+        (SIGTERM was then ignored), so none is installed there.
         """
+        if jax.process_count() > 1 and _preemption_sync_manager() is not None:
+            return
         for sig in signals:
             signal.signal(sig, lambda *_: self._preempted.set())
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption signal arrived (agreed across processes at `step`)."""
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and _preemption_sync_manager() is not None:
             from jax.experimental import multihost_utils
 
-            try:
-                return multihost_utils.reached_preemption_sync_point(step)
-            except RuntimeError:
-                pass
+            return multihost_utils.reached_preemption_sync_point(step)
         return self._preempted.is_set()
 
     def should_save(self, step: int, is_final: bool = False, preempted: bool | None = None) -> bool:
