@@ -41,7 +41,7 @@ CASES = [
     (["--gin.CheckpointConfig.keep='3'"],
      "CheckpointConfig.keep = '3': expects int | None, got str"),
     (["--gin.Datconfig.batch_size=3"],
-     "No configurable matching 'Datconfig'. In bindings string line 5 Datconfig.batch_size=3; "
+     "No configurable matching 'Datconfig'. In bindings string line {n} Datconfig.batch_size=3; "
      "did you mean DataConfig?"),
     (["--gin.preset_rules.additional_rules=[('embd', 'data')]"],
      "rules table: no parameter or activation has the logical axis 'embd'; did you mean 'embed'? "
@@ -54,18 +54,130 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("flags", "line"), CASES, ids=[c[0][0] for c in CASES])
-def test_gin_mistakes_end_in_one_line(flags, line, tmp_path, capsys):
-    model_dir = tmp_path / "run"
-    rc = run_cli("train", *QUICK, f"--gin.MODEL_DIR='{model_dir}'", *flags)
+MORE_TRAIN_CASES = [
+    (["--gin.CheckpointConfig.period='often'"],
+     "CheckpointConfig.period = 'often': expects int, got str"),
+    (["--gin.DataConfig.task_feature_lengths=[16, 16]"],
+     "DataConfig.task_feature_lengths = [16, 16]: expects Mapping, got list"),
+    (["--gin.NUM_MICROBATCHES=2.5"],
+     "train.num_microbatches = %NUM_MICROBATCHES = 2.5: expects int, got float"),
+    (["--gin.train.step_timeout_s='10'"],
+     "train.step_timeout_s = '10': expects float | None, got str"),
+    (["--gin.EncoderDecoderModel.z_loss='1e-4'"],
+     "EncoderDecoderModel.z_loss = '1e-4': expects float, got str"),
+    (["--gin.network.T5Config.remat_policy='fulll'"],
+     "T5Config.remat_policy = 'fulll': expects one of 'none', 'minimal', 'full', got str"),
+    (["--gin.network.T5Config.variant='t5.2'"],
+     "T5Config.variant = 't5.2': expects one of 't5.1.1', 't5.1.0', got str"),
+    (["--gin.AdamW.clip_norm='1.0'"], "AdamW.clip_norm = '1.0': expects float | None, got str"),
+    (["--gin.EncoderDecoderModel.decoding_method='beem'"],
+     "decoding_method must be one of ('greedy', 'sample', 'beam'), got 'beem' In call to "
+     "configurable 'EncoderDecoderModel' in scope 'MODEL'"),
+    (["--gin.NUM_PARTITIONS=3"],
+     "create_mesh: num_partitions=3 does not divide the 8 devices present In call to "
+     "configurable 'Partitioner'"),
+    (["--gin.NUM_PARTITIONS=16"],
+     "create_mesh: num_partitions=16 does not divide the 8 devices present In call to "
+     "configurable 'Partitioner'"),
+    (["--gin.BATCH_SIZE=7"],
+     "global batch size 7 is not divisible by the data-parallel size 2 (batch → mesh axes "
+     "'data' of mesh {data: 2, model: 4})"),
+    (["--gin.NUM_MICROBATCHES=3"], "num_microbatches=3 must divide the batch size 32"),
+    (["--gin.TASK_FEATURE_LENGTHS={'inputs': 16}"],
+     "DataConfig.task_feature_lengths = {'inputs': 16}: needs a positive length for 'targets' "
+     "(and 'inputs' for encoder-decoder and prefix-LM models) In call to configurable "
+     "'DataConfig'"),
+    (["--gin.TASK_FEATURE_LENGTHS={'targets': 16}"],
+     "DataConfig.task_feature_lengths = {'targets': 16}: an encoder-decoder model needs a "
+     "length for 'inputs'"),
+    (["--gin.VOCAB_SIZE=128"],
+     "task 'synthetic_reverse' feature 'inputs' has a vocabulary of 259 ids but the model's "
+     "vocab_size is 128"),
+]  # fmt: skip
+ALL_TRAIN_CASES = CASES + MORE_TRAIN_CASES
+
+
+def _checksums(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A model directory with a committed checkpoint that every bad command points at."""
+    require_devices(8)
+    d = tmp_path_factory.mktemp("trained")
+    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{d}'") == 0
+    return d
+
+
+@pytest.mark.parametrize(("flags", "line"), ALL_TRAIN_CASES, ids=[c[0][0] for c in ALL_TRAIN_CASES])
+def test_train_mistakes_end_in_one_line_and_change_nothing(flags, line, trained, capsys):
+    before = _checksums(trained)
+    # TRAIN_STEPS=6: without the mistake this would resume and write checkpoints.
+    rc = run_cli("train", *QUICK, f"--gin.MODEL_DIR='{trained}'", "--gin.TRAIN_STEPS=6", *flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1, err
     if line is None:
         assert err[0].startswith("t5lite train: error: gin file 'no_such.gin' not found in ")
+    else:  # {n}: the line of the bindings string gin names (the flags before it count)
+        n = sum(f.startswith("--gin.") for f in QUICK) + 3  # + MODEL_DIR, TRAIN_STEPS, the flag
+        assert err[0] == f"t5lite train: error: {line}".replace("{n}", str(n))
+    assert _checksums(trained) == before  # nothing good on disk changed
+
+
+QUICKSTART_DATA = ["--gin_file=models/t5_1_1/tiny.gin", "--gin.VOCAB_SIZE=384",
+                   "--gin.TASK='synthetic_reverse'",
+                   "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}"]  # fmt: skip
+EVAL_INFER_CASES = [
+    ("eval", ["--gin_file=runs/eval.gin", "--gin_file=models/t5_1_1/tiny.gin"],
+     "MODEL_DIR/macro.value set to `%gin.REQUIRED` but not subsequently overridden."),
+    ("eval", ["--gin_file=runs/eval.gin", *QUICKSTART_DATA, "--gin.DataConfig.split='valid'"],
+     "FunctionSource 'synthetic_reverse' has no split 'valid'; available: ['test', 'train', "
+     "'validation']"),
+    ("eval", ["--gin_file=runs/eval.gin", *QUICKSTART_DATA, "--gin.TASK='synthetic_revers'"],
+     None),
+    ("infer", ["--gin_file=runs/infer.gin", *QUICKSTART_DATA, "--gin.OUTPUT_FILE='/tmp/o.jsonl'",
+               "--gin.infer.mode='generate'"],
+     "infer mode must be 'predict' or 'score', got 'generate'"),
+    ("infer", ["--gin_file=runs/infer.gin", *QUICKSTART_DATA, "--gin.OUTPUT_FILE=/tmp/o.jsonl"],
+     "--gin.OUTPUT_FILE=/tmp/o.jsonl: gin values are Python literals; quote a string: "
+     "--gin.OUTPUT_FILE=\"'/tmp/o.jsonl'\""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("command", "flags", "line"), EVAL_INFER_CASES,
+                         ids=[f"{c[0]}-{c[1][-1]}" for c in EVAL_INFER_CASES])  # fmt: skip
+def test_eval_and_infer_mistakes(command, flags, line, trained, capsys):
+    before = _checksums(trained)
+    model_dir = [] if "REQUIRED" in (line or "") else [f"--gin.MODEL_DIR='{trained}'"]
+    rc = run_cli(command, "--host_device_count=8", *flags, *model_dir)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    if line is None:
+        assert "no task or mixture named 'synthetic_revers'; did you mean" in err[0]
     else:
-        assert err[0] == f"t5lite train: error: {line}"
-    # Failed before anything was written (at most an empty directory the run lock made).
-    assert not model_dir.exists() or not any(model_dir.iterdir())
+        assert err[0] == f"t5lite {command}: error: {line}"
+    assert _checksums(trained) == before
+
+
+def test_an_eval_without_a_checkpoint_and_an_infer_of_a_missing_step(trained, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("eval", "--gin_file=runs/eval.gin", *QUICKSTART_DATA,
+                   f"--gin.MODEL_DIR='{empty}'") == 1  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"t5lite eval: error: no committed checkpoint in {empty}"
+    ]
+    assert run_cli("infer", "--gin_file=runs/infer.gin", *QUICKSTART_DATA,
+                   f"--gin.MODEL_DIR='{trained}'", f"--gin.OUTPUT_FILE='{tmp_path / 'o.jsonl'}'",
+                   "--gin.infer.checkpoint_step=7") == 1  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"t5lite infer: error: checkpoint directory {trained / 'checkpoint_7'} does not exist"
+    ]
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_an_unknown_task_name(tmp_path, capsys):

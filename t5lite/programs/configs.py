@@ -30,6 +30,17 @@ class DataConfig:
     use_cached: bool = False
     """Train: read the task's offline cache (`python -m seqio_lite.cache_tasks`)."""
 
+    def __post_init__(self) -> None:
+        lengths = dict(self.task_feature_lengths)
+        bad = {k: v for k, v in lengths.items() if not isinstance(v, int) or v < 1}
+        if "targets" not in lengths or bad:
+            raise ValueError(
+                f"DataConfig.task_feature_lengths = {lengths}: needs a positive length for "
+                "'targets' (and 'inputs' for encoder-decoder and prefix-LM models)"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"DataConfig.batch_size = {self.batch_size}: must be positive")
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:

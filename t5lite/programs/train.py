@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -61,8 +61,14 @@ def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
         )
 
 
-def _check_vocab(task: str, model: BaseModel) -> None:
-    """Token ids beyond the model's vocabulary would silently give NaN or garbage."""
+def _check_vocab(task: str, model: BaseModel, lengths: Mapping[str, int]) -> None:
+    """The task exists, its lengths suit the model, and its token ids fit the vocabulary
+    (ids beyond it would silently give NaN or garbage)."""
+    if model.FEATURE_CONVERTER == "enc_dec" and "inputs" not in lengths:
+        raise ValueError(
+            f"DataConfig.task_feature_lengths = {dict(lengths)}: an encoder-decoder model needs "
+            "a length for 'inputs'"
+        )
     obj = seqio_lite.get_task_or_mixture(task)
     tasks = obj.tasks if isinstance(obj, seqio_lite.Mixture) else [obj]
     model_vocab = model.network_config.vocab_size
@@ -121,7 +127,8 @@ def train(
     """
     with contextlib.ExitStack() as stack:  # closed in reverse: watchdog, checkpoints, log, lock
         partitioner = partitioner or Partitioner()
-        _check_vocab(data.task, model)  # also an unknown task name, before anything is written
+        # An unknown task, lengths or vocabulary that do not suit the model: before any write.
+        _check_vocab(data.task, model, data.task_feature_lengths)
         is_chief = jax.process_index() == 0
         _acquire_lock(model_dir, is_chief, stack)  # before anything slow: one run per directory
         trainer = Trainer(
