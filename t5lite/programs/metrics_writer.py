@@ -8,10 +8,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any
+
+
+def _duration(secs: float) -> str:
+    seconds = round(secs)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
 
 
 class MetricsWriter:
@@ -31,7 +41,7 @@ class MetricsWriter:
         self.log_period = max(1, log_period)
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._start = time.time()
+        self._first: tuple[int, float] | None = None  # this process's first step and its time
         self._jsonl = None
         self._tb = None
         if not enabled:
@@ -49,6 +59,8 @@ class MetricsWriter:
         """Records one step's (or one eval's) metrics."""
         if not self.enabled:
             return
+        if prefix == "train" and self._first is None:
+            self._first = (step, time.time())  # after compilation, after any resumed steps
         record = {"step": step, "split": prefix, **{k: _num(v) for k, v in metrics.items()}}
         assert self._jsonl is not None
         self._jsonl.write(json.dumps(record) + "\n")
@@ -67,17 +79,28 @@ class MetricsWriter:
             if k in ("loss", "accuracy", "learning_rate", "tokens_per_s", "seqs_per_s",
                      "step_time_s", "mfu") or prefix != "train"
         )  # fmt: skip
+        eta = self.eta_seconds(step) if prefix == "train" else None
+        eta_text = f" ETA {_duration(eta)}" if eta is not None else ""
         if prefix == "train" and self.tty:
             done = step / max(self.total_steps, 1)
-            elapsed = time.time() - self._start
-            eta = elapsed / max(done, 1e-9) * (1 - done)
-            bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-            self.stream.write(f"\r[{bar}] {step}/{self.total_steps} ETA {eta:5.0f}s {shown}")
+            bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+            line = f"[{bar}] {step}/{self.total_steps}{eta_text} {shown}"
+            width = shutil.get_terminal_size((100, 24)).columns - 1
+            self.stream.write("\r" + line[:width].ljust(width))  # one line, whatever the width
             if step == self.total_steps:
                 self.stream.write("\n")
         else:
-            self.stream.write(f"{prefix} step {step}/{self.total_steps}: {shown}\n")
+            self.stream.write(f"{prefix} step {step}/{self.total_steps}:{eta_text} {shown}\n")
         self.stream.flush()
+
+    def eta_seconds(self, step: int) -> float | None:
+        """Time to `total_steps` at this process's own pace: measured from its first step, so
+        neither compilation nor the steps of an earlier run (resumed) distort it."""
+        if self._first is None or step <= self._first[0]:
+            return None
+        first_step, first_time = self._first
+        per_step = (time.time() - first_time) / (step - first_step)
+        return per_step * max(self.total_steps - step, 0)
 
     def info(self, text: str) -> None:
         if self.enabled:

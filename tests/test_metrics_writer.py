@@ -1,0 +1,59 @@
+"""The train log: an ETA from this process's own steps, one terminal line of the right width."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from t5lite.programs import metrics_writer as mw
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = _Clock()
+    monkeypatch.setattr(mw.time, "time", c)
+    return c
+
+
+def test_eta_ignores_compilation_and_resumed_steps(tmp_path, clock):
+    w = mw.MetricsWriter(str(tmp_path), total_steps=100, stream=io.StringIO(), log_period=1)
+    clock.now += 300  # a long compilation before the first step of this run
+    w.write(51, {"loss": 1.0})  # resumed at step 50: the first step of this process
+    assert w.eta_seconds(51) is None
+    clock.now += 20  # then 2 s per step
+    w.write(61, {"loss": 1.0})
+    assert w.eta_seconds(61) == pytest.approx(2.0 * 39)
+    assert "train step 61/100: ETA 1m18s loss=1" in w.stream.getvalue()
+    w.close()
+
+
+@pytest.mark.parametrize("columns", [40, 120])
+def test_progress_line_fits_the_terminal(tmp_path, clock, monkeypatch, columns):
+    size = os.terminal_size((columns, 24))
+    monkeypatch.setattr(mw.shutil, "get_terminal_size", lambda fallback: size)
+    term = _Terminal()
+    w = mw.MetricsWriter(str(tmp_path), total_steps=10, stream=term, log_period=1)
+    metrics = {"loss": 1.234, "accuracy": 0.5, "learning_rate": 1e-3, "tokens_per_s": 12345.0,
+               "seqs_per_s": 99.0, "step_time_s": 0.25, "mfu": "n/a (CPU)"}  # fmt: skip
+    for step in range(1, 5):
+        clock.now += 1
+        w.write(step, metrics)
+    lines = [x for x in term.getvalue().split("\r") if x]
+    assert len(lines) == 4 and all(len(x) == columns - 1 for x in lines)
+    assert lines[-1].startswith("[########............] 4/10 ETA 6s loss")  # 3 steps, 1 s each
+    w.close()
