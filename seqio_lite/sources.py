@@ -182,6 +182,10 @@ class _LineIndex(SplitData):
             self._starts.append(offsets)
             self._linenos.append(linenos)
         self._cum = np.cumsum([0] + [len(s) for s in self._starts]).tolist()
+        if files and self._cum[-1] == 0:  # almost always a wrong or truncated file
+            what = files[0] if len(files) == 1 else f"{len(files)} files ({', '.join(files[:3])})"
+            skipped = f" ({self.num_skipped} malformed lines skipped)" if self.num_skipped else ""
+            raise ValueError(f"{what}: no {kind} examples{skipped}")
         self._fingerprint = _hash(kind, [_file_identity(f) for f in files], self.num_skipped)
 
     def _scan(self, path: str) -> tuple[np.ndarray, np.ndarray]:

@@ -321,3 +321,27 @@ def test_no_libtpu_noise_on_a_machine_without_tpus(tmp_path):
     noise = [line for line in out.stderr.splitlines() if any(m in line for m in markers)]
     assert noise == []
     assert "done: step 2" in out.stderr
+
+
+def test_an_empty_data_file_is_named(tmp_path, capsys, monkeypatch):
+    # A user's task, registered by a module that the gin file imports from the working directory.
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "my_tasks.py").write_text(
+        "import seqio_lite\n"
+        "from seqio_lite import preprocessors as prep, sources\n"
+        "vocab = seqio_lite.ByteVocabulary()\n"
+        "seqio_lite.TaskRegistry.add(seqio_lite.Task(\n"
+        "    'my_empty_lm', sources.TextLineSource({'train': 'empty.txt'}),\n"
+        "    output_features={'targets': seqio_lite.Feature(vocab)},\n"
+        "    preprocessors=[lambda ex: {'targets': ex['text']}, prep.tokenize]), overwrite=True)\n"
+    )
+    (tmp_path / "user.gin").write_text("import my_tasks\ninclude 'quickstart.gin'\n")
+    monkeypatch.chdir(tmp_path)
+    rc = run_cli(
+        "train", "--gin_file=user.gin", "--host_device_count=8", "--gin.TASK='my_empty_lm'",
+        "--gin.MODEL=@DecoderOnlyModel()", "--gin.DecoderOnlyModel.optimizer=@AdamW()",
+        "--gin.TASK_FEATURE_LENGTHS={'targets': 16}", f"--gin.MODEL_DIR='{tmp_path / 'r'}'",
+        "--gin.train.evaluation=None",
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err == ["t5lite train: error: empty.txt: no text examples"], err
