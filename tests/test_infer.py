@@ -100,16 +100,19 @@ def test_interrupted_infer_resumes_to_the_same_output(model_dir, tmp_path, monke
     assert _lines(part) == want  # the same records, also when sampling (per-batch seeds)
 
 
-def test_partial_batch_is_recomputed_and_complete_output_is_kept(model_dir, tmp_path):
+def test_partial_batch_is_recomputed_and_complete_output_is_kept(model_dir, tmp_path, capsys):
     full = tmp_path / "full.jsonl"
     _infer(model_dir, full)
     want = _lines(full)
+    assert f"infer: wrote {N_EXAMPLES} records to {full}\n" in capsys.readouterr().out
     # A file cut inside the second batch (as another writer might leave it): cut back to the
     # last whole batch and finished.
     part = tmp_path / "part.jsonl"
     part.write_text("\n".join(want[:11]) + "\n")
     _infer(model_dir, part)
     assert _lines(part) == want
+    out = capsys.readouterr().out
+    assert f"infer: wrote {N_EXAMPLES - 8} records to {part} after the 8 already there" in out
     # Complete: refused, untouched.
     before = full.read_bytes()
     with pytest.raises(FileExistsError, match="is complete"):
