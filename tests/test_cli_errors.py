@@ -345,3 +345,22 @@ def test_an_empty_data_file_is_named(tmp_path, capsys, monkeypatch):
     )  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err == ["t5lite train: error: empty.txt: no text examples"], err
+
+
+def test_gin_search_path_finds_files_includes_and_modules(tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "my_search_tasks.py").write_text("LOADED = True\n")
+    (lib / "base.gin").write_text("include 'quickstart.gin'\nTRAIN_STEPS = 7\n")
+    (lib / "user.gin").write_text("import my_search_tasks\ninclude 'base.gin'\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    import gin
+
+    from t5lite.cli import gin_config
+
+    gin_config.parse_gin(["user.gin"], [], search_paths=[str(lib)])
+    import my_search_tasks
+
+    assert my_search_tasks.LOADED and gin.query_parameter("TRAIN_STEPS/macro.value") == 7

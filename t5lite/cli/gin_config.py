@@ -23,21 +23,24 @@ class ConfigError(ValueError):
     """A gin file that cannot be found or a binding gin rejects."""
 
 
-def find_gin_file(name: str) -> str:
-    """Resolves `name` against the working directory, then the packaged `configs/`."""
-    candidates = [Path(name)]
+def find_gin_file(name: str, search_paths: Sequence[str] = ()) -> str:
+    """Resolves `name` against the working directory, `search_paths`, then the packaged
+    `configs/`."""
+    candidates = [Path(name)] + [Path(d) / name for d in search_paths]
     candidates += [d / name for d in _CONFIG_DIRS]
     candidates += [d / name.removeprefix("configs/") for d in _CONFIG_DIRS]
     for c in candidates:
         if c.is_file():
             return str(c)
     raise ConfigError(
-        f"gin file {name!r} not found in {os.getcwd()} or the packaged configs "
-        f"({', '.join(str(d) for d in _CONFIG_DIRS if d.is_dir())})"
+        f"gin file {name!r} not found in {', '.join([os.getcwd(), *search_paths])} or the "
+        f"packaged configs ({', '.join(str(d) for d in _CONFIG_DIRS if d.is_dir())})"
     )
 
 
-def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
+def parse_gin(
+    gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()
+) -> None:
     """Parses files (with `include`s resolved the same way) and `NAME=VALUE` bindings.
 
     Raises ConfigError with gin's message (naming the binding) on any mistake, before anything
@@ -50,9 +53,14 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
         gin_checks.check_flag_syntax(bindings)
     except gin_checks.GinCheckError as e:
         raise ConfigError(str(e)) from None
-    # A gin `import` finds modules in the working directory, as t5x users expect.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    # A gin `import` finds modules in the working directory and the search paths, as t5x users
+    # expect; `include`s look in the search paths too.
+    for d in [os.getcwd(), *(os.path.abspath(p) for p in search_paths)]:
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    for d in search_paths:
+        if os.path.abspath(d) not in gin.config._LOCATION_PREFIXES:
+            gin.add_config_file_search_path(os.path.abspath(d))
 
     for d in _CONFIG_DIRS:
         if d.is_dir() and str(d) not in gin.config._LOCATION_PREFIXES:
@@ -66,7 +74,9 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
         # first lets a notebook (or a test) parse again after an earlier finalised parse.
         with gin.unlock_config():
             gin.parse_config_files_and_bindings(
-                [find_gin_file(f) for f in gin_files], list(bindings), finalize_config=True
+                [find_gin_file(f, search_paths) for f in gin_files],
+                list(bindings),
+                finalize_config=True,
             )
     except ImportError as e:  # a gin `import` (gin's message names the file and line)
         raise ConfigError(

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("command", choices=COMMANDS)
     p.add_argument("--gin_file", action="append", default=[], help="repeatable; searched in "
                    "the working directory, then the packaged configs/")  # fmt: skip
+    p.add_argument("--gin_search_path", action="append", default=[],
+                   help="repeatable; more folders for --gin_file, `include` and gin `import`s "
+                   "of Python modules")  # fmt: skip
     p.add_argument("--host_device_count", type=int, default=None,
                    help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")  # fmt: skip
     p.add_argument("--topology", help="inspect/plan: compile for a TPU slice, e.g. v5e:16x16")
@@ -92,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(convert.t5lite_to_hf(args.checkpoint, args.out_dir))
             return 0
-        gin_utils.parse_gin(args.gin_file, bindings)  # before joining: bad configs fail fast
+        gin_utils.parse_gin(
+            args.gin_file, bindings, search_paths=args.gin_search_path
+        )  # before joining: bad configs fail fast
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
                                heartbeat_timeout_s=args.heartbeat_timeout_s)  # fmt: skip
         _start_backends_quietly()
