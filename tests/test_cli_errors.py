@@ -326,7 +326,7 @@ def test_no_libtpu_noise_on_a_machine_without_tpus(tmp_path):
 def test_an_empty_data_file_is_named(tmp_path, capsys, monkeypatch):
     # A user's task, registered by a module that the gin file imports from the working directory.
     (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "my_tasks.py").write_text(
+    (tmp_path / "my_empty_tasks.py").write_text(  # a name no other test imports
         "import seqio_lite\n"
         "from seqio_lite import preprocessors as prep, sources\n"
         "vocab = seqio_lite.ByteVocabulary()\n"
@@ -335,7 +335,7 @@ def test_an_empty_data_file_is_named(tmp_path, capsys, monkeypatch):
         "    output_features={'targets': seqio_lite.Feature(vocab)},\n"
         "    preprocessors=[lambda ex: {'targets': ex['text']}, prep.tokenize]), overwrite=True)\n"
     )
-    (tmp_path / "user.gin").write_text("import my_tasks\ninclude 'quickstart.gin'\n")
+    (tmp_path / "user.gin").write_text("import my_empty_tasks\ninclude 'quickstart.gin'\n")
     monkeypatch.chdir(tmp_path)
     rc = run_cli(
         "train", "--gin_file=user.gin", "--host_device_count=8", "--gin.TASK='my_empty_lm'",
