@@ -114,8 +114,14 @@ class DataSource(abc.ABC):
             )
         if split not in self._opened:
             data = self._open(split)
-            if len(data) == 0:
-                raise ValueError(f"Split {split!r} of {type(self).__name__} {self.name!r} is empty")
+            if len(data) == 0:  # almost always a wrong or truncated file: name it
+                files = self.files(split) if isinstance(self, _FileSource) else []
+                where = (
+                    f" ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})" if files else ""
+                )
+                raise ValueError(
+                    f"Split {split!r} of {type(self).__name__} {self.name!r} is empty{where}"
+                )
             self._opened[split] = data
         return self._opened[split]
 
@@ -182,10 +188,6 @@ class _LineIndex(SplitData):
             self._starts.append(offsets)
             self._linenos.append(linenos)
         self._cum = np.cumsum([0] + [len(s) for s in self._starts]).tolist()
-        if files and self._cum[-1] == 0:  # almost always a wrong or truncated file
-            what = files[0] if len(files) == 1 else f"{len(files)} files ({', '.join(files[:3])})"
-            skipped = f" ({self.num_skipped} malformed lines skipped)" if self.num_skipped else ""
-            raise ValueError(f"{what}: no {kind} examples{skipped}")
         self._fingerprint = _hash(kind, [_file_identity(f) for f in files], self.num_skipped)
 
     def _scan(self, path: str) -> tuple[np.ndarray, np.ndarray]:

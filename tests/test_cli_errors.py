@@ -344,7 +344,9 @@ def test_an_empty_data_file_is_named(tmp_path, capsys, monkeypatch):
         "--gin.train.evaluation=None",
     )  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and err == ["t5lite train: error: empty.txt: no text examples"], err
+    assert rc == 1 and err == [
+        "t5lite train: error: Split 'train' of TextLineSource 'TextLineSource' is empty (empty.txt)"
+    ], err
 
 
 def test_gin_search_path_finds_files_includes_and_modules(tmp_path, monkeypatch):

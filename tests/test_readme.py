@@ -91,6 +91,8 @@ def test_eval_and_infer_commands(quickstart):
 
 
 def test_convert_and_finetune_commands(quickstart):
+    for path in ("/tmp/t5lite_hf", "/tmp/t5lite_imported", "/tmp/t5lite_finetune"):
+        shutil.rmtree(path, ignore_errors=True)
     _run(_blocks("bash")[3], timeout=1200)
     assert (Path("/tmp/t5lite_hf") / "model.safetensors").is_file()
     assert (Path("/tmp/t5lite_finetune") / "checkpoint_20" / "COMMIT").is_file()
@@ -103,5 +105,6 @@ def test_tensorstore_snippet(quickstart):
 
 
 def test_multi_process_command(quickstart):
+    shutil.rmtree("/tmp/t5lite_2proc", ignore_errors=True)  # as on a fresh machine, right here
     _run(_blocks("bash")[4], timeout=1200)
     assert (Path("/tmp/t5lite_2proc") / "checkpoint_60" / "COMMIT").is_file()
