@@ -40,3 +40,16 @@ def run_cli(*argv: str) -> int:
     finally:
         with gin.unlock_config():
             gin.clear_config()
+
+
+def file_checksums(d, only: str = "") -> dict[str, str]:
+    """sha256 of every file under `d` (whose path contains `only`): "nothing good changed"."""
+    import hashlib
+    from pathlib import Path
+
+    d = Path(d)
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and only in str(p)
+    }

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_devices, run_cli
+from conftest import file_checksums, require_devices, run_cli
 
 QUICK = [
     "--gin_file=quickstart.gin",
@@ -97,13 +97,6 @@ MORE_TRAIN_CASES = [
 ALL_TRAIN_CASES = CASES + MORE_TRAIN_CASES
 
 
-def _checksums(d: Path) -> dict[str, str]:
-    import hashlib
-
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A model directory with a committed checkpoint that every bad command points at."""
@@ -115,7 +108,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.parametrize(("flags", "line"), ALL_TRAIN_CASES, ids=[c[0][0] for c in ALL_TRAIN_CASES])
 def test_train_mistakes_end_in_one_line_and_change_nothing(flags, line, trained, capsys):
-    before = _checksums(trained)
+    before = file_checksums(trained)
     # TRAIN_STEPS=6: without the mistake this would resume and write checkpoints.
     rc = run_cli("train", *QUICK, f"--gin.MODEL_DIR='{trained}'", "--gin.TRAIN_STEPS=6", *flags)
     err = capsys.readouterr().err.strip().splitlines()
@@ -125,7 +118,7 @@ def test_train_mistakes_end_in_one_line_and_change_nothing(flags, line, trained,
     else:  # {n}: the line of the bindings string gin names (the flags before it count)
         n = sum(f.startswith("--gin.") for f in QUICK) + 3  # + MODEL_DIR, TRAIN_STEPS, the flag
         assert err[0] == f"t5lite train: error: {line}".replace("{n}", str(n))
-    assert _checksums(trained) == before  # nothing good on disk changed
+    assert file_checksums(trained) == before  # nothing good on disk changed
 
 
 QUICKSTART_DATA = ["--gin_file=models/t5_1_1/tiny.gin", "--gin.VOCAB_SIZE=384",
@@ -151,7 +144,7 @@ EVAL_INFER_CASES = [
 @pytest.mark.parametrize(("command", "flags", "line"), EVAL_INFER_CASES,
                          ids=[f"{c[0]}-{c[1][-1]}" for c in EVAL_INFER_CASES])  # fmt: skip
 def test_eval_and_infer_mistakes(command, flags, line, trained, capsys):
-    before = _checksums(trained)
+    before = file_checksums(trained)
     model_dir = [] if "REQUIRED" in (line or "") else [f"--gin.MODEL_DIR='{trained}'"]
     rc = run_cli(command, "--host_device_count=8", *flags, *model_dir)
     err = capsys.readouterr().err.strip().splitlines()
@@ -160,7 +153,7 @@ def test_eval_and_infer_mistakes(command, flags, line, trained, capsys):
         assert "no task or mixture named 'synthetic_revers'; did you mean" in err[0]
     else:
         assert err[0] == f"t5lite {command}: error: {line}"
-    assert _checksums(trained) == before
+    assert file_checksums(trained) == before
 
 
 def test_an_eval_without_a_checkpoint_and_an_infer_of_a_missing_step(trained, tmp_path, capsys):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_devices, run_cli
+from conftest import file_checksums, require_devices, run_cli
 
 import t5lite.programs.train as train_program
 from t5lite.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint
@@ -128,16 +128,6 @@ def test_a_learning_run_or_an_opt_out_never_stalls():
     assert healthy.since is None and off.since is None  # no stall counted, nothing raised
 
 
-def _checksums(d: Path) -> dict[str, str]:
-    import hashlib
-
-    return {
-        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(d.rglob("*"))
-        if p.is_file() and "checkpoint_" in str(p)
-    }
-
-
 def test_a_second_run_on_a_model_directory_is_refused(tmp_path, capsys):
     require_devices(8)
     import json
@@ -147,7 +137,7 @@ def test_a_second_run_on_a_model_directory_is_refused(tmp_path, capsys):
     args = [*QUICK, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
     assert run_cli("train", *args, "--gin.TRAIN_STEPS=3") == 0
     assert not (tmp_path / "RUN_LOCK").exists()  # released at the end
-    before = _checksums(tmp_path)
+    before = file_checksums(tmp_path, only="checkpoint_")
     other = subprocess.Popen(["sleep", "60"])  # stands for a live run on this host
     try:
         lock = {"host": socket.gethostname(), "pid": other.pid, "since": 0}
@@ -160,7 +150,7 @@ def test_a_second_run_on_a_model_directory_is_refused(tmp_path, capsys):
             f"{socket.gethostname()}, since 1970-01-01 00:00); wait for it, use another model "
             f"directory, or delete {tmp_path / 'RUN_LOCK'} if that run is gone"
         ]
-        assert _checksums(tmp_path) == before  # nothing written
+        assert file_checksums(tmp_path, only="checkpoint_") == before  # nothing written
     finally:
         other.kill()
         other.wait()

@@ -61,6 +61,14 @@ def checked_target(
     return shape, dtype
 
 
+def missing_array(p: Path, src: str, tpath: str) -> CheckpointError:
+    """The error for a target leaf whose array the checkpoint lacks."""
+    return CheckpointError(
+        f"checkpoint {p}: array '{src}' (for target '{tpath}') is missing; "
+        "pass strict=False to keep fresh initialisation for missing parameters"
+    )
+
+
 def check_against_metadata(path: str | Path, target: Any, params_only: bool = False) -> None:
     """Compares a checkpoint's `metadata.json` with a target's shapes and dtypes, reading no
     array: a checkpoint that cannot restore onto the model fails in seconds, before anything
@@ -71,8 +79,5 @@ def check_against_metadata(path: str | Path, target: Any, params_only: bool = Fa
         if params_only and tpath.split("/")[0] != "params":
             continue
         if tpath not in arrays:
-            raise CheckpointError(
-                f"checkpoint {p}: array '{tpath}' (for target '{tpath}') is missing; "
-                "pass strict=False to keep fresh initialisation for missing parameters"
-            )
+            raise missing_array(p, tpath, tpath)
         checked_target(p, tpath, arrays[tpath], tpath, leaf)

@@ -41,7 +41,7 @@ import numpy as np
 
 from t5lite.checkpoint import layout
 from t5lite.checkpoint import tensorstore_io as tsio
-from t5lite.checkpoint.checks import check_finite, checked_target
+from t5lite.checkpoint.checks import check_finite, checked_target, missing_array
 from t5lite.checkpoint.layout import (
     COMMIT_FILE,
     DELETING_SUFFIX,
@@ -183,10 +183,7 @@ def restore_checkpoint(
                 break
         skip = params_only and tpath.split("/")[0] != params_key
         if src is not None and not skip and src not in arrays and strict:
-            raise CheckpointError(
-                f"checkpoint {p}: array '{src}' (for target '{tpath}') is missing; "
-                "pass strict=False to keep fresh initialisation for missing parameters"
-            )
+            raise missing_array(p, src, tpath)
         if src is None or skip or src not in arrays:
             if isinstance(leaf, jax.ShapeDtypeStruct):
                 raise CheckpointError(

@@ -277,7 +277,6 @@ def _stop_non_finite(
     """
     ckpt.wait()  # an earlier, finite step may still be committing: it is the last good one
     latest = ckpt.latest_step()
-    ckpt.close()
     what = [f"loss {m['loss']:.4g}"]
     if "grad_norm" in m:
         what.append(f"gradient norm {m['grad_norm']:.4g}")
@@ -315,7 +314,6 @@ class _StallDetector:
         self.since = step if self.since is None else self.since
         if step - self.since + 1 >= self.patience:
             latest = self.ckpt.latest_step()
-            self.ckpt.close()
             raise TrainingError(
                 f"the model has stopped learning: cross-entropy {ce:.4f} = ln(vocab_size) "
                 f"(uniform predictions) with zero gradients since step {self.since}; checkpoints "
