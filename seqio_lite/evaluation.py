@@ -2,7 +2,8 @@
 
 Metric functions follow seqio: `fn(targets, predictions) -> {name: value}` for metrics on
 generated output, `fn(targets, scores) -> {name: value}` for metrics on model scores (e.g. log
-likelihoods). The `Evaluator` tells them apart by their parameter names, runs the model's
+likelihoods); a score metric that also takes `num_tokens` gets each example's target length. The
+`Evaluator` tells them apart by their parameter names, runs the model's
 `predict_fn` / `score_fn` over a task's eval split, postprocesses, and returns the metrics.
 """
 
@@ -81,6 +82,62 @@ def rouge(
             totals[k] += scores[k].fmeasure
     n = max(len(targets), 1)
     return {k: 100.0 * v / n for k, v in totals.items()}
+
+
+def log_likelihood(targets: Sequence[Any], scores: Sequence[float]) -> dict[str, float]:
+    """Mean log-likelihood of the targets per example (nats; `score_fn`'s sums)."""
+    _check_lengths(targets, scores)
+    return {"log_likelihood": float(np.mean(scores)) if len(scores) else 0.0}
+
+
+def perplexity(
+    targets: Sequence[Any], scores: Sequence[float], num_tokens: Sequence[int]
+) -> dict[str, float]:
+    """Per-token perplexity of the targets: exp(-sum of log-likelihoods / target tokens).
+
+    Target tokens include EOS, as in the training loss. The `Evaluator` passes `num_tokens`.
+    """
+    _check_lengths(targets, scores)
+    total = max(int(np.sum(num_tokens)), 1)
+    return {"perplexity": float(np.exp(-float(np.sum(scores)) / total))}
+
+
+def rank_classification(
+    targets: Sequence[tuple[int, bool]],
+    scores: Sequence[float],
+    num_tokens: Sequence[int] | None = None,
+    normalize_by_target_length: bool = False,
+) -> dict[str, float]:
+    """Multiple choice by scoring: each example's best-scoring candidate is its answer.
+
+    As seqio's `rank_classification`: the eval split holds one row per (example, candidate);
+    the task's postprocessing turns each row's target into `(example index, is_correct)`.
+    Returns the percentage of examples whose highest-scoring candidate is a correct one
+    (ties go to the first candidate). `normalize_by_target_length` ranks by log-likelihood
+    per target token instead of the sum.
+    """
+    _check_lengths(targets, scores)
+    best: dict[int, tuple[float, bool]] = {}
+    for i, ((example, correct), score) in enumerate(zip(targets, scores)):
+        if normalize_by_target_length and num_tokens is not None:
+            score = score / max(int(num_tokens[i]), 1)
+        if example not in best or score > best[example][0]:
+            best[example] = (float(score), bool(correct))
+    hits = sum(correct for _, correct in best.values())
+    return {"accuracy": 100.0 * hits / max(len(best), 1)}
+
+
+METRICS: dict[str, MetricFn] = {
+    "accuracy": accuracy,
+    "bleu": bleu,
+    "exact_match": exact_match,
+    "log_likelihood": log_likelihood,
+    "perplexity": perplexity,
+    "rank_classification": rank_classification,
+    "rouge": rouge,
+    "sequence_accuracy": sequence_accuracy,
+}
+"""The metrics a configured task can name (`JsonlTask.metrics = ['exact_match', 'bleu']`)."""
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -214,10 +271,14 @@ class Evaluator:
             metrics: dict[str, float] = {}
             for m in task.metric_fns:
                 values = predictions if metric_kind(m) == "predictions" else scores
+                name = getattr(m, "__name__", repr(m))
                 if values is None:
-                    logging.info("%s: skipping %s (no model function)", task.name, m.__name__)
+                    logging.info("%s: skipping %s (no model function)", task.name, name)
                     continue
-                metrics.update(m(targets, values))
+                extra = {}
+                if "num_tokens" in inspect.signature(m).parameters:
+                    extra["num_tokens"] = [int(np.size(ex["targets"])) for ex in exs]
+                metrics.update(m(targets, values, **extra))
             for k, v in metrics.items():
                 logging.info("eval %s/%s = %.4f", task.name, k, v)
             results[task.name] = metrics

@@ -105,6 +105,33 @@ def random_crop(
     return {**example, feature: ids[start : start + room]}
 
 
+def prefix_lm(
+    example: Example,
+    sequence_length: Mapping[str, int],
+    output_features: Mapping[str, Feature],
+    rng: np.random.Generator,
+) -> Example | None:
+    """T5's prefix-LM objective on the tokenized `targets` of one document.
+
+    Takes a random window that fits `inputs ++ targets` (leaving room for EOS on each) and
+    splits it at a uniformly random point: the prefix becomes `inputs`, the rest `targets`.
+    Documents shorter than two tokens are dropped. Seeded per example by `rng`, so each epoch
+    sees a different window and split.
+    """
+    tokens = np.asarray(example["targets"])
+    room_in = sequence_length["inputs"] - int(output_features["inputs"].add_eos)
+    room_tgt = sequence_length["targets"] - int(output_features["targets"].add_eos)
+    width = min(tokens.size, room_in + room_tgt)
+    if width < 2 or room_in < 1 or room_tgt < 1:
+        return None
+    start = int(rng.integers(0, tokens.size - width + 1))
+    window = tokens[start : start + width]
+    lo, hi = max(1, width - room_tgt), min(width - 1, room_in)
+    cut = int(rng.integers(lo, hi + 1))
+    # The document's text no longer describes either part: evaluation decodes the ids.
+    return {"inputs": window[:cut], "targets": window[cut:]}
+
+
 # --------------------------------------------------------------------------------------------
 # T5 span corruption (numpy port of t5.data.preprocessors.span_corruption)
 # --------------------------------------------------------------------------------------------

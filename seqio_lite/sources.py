@@ -140,14 +140,15 @@ class DataSource(abc.ABC):
         return state
 
 
-def _expand(split: str, patterns: str | Sequence[str]) -> list[str]:
+def _expand(split: str, patterns: str | Sequence[str], owner: str = "") -> list[str]:
     """Expands glob patterns (sorted, deduplicated); a clear error when nothing matches."""
     patterns = [patterns] if isinstance(patterns, str | os.PathLike) else list(patterns)
     files: list[str] = []
     for pattern in patterns:
         matched = sorted(glob.glob(os.fspath(pattern)))
         if not matched:
-            raise FileNotFoundError(f"No file matches {os.fspath(pattern)!r} (split {split!r})")
+            where = f"{owner}, split {split!r}" if owner else f"split {split!r}"
+            raise FileNotFoundError(f"No file matches {os.fspath(pattern)!r} ({where})")
         files.extend(m for m in matched if m not in files)
     return files
 
@@ -165,7 +166,7 @@ class _FileSource(DataSource):
 
     def files(self, split: str) -> list[str]:
         """The files of `split`, in read order."""
-        return _expand(split, self._patterns[split])
+        return _expand(split, self._patterns[split], f"{type(self).__name__} {self.name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,11 +238,32 @@ class TextLineSource(_FileSource):
         return _LineIndex(self.files(split), parse, "text")
 
 
+def _type_names(types: type | tuple[type, ...]) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(_JSON_NAMES.get(t, t.__name__) for t in types)
+
+
+_JSON_NAMES = {str: "a string", list: "a list", int: "an integer", float: "a number"}
+
+
+def _check_fields(value: Mapping[str, Any], required: Mapping[str, type | tuple]) -> None:
+    """A clear error when a record lacks a required field or has it with the wrong type."""
+    for field, types in required.items():
+        if field not in value:
+            raise ValueError(f"missing field {field!r} (the record has {sorted(value)})")
+        v = value[field]
+        if not isinstance(v, types) or isinstance(v, bool):
+            raise ValueError(
+                f"field {field!r} is {json.dumps(v)[:40]}, expected {_type_names(types)}"
+            )
+
+
 class JsonlSource(_FileSource):
     """JSON Lines files, one JSON object per line.
 
-    A malformed line is an error naming the file and line, unless `skip_malformed=True`: then it
-    is skipped, and counted in `num_skipped(split)`. Lines are validated once, when a split is
+    A malformed line, or one that lacks a field of `required_fields` or has it with another
+    type, is an error naming the file and line, unless `skip_malformed=True`: then it is
+    skipped, and counted in `num_skipped(split)`. Lines are validated once, when a split is
     first opened, so errors surface before training starts rather than mid-run.
     """
 
@@ -250,12 +272,15 @@ class JsonlSource(_FileSource):
         split_to_filepattern: Mapping[str, str | Sequence[str]],
         skip_malformed: bool = False,
         name: str = "",
+        required_fields: Mapping[str, type | tuple[type, ...]] | None = None,
     ):
         super().__init__(split_to_filepattern, name)
         self.skip_malformed = skip_malformed
+        self.required_fields = dict(required_fields or {})
 
     def _open(self, split: str) -> SplitData:
         skip = self.skip_malformed
+        required = self.required_fields
 
         def parse(line: str, path: str, lineno: int) -> Any:
             if not line.strip():
@@ -264,10 +289,12 @@ class JsonlSource(_FileSource):
                 value = json.loads(line)
                 if not isinstance(value, dict):
                     raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+                _check_fields(value, required)
             except ValueError as e:
                 if skip:
                     return _SKIP
-                raise ValueError(f"{path}:{lineno}: malformed JSON line: {e}") from None
+                kind = "malformed JSON line: " if isinstance(e, json.JSONDecodeError) else ""
+                raise ValueError(f"{path}:{lineno}: {kind}{e}") from None
             return value
 
         return _LineIndex(self.files(split), parse, "jsonl")
@@ -331,12 +358,25 @@ class ParquetSource(_FileSource):
         split_to_filepattern: Mapping[str, str | Sequence[str]],
         columns: Sequence[str] | None = None,
         name: str = "",
+        required_fields: Sequence[str] = (),
     ):
         super().__init__(split_to_filepattern, name)
         self.columns = columns
+        self.required_fields = list(required_fields)
 
     def _open(self, split: str) -> SplitData:
-        return _ParquetSplit(self.files(split), self.columns)
+        import pyarrow.parquet as pq
+
+        files = self.files(split)
+        for path in files:
+            try:
+                names = pq.read_schema(path).names
+            except Exception as e:  # pyarrow's errors have no common base worth naming
+                raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+            missing = [f for f in self.required_fields if f not in names]
+            if missing:
+                raise ValueError(f"{path}: no column {missing[0]!r} (columns: {names})")
+        return _ParquetSplit(files, self.columns)
 
 
 class _ArrayRecordSplit(SplitData):
@@ -480,11 +520,13 @@ class HFDatasetSource(DataSource):
         path: str,
         data_files: Mapping[str, str | Sequence[str]] | None = None,
         name: str = "",
+        required_fields: Sequence[str] = (),
     ):
         super().__init__(name or f"hf:{path}")
         self._path = path
         self._data_files = dict(data_files) if data_files else None
         self._dd = None
+        self.required_fields = list(required_fields)
 
     def _load(self) -> Any:
         if self._dd is None:
@@ -513,6 +555,12 @@ class HFDatasetSource(DataSource):
 
     def _open(self, split: str) -> SplitData:
         ds = self._load()[split]
+        missing = [f for f in self.required_fields if f not in ds.column_names]
+        if missing:
+            raise ValueError(
+                f"{self._path} split {split!r}: no column {missing[0]!r} (columns: "
+                f"{ds.column_names})"
+            )
         fp = _hash("hf", self._path, split, getattr(ds, "_fingerprint", None), len(ds))
         return _ListSplit(ds, fp)
 

@@ -67,7 +67,13 @@ class BaseModel(abc.ABC):
     # --- to be provided by subclasses -----------------------------------------------------
     FEATURES: ClassVar[tuple[str, ...]] = ()
     FEATURE_CONVERTER: ClassVar[str] = ""
-    """The seqio_lite feature converter whose output features this model reads."""
+    """The seqio_lite feature converter whose output features this model reads (see
+    `feature_converter_name`, which a model field may override)."""
+
+    @property
+    def feature_converter_name(self) -> str:
+        """The seqio_lite feature converter this model reads: 'enc_dec', 'lm' or 'prefix_lm'."""
+        return self.FEATURE_CONVERTER
 
     @abc.abstractmethod
     def module(self) -> nn.Module:
@@ -327,6 +333,11 @@ class DecoderOnlyModel(BaseModel):
     """Decoder-only LM (or prefix-LM); features from the LM / prefix-LM feature converters."""
 
     network_config: network.DecoderOnlyConfig = network.DecoderOnlyConfig()  # noqa: RUF009
+    feature_converter: str = "lm"
+    """'lm': a language model on `targets` (tasks with `inputs` are refused, not silently
+    truncated); 'prefix_lm': `inputs ++ targets` with bidirectional attention over the inputs
+    and the loss on the targets (seqio's `PrefixLMFeatureConverter`), so the model is trained
+    and prompted with the inputs."""
     inputs_bidirectional_attention: bool = True
     """Prediction: the prompt attends bidirectionally within itself (prefix-LM, as the model is
     trained on `decoder_causal_attention`); False for a causal LM such as Llama."""
@@ -338,7 +349,7 @@ class DecoderOnlyModel(BaseModel):
         "decoder_positions",
         "decoder_causal_attention",
     )
-    FEATURE_CONVERTER: ClassVar[str] = "lm"
+    FEATURE_CONVERTERS: ClassVar[tuple[str, ...]] = ("lm", "prefix_lm")
     _INPUT_NAMES: ClassVar[tuple[str, ...]] = (
         "decoder_input_tokens",
         "decoder_target_tokens",
@@ -346,6 +357,18 @@ class DecoderOnlyModel(BaseModel):
         "decoder_positions",
         "decoder_causal_attention",
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.feature_converter not in self.FEATURE_CONVERTERS:
+            raise ValueError(
+                f"DecoderOnlyModel.feature_converter = {self.feature_converter!r}: must be one "
+                f"of {list(self.FEATURE_CONVERTERS)}"
+            )
+
+    @property
+    def feature_converter_name(self) -> str:
+        return self.feature_converter
 
     def module(self) -> network.DecoderOnly:
         return network.DecoderOnly(self.network_config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -13,6 +14,50 @@ from t5lite.partitioning import Partitioner
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import DataConfig, split_of
 from t5lite.trainer import Trainer, TrainState
+
+
+def check_task_and_model(task: str, model: BaseModel, lengths: Mapping[str, int]) -> None:
+    """The task exists, its features and lengths suit the model's feature converter, and its
+    token ids fit the vocabulary (ids beyond it would silently give NaN or garbage)."""
+    converter = model.feature_converter_name
+    setting = (
+        f"DecoderOnlyModel.feature_converter = {converter!r}"
+        if converter != "enc_dec" else "an encoder-decoder model"
+    )  # fmt: skip
+    wants_inputs = converter in ("enc_dec", "prefix_lm")
+    if wants_inputs and "inputs" not in lengths:
+        raise ValueError(
+            f"DataConfig.task_feature_lengths = {dict(lengths)}: {setting} needs a length "
+            "for 'inputs'"
+        )
+    if not wants_inputs and "inputs" in lengths:
+        raise ValueError(
+            f"DataConfig.task_feature_lengths = {dict(lengths)} has 'inputs' but {setting} "
+            "reads only 'targets': set DecoderOnlyModel.feature_converter = 'prefix_lm' to "
+            "train on inputs and targets, or drop the 'inputs' length"
+        )
+    obj = seqio_lite.get_task_or_mixture(task)
+    tasks = obj.tasks if isinstance(obj, seqio_lite.Mixture) else [obj]
+    model_vocab = model.network_config.vocab_size
+    for t in tasks:
+        has_inputs = "inputs" in t.output_features
+        if has_inputs != wants_inputs:
+            hint = (
+                "set DecoderOnlyModel.feature_converter = 'prefix_lm' to train on inputs "
+                "and targets" if has_inputs else "it needs a task with 'inputs'"
+            )  # fmt: skip
+            raise ValueError(
+                f"task {t.name!r} has features {sorted(t.output_features)} but {setting} "
+                f"{'would drop its inputs' if has_inputs else 'reads inputs and targets'}: "
+                f"{hint}"
+            )
+        for name, feature in t.output_features.items():
+            size = feature.vocabulary.vocab_size
+            if size > model_vocab:
+                raise ValueError(
+                    f"task {t.name!r} feature {name!r} has a vocabulary of {size} ids but the "
+                    f"model's vocab_size is {model_vocab}"
+                )
 
 
 def make_evaluator(
@@ -27,7 +72,7 @@ def make_evaluator(
     """A seqio_lite evaluator whose batches have the model's features."""
     return seqio_lite.Evaluator(
         task, lengths, split=split, batch_size=batch_size,
-        feature_converter=model.FEATURE_CONVERTER, num_examples=num_examples,
+        feature_converter=model.feature_converter_name, num_examples=num_examples,
     )  # fmt: skip
 
 
@@ -101,6 +146,7 @@ def evaluate(
       data: the examples (`split` defaults to 'validation'; `num_examples` the first N).
       max_decode_length: decode length for predict metrics (default: the targets length).
     """
+    check_task_and_model(data.task, model, data.task_feature_lengths)
     trainer, state = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
     evaluator = make_evaluator(
         model, data.task, dict(data.task_feature_lengths), split=split_of(data, "validation"),

@@ -13,7 +13,7 @@ import numpy as np
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
 from t5lite.programs.configs import DataConfig, split_of
-from t5lite.programs.evaluate import make_evaluator, restored_trainer
+from t5lite.programs.evaluate import check_task_and_model, make_evaluator, restored_trainer
 
 MODES = ("predict", "score")
 
@@ -54,6 +54,7 @@ def infer(
     """
     if mode not in MODES:
         raise ValueError(f"infer mode must be 'predict' or 'score', got {mode!r}")
+    check_task_and_model(data.task, model, data.task_feature_lengths)
     is_chief = jax.process_index() == 0
     batch_size = data.batch_size
     evaluator = make_evaluator(

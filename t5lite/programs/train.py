@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -29,7 +29,7 @@ from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
-from t5lite.programs.evaluate import make_evaluator, run_evaluation
+from t5lite.programs.evaluate import check_task_and_model, make_evaluator, run_evaluation
 from t5lite.programs.run_lock import RunLock, RunLockError
 from t5lite.pytree import path_str
 from t5lite.trainer import Trainer, TrainState, summarize
@@ -59,27 +59,6 @@ def _check_fits(trainer: Trainer, state_abstract: Any) -> None:
             f"the train step needs {format_bytes(need)} per device but {device.device_kind} "
             f"has {format_bytes(limit)}: shard more (see `t5lite plan`) or use smaller batches"
         )
-
-
-def _check_vocab(task: str, model: BaseModel, lengths: Mapping[str, int]) -> None:
-    """The task exists, its lengths suit the model, and its token ids fit the vocabulary
-    (ids beyond it would silently give NaN or garbage)."""
-    if model.FEATURE_CONVERTER == "enc_dec" and "inputs" not in lengths:
-        raise ValueError(
-            f"DataConfig.task_feature_lengths = {dict(lengths)}: an encoder-decoder model needs "
-            "a length for 'inputs'"
-        )
-    obj = seqio_lite.get_task_or_mixture(task)
-    tasks = obj.tasks if isinstance(obj, seqio_lite.Mixture) else [obj]
-    model_vocab = model.network_config.vocab_size
-    for t in tasks:
-        for name, feature in t.output_features.items():
-            size = feature.vocabulary.vocab_size
-            if size > model_vocab:
-                raise ValueError(
-                    f"task {t.name!r} feature {name!r} has a vocabulary of {size} ids but the "
-                    f"model's vocab_size is {model_vocab}"
-                )
 
 
 def train(
@@ -128,7 +107,7 @@ def train(
     with contextlib.ExitStack() as stack:  # closed in reverse: watchdog, checkpoints, log, lock
         partitioner = partitioner or Partitioner()
         # An unknown task, lengths or vocabulary that do not suit the model: before any write.
-        _check_vocab(data.task, model, data.task_feature_lengths)
+        check_task_and_model(data.task, model, data.task_feature_lengths)
         is_chief = jax.process_index() == 0
         _acquire_lock(model_dir, is_chief, stack)  # before anything slow: one run per directory
         trainer = Trainer(
@@ -262,7 +241,7 @@ def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner,
     return seqio_lite.get_dataset(
         data.task, dict(data.task_feature_lengths), split_of(data, "train"),
         layout.per_process_batch_size, shard_id=layout.shard_id, num_shards=layout.num_shards,
-        seed=seed, feature_converter=model.FEATURE_CONVERTER, pack=data.pack,
+        seed=seed, feature_converter=model.feature_converter_name, pack=data.pack,
         use_cached=data.use_cached,
     )  # fmt: skip
 
