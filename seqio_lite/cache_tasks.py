@@ -151,11 +151,20 @@ def cached_source(task: dp.Task) -> CachedSource:
 # --------------------------------------------------------------------------------------------
 
 
-def _process_chunk(chunk: tuple[int, int, int], task_name: str, split: str) -> Iterable:
-    """(chunk id, start, end) -> [(chunk id, [encoded kept examples, in source order])]."""
+_opened_splits: dict[tuple[str, str], sources.SplitData] = {}  # per worker process
+
+
+def _process_chunk(chunk: tuple[int, int, int], task: dp.Task, split: str) -> Iterable:
+    """(chunk id, start, end) -> [(chunk id, [encoded kept examples, in source order])].
+
+    The task travels with the pipeline (pickled), so tasks defined in gin or in a notebook
+    work on any runner whose workers have seqio_lite installed.
+    """
     chunk_id, start, end = chunk
-    task = dp.get_task_or_mixture(task_name)
-    data = task.source.open(split)
+    key = (task.name, split)
+    if key not in _opened_splits:  # opening may scan files: once per worker, not per chunk
+        _opened_splits[key] = task.source.open(split)
+    data = _opened_splits[key]
     kept = []
     for i in range(start, end):
         ex = task.preprocess_pre_cache(data[i], i)
@@ -263,7 +272,7 @@ def run_cache_job(
             processed = (
                 p
                 | f"Chunks[{split}]" >> beam.Create(chunks)
-                | f"Preprocess[{split}]" >> beam.FlatMap(_process_chunk, task_name, split)
+                | f"Preprocess[{split}]" >> beam.FlatMap(_process_chunk, task, split)
             )
             offsets = (
                 processed
@@ -284,6 +293,7 @@ def run_cache_job(
                 | f"WriteStats[{split}]" >> beam.Map(_write_stats, task_dir, split)
             )
 
+    _opened_splits.clear()  # an in-process runner's workers: the next job may see new files
     info: dict[str, Any] = {"task": task_name, "splits": {}}
     for split in splits:
         with open(os.path.join(task_dir, f"stats.{split}.json")) as f:

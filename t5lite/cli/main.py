@@ -1,4 +1,4 @@
-"""The t5lite command line: `t5lite train | eval | infer | inspect | plan | convert`.
+"""The t5lite command line: `t5lite train | eval | infer | cache | inspect | plan | convert`.
 
 Intentionally thin: it parses flags and gin, then calls one library function.
 """
@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "eval", "infer", "inspect", "plan", "convert")
+COMMANDS = ("train", "eval", "infer", "inspect", "plan", "convert", "cache")
 
 
 _USAGE = """
@@ -56,7 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--gin.NAME=VALUE` bindings, t5x style; everything else goes to argparse.
     bindings = [a.removeprefix("--gin.") for a in argv if a.startswith("--gin.")]
-    args = _parser().parse_args([a for a in argv if not a.startswith("--gin.")])
+    parser = _parser()
+    args, unknown = parser.parse_known_args([a for a in argv if not a.startswith("--gin.")])
+    if unknown and args.command != "cache":  # `cache` hands other flags to Apache Beam
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
         from t5lite.insight.topology import num_devices
 
@@ -103,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _start_backends_quietly()
         from t5lite.cli import registry as reg
 
-        fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer,
+        fn = {"train": reg.train, "eval": reg.evaluate, "infer": reg.infer, "cache": reg.cache,
               "inspect": reg.inspect, "plan": reg.plan}[args.command]  # fmt: skip
         kwargs: dict = {}
+        if args.command == "cache":  # the training run's data; Beam options from the flags
+            kwargs.update(data=reg.DataConfig(), pipeline_args=unknown)
         if args.topology and args.command in ("inspect", "plan"):
             kwargs["topology"] = args.topology
         if args.command == "train":  # config.gin: what this run used, written once it is set up

@@ -8,10 +8,13 @@ bindings applied.
 
 import gin
 
+import seqio_lite
+from seqio_lite import file_tasks
 from t5lite import partitioning
 from t5lite.insight import plan as _plan
 from t5lite.insight import report
 from t5lite.model import models, network, optimizers
+from t5lite.programs import cache as _cache
 from t5lite.programs import configs
 from t5lite.programs import evaluate as _evaluate
 from t5lite.programs import infer as _infer
@@ -50,5 +53,20 @@ LogConfig = _register(configs.LogConfig)
 train = _register(_train.train)
 evaluate = _register(_evaluate.evaluate)
 infer = _register(_infer.infer)
+cache = _register(_cache.cache)
 inspect = _register(report.inspect)
 plan = _register(_plan.plan)
+
+# --- data: tasks, mixtures and vocabularies from gin alone (see seqio_lite.file_tasks) ----
+JsonlTask = gin.external_configurable(file_tasks.jsonl_task, "JsonlTask", module="seqio_lite")
+TextLinesTask = gin.external_configurable(
+    file_tasks.text_lines_task, "TextLinesTask", module="seqio_lite"
+)
+ParquetTask = gin.external_configurable(file_tasks.parquet_task, "ParquetTask", module="seqio_lite")
+HFDatasetTask = gin.external_configurable(
+    file_tasks.hf_dataset_task, "HFDatasetTask", module="seqio_lite"
+)
+Mixture = gin.external_configurable(file_tasks.mixture, "Mixture", module="seqio_lite")
+ByteVocabulary = _register(seqio_lite.ByteVocabulary, "seqio_lite")
+SentencePieceVocabulary = _register(seqio_lite.SentencePieceVocabulary, "seqio_lite")
+TrainedSentencePiece = _register(file_tasks.TrainedSentencePiece, "seqio_lite")

@@ -28,7 +28,10 @@ class DataConfig:
     """Train: pack several examples per row. An unpacked iterator state restores under any
     process count; a packed one only under the same."""
     use_cached: bool = False
-    """Train: read the task's offline cache (`python -m seqio_lite.cache_tasks`)."""
+    """Train: read the task's offline cache, written by `t5lite cache` to `cache_dir`."""
+    cache_dir: str | None = None
+    """Where `t5lite cache` writes the task's cache and `use_cached` reads it (also searched:
+    `$SEQIO_LITE_CACHE_DIRS`)."""
 
     def __post_init__(self) -> None:
         lengths = dict(self.task_feature_lengths)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 import seqio_lite
+from seqio_lite.evaluation import metric_kind
 from t5lite.checkpoint import CheckpointManager
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
@@ -86,24 +88,32 @@ def run_evaluation(
     step: int,
     num_to_print: int = 3,
 ) -> dict[str, Any]:
-    """The tasks' predict metrics on KV-cached decodes; prints a few predictions."""
-    predict_fn = trainer.predict_fn(state.params, decode_len)
-    results = evaluator.evaluate(predict_fn=predict_fn)
+    """The tasks' metrics: predict metrics on KV-cached decodes, score metrics on the targets'
+    log-likelihoods; written to metrics.jsonl, TensorBoard and `eval/step_<step>.json` in the
+    model directory. Prints a few predictions."""
+    kinds = {metric_kind(m) for t in evaluator.tasks for m in t.metric_fns}
+    predict_fn = trainer.predict_fn(state.params, decode_len) if "predictions" in kinds else None
+    score_fn = trainer.score_fn(state.params) if "scores" in kinds else None
+    results = evaluator.evaluate(predict_fn=predict_fn, score_fn=score_fn)
     out: dict[str, Any] = {}
     shown: list[str] = []
     for task_name, metrics in results.items():
         out.update({f"{task_name}/{k}": v for k, v in metrics.items()})
+        task = next(t for t in evaluator.tasks if t.name == task_name)
         exs = evaluator.examples(task_name)[:num_to_print]
-        if exs:
+        wants_predictions = any(metric_kind(m) == "predictions" for m in task.metric_fns)
+        if exs and predict_fn is not None and wants_predictions:
             batch, _ = evaluator.batches(task_name)[0]
-            ids = predict_fn(batch)
-            task = next(t for t in evaluator.tasks if t.name == task_name)
             vocab = task.output_features["targets"].vocabulary
-            for ex, row in zip(exs, ids):
+            for ex, row in zip(exs, predict_fn(batch)):
                 src = ex.get("inputs_pretokenized", "")
                 tgt = ex.get("targets_pretokenized", "")
                 shown.append(f"  {src!s:>20} -> {vocab.decode(row)!s:<20} (target {tgt})")
     writer.write(step, out, prefix="eval")
+    writer.write_json(
+        os.path.join("eval", f"step_{step}.json"),
+        {"step": step, "split": evaluator.split, "metrics": results},
+    )
     if shown:
         writer.info("predictions:\n" + "\n".join(shown))
     return out

@@ -37,6 +37,7 @@ class MetricsWriter:
         stream: Any = None,
     ):
         self.enabled = enabled
+        self.model_dir = model_dir
         self.total_steps = total_steps
         self.log_period = max(1, log_period)
         self.stream = stream or sys.stderr
@@ -71,6 +72,18 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{prefix}/{k}", v, step)
         if prefix != "train" or step % self.log_period == 0 or step == self.total_steps:
             self._print(step, metrics, prefix)
+
+    def write_json(self, relative_path: str, value: Any) -> str | None:
+        """Writes `value` as JSON under the model directory (atomically); returns the path."""
+        if not self.enabled:
+            return None
+        path = os.path.join(self.model_dir, relative_path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(value, f, indent=2, sort_keys=True, default=_num)
+            f.write("\n")
+        os.replace(path + ".tmp", path)
+        return path
 
     def _print(self, step: int, metrics: Mapping[str, float], prefix: str) -> None:
         shown = " ".join(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import seqio_lite
+from seqio_lite import cache_tasks
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.checkpoint.checks import check_against_metadata
 from t5lite.distributed import ProgressWatchdog
@@ -238,6 +239,8 @@ def _acquire_lock(model_dir: str, is_chief: bool, stack: contextlib.ExitStack) -
 def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner, seed: int):
     """This process's shard of the training examples, in the model's features."""
     layout = partitioner.get_data_layout(data.batch_size)
+    if data.use_cached and data.cache_dir:
+        cache_tasks.add_global_cache_dirs([data.cache_dir])
     return seqio_lite.get_dataset(
         data.task, dict(data.task_feature_lengths), split_of(data, "train"),
         layout.per_process_batch_size, shard_id=layout.shard_id, num_shards=layout.num_shards,
