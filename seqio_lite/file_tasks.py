@@ -42,6 +42,7 @@ import difflib
 import functools
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -492,14 +493,26 @@ def _train_vocabulary(
                     ex = data[i]
                     for field in fields:
                         f.write(str(ex[field]).replace("\n", " ") + "\n")
-            trained = vocabs.train_sentencepiece(
-                [text], os.path.join(tmp, "spm"), settings.vocab_size,
-                model_type=settings.model_type,
-                character_coverage=settings.character_coverage,
-            )  # fmt: skip
+            try:
+                trained = vocabs.train_sentencepiece(
+                    [text], os.path.join(tmp, "spm"), settings.vocab_size,
+                    model_type=settings.model_type,
+                    character_coverage=settings.character_coverage,
+                )  # fmt: skip
+            except RuntimeError as e:  # sentencepiece's own words, e.g. a vocabulary too large
+                limit = re.search(r"value <= (\d+)", str(e))
+                reason = (
+                    f"is too large for this data (at most {limit.group(1)})"
+                    if limit else f"failed: {str(e).splitlines()[0]}"
+                )  # fmt: skip
+                raise ValueError(
+                    f"task {spec.name!r}: TrainedSentencePiece.vocab_size = "
+                    f"{settings.vocab_size} {reason}"
+                ) from None
             # Copy beside, then rename: a reader never sees half a model.
-            shutil.copyfile(trained, model_file + ".tmp")
-            os.replace(model_file + ".tmp", model_file)
+            tmp_copy = f"{model_file}.tmp{os.getpid()}"  # processes may train it at once
+            shutil.copyfile(trained, tmp_copy)
+            os.replace(tmp_copy, model_file)
         with open(stamp, "w") as f:
             f.write(digest)
     return vocabs.SentencePieceVocabulary(model_file, extra_ids=extra_ids)

@@ -113,10 +113,11 @@ def prefix_lm(
 ) -> Example | None:
     """T5's prefix-LM objective on the tokenized `targets` of one document.
 
-    Takes a random window that fits `inputs ++ targets` (leaving room for EOS on each) and
-    splits it at a uniformly random point: the prefix becomes `inputs`, the rest `targets`.
-    Documents shorter than two tokens are dropped. Seeded per example by `rng`, so each epoch
-    sees a different window and split.
+    Takes a random window of up to `inputs + targets` tokens (leaving room for EOS on each) and
+    splits it at a uniformly random point that leaves both parts non-empty and the prefix within
+    the inputs length: the prefix becomes `inputs`, what follows (up to the targets length)
+    `targets`. Documents shorter than two tokens are dropped. Seeded per example by `rng`, so
+    each epoch sees a different window and split.
     """
     tokens = np.asarray(example["targets"])
     room_in = sequence_length["inputs"] - int(output_features["inputs"].add_eos)
@@ -126,10 +127,9 @@ def prefix_lm(
         return None
     start = int(rng.integers(0, tokens.size - width + 1))
     window = tokens[start : start + width]
-    lo, hi = max(1, width - room_tgt), min(width - 1, room_in)
-    cut = int(rng.integers(lo, hi + 1))
+    cut = int(rng.integers(1, min(width - 1, room_in) + 1))
     # The document's text no longer describes either part: evaluation decodes the ids.
-    return {"inputs": window[:cut], "targets": window[cut:]}
+    return {"inputs": window[:cut], "targets": window[cut : cut + room_tgt]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -192,6 +192,16 @@ class SentencePieceVocabulary(Vocabulary):
         self.unk_id = self._sp.unk_id()
 
     @property
+    def model_file(self) -> str:
+        """The SentencePiece model file this vocabulary was read from."""
+        return self._model_file
+
+    @property
+    def model_bytes(self) -> bytes:
+        """The serialized model, as read (what a copy beside a trained model must hold)."""
+        return self._model_bytes
+
+    @property
     def _base_vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
