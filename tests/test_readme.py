@@ -24,7 +24,8 @@ README = (ROOT / "README.md").read_text()
 # What the commands write (all under /tmp, as the README says); cleared first so that a rerun
 # of the suite starts like a fresh machine (infer refuses to overwrite a complete output).
 OUTPUTS = ["/tmp/t5lite_quickstart", "/tmp/t5lite_predictions.jsonl", "/tmp/t5lite_hf",
-           "/tmp/t5lite_imported", "/tmp/t5lite_finetune", "/tmp/t5lite_2proc"]  # fmt: skip
+           "/tmp/t5lite_imported", "/tmp/t5lite_finetune", "/tmp/t5lite_2proc",
+           "/tmp/t5lite_mydata"]  # fmt: skip
 
 
 def _blocks(lang: str) -> list[str]:
@@ -93,7 +94,7 @@ def test_eval_and_infer_commands(quickstart):
 def test_convert_and_finetune_commands(quickstart):
     for path in ("/tmp/t5lite_hf", "/tmp/t5lite_imported", "/tmp/t5lite_finetune"):
         shutil.rmtree(path, ignore_errors=True)
-    _run(_blocks("bash")[3], timeout=1200)
+    _run(_blocks("bash")[5], timeout=1200)
     assert (Path("/tmp/t5lite_hf") / "model.safetensors").is_file()
     assert (Path("/tmp/t5lite_finetune") / "checkpoint_20" / "COMMIT").is_file()
 
@@ -106,5 +107,22 @@ def test_tensorstore_snippet(quickstart):
 
 def test_multi_process_command(quickstart):
     shutil.rmtree("/tmp/t5lite_2proc", ignore_errors=True)  # as on a fresh machine, right here
-    _run(_blocks("bash")[4], timeout=1200)
+    _run(_blocks("bash")[6], timeout=1200)
     assert (Path("/tmp/t5lite_2proc") / "checkpoint_60" / "COMMIT").is_file()
+
+
+def test_own_data_commands():
+    """'Train on your own data': a JSONL file the block writes, a task in gin, train, eval,
+    then the cache job and training from the cache."""
+    shutil.rmtree("/tmp/t5lite_mydata", ignore_errors=True)
+    out = _run(_blocks("bash")[3], timeout=1200)
+    model = Path("/tmp/t5lite_mydata/model")
+    result = json.loads((model / "eval" / "step_400.json").read_text())
+    metrics = result["metrics"]["my_qa"]
+    assert metrics["exact_match"] > 50 and 1.0 <= metrics["perplexity"] < 2.0, metrics
+    assert (model / "checkpoint_400" / "COMMIT").is_file()
+    assert "my_qa/exact_match" in out.stderr  # printed by train's evaluation and by eval
+    _run(_blocks("bash")[4], timeout=1200)
+    cache = Path("/tmp/t5lite_mydata/cache/my_qa")
+    assert (cache / "COMPLETED").is_file() and list(cache.glob("train.array_record-*"))
+    assert (Path("/tmp/t5lite_mydata/model_cached") / "checkpoint_20" / "COMMIT").is_file()

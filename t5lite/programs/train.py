@@ -129,8 +129,8 @@ def train(
         _check_fits(trainer, trainer.abstract_state())
         _warn_replicated(trainer, writer)
         state = _restore_or_init(trainer, ckpt, dataset, checkpoint.init_checkpoint, writer)
-        if is_chief and operative_config is not None:
-            _write_operative_config(model_dir, operative_config())
+        if is_chief:  # config.gin and the vocabulary files: the model directory stands alone
+            _write_run_files(model_dir, operative_config, data.task)
         evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
         throughput = _Throughput(model, dict(data.task_feature_lengths), data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
@@ -383,7 +383,29 @@ class _Throughput:
         }
 
 
-def _write_operative_config(model_dir: str, text: str) -> None:
+def _write_run_files(model_dir: str, operative_config: Callable[[], str] | None, task: str) -> None:
+    """`config.gin`, and a copy of every SentencePiece model the task's features use under
+    `vocabulary/`, so the model directory is usable without the files it was trained from."""
     os.makedirs(model_dir, exist_ok=True)
-    with open(os.path.join(model_dir, "config.gin"), "w") as f:
-        f.write(text)
+    if operative_config is not None:
+        with open(os.path.join(model_dir, "config.gin"), "w") as f:
+            f.write(operative_config())
+    obj = seqio_lite.get_task_or_mixture(task)
+    for t in obj.tasks if isinstance(obj, seqio_lite.Mixture) else [obj]:
+        for feature in t.output_features.values():
+            vocab = feature.vocabulary
+            if not isinstance(vocab, seqio_lite.SentencePieceVocabulary):
+                continue
+            dest = os.path.join(model_dir, "vocabulary", os.path.basename(vocab.model_file))
+            if os.path.exists(dest):
+                with open(dest, "rb") as f:
+                    if f.read() != vocab.model_bytes:  # never replace what the model learned
+                        raise TrainingError(
+                            f"{dest} differs from task {t.name!r}'s vocabulary "
+                            f"{vocab.model_file}: this model was trained with another one"
+                        )
+                continue
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(dest + ".tmp", "wb") as f:
+                f.write(vocab.model_bytes)
+            os.replace(dest + ".tmp", dest)
