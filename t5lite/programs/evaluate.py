@@ -15,7 +15,7 @@ from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import DataConfig, split_of
-from t5lite.trainer import Trainer, TrainState
+from t5lite.trainer import Trainer
 
 
 def check_task_and_model(task: str, model: BaseModel, lengths: Mapping[str, int]) -> None:
@@ -81,7 +81,7 @@ def make_evaluator(
 def run_evaluation(
     evaluator: seqio_lite.Evaluator,
     trainer: Trainer,
-    state: TrainState,
+    params: Any,
     *,
     decode_len: int,
     writer: mw.MetricsWriter,
@@ -92,8 +92,8 @@ def run_evaluation(
     log-likelihoods; written to metrics.jsonl, TensorBoard and `eval/step_<step>.json` in the
     model directory. Prints a few predictions."""
     kinds = {metric_kind(m) for t in evaluator.tasks for m in t.metric_fns}
-    predict_fn = trainer.predict_fn(state.params, decode_len) if "predictions" in kinds else None
-    score_fn = trainer.score_fn(state.params) if "scores" in kinds else None
+    predict_fn = trainer.predict_fn(params, decode_len) if "predictions" in kinds else None
+    score_fn = trainer.score_fn(params) if "scores" in kinds else None
     results = evaluator.evaluate(predict_fn=predict_fn, score_fn=score_fn)
     out: dict[str, Any] = {}
     shown: list[str] = []
@@ -125,18 +125,24 @@ def restored_trainer(
     data: DataConfig,
     model_dir: str,
     checkpoint_step: int | None,
-) -> tuple[Trainer, TrainState]:
-    """A trainer for `data.batch_size` rows and the parameters of a committed checkpoint."""
+) -> tuple[Trainer, Any, int]:
+    """A trainer for `data.batch_size` rows, and the parameters and step of a committed
+    checkpoint. Only the parameters are read, so the optimizer the checkpoint was trained with
+    need not be configured to evaluate it."""
     trainer = Trainer(
         model, partitioner or Partitioner(), batch_size=data.batch_size,
         lengths=data.task_feature_lengths,
     )  # fmt: skip
+    abstract = trainer.abstract_state()
     ckpt = CheckpointManager(model_dir)
     try:
-        state, _ = ckpt.restore(trainer.abstract_state(), step=checkpoint_step, with_extra=False)
+        restored, _ = ckpt.restore(
+            {"params": abstract.params, "step": abstract.step}, step=checkpoint_step,
+            with_extra=False,
+        )  # fmt: skip
     finally:
         ckpt.close()
-    return trainer, state
+    return trainer, restored["params"], int(restored["step"])
 
 
 def evaluate(
@@ -157,17 +163,15 @@ def evaluate(
       max_decode_length: decode length for predict metrics (default: the targets length).
     """
     check_task_and_model(data.task, model, data.task_feature_lengths)
-    trainer, state = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
+    trainer, params, step = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
     evaluator = make_evaluator(
         model, data.task, dict(data.task_feature_lengths), split=split_of(data, "validation"),
         num_examples=data.num_examples, batch_size=data.batch_size,
     )  # fmt: skip
-    writer = mw.MetricsWriter(
-        model_dir, total_steps=int(state.step), enabled=jax.process_index() == 0
-    )
+    writer = mw.MetricsWriter(model_dir, total_steps=step, enabled=jax.process_index() == 0)
     try:
         return run_evaluation(
-            evaluator, trainer, state, writer=writer, step=int(state.step),
+            evaluator, trainer, params, writer=writer, step=step,
             decode_len=max_decode_length or data.task_feature_lengths["targets"],
         )  # fmt: skip
     finally:

@@ -79,7 +79,7 @@ def infer(
         raise FileExistsError(
             f"infer: {output_file} is complete ({len(expected)} records); refusing to overwrite it"
         )
-    trainer, state = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
+    trainer, params, _ = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
     decode_len = max_decode_length or data.task_feature_lengths["targets"]
     offset = 0
     batch_index = 0
@@ -92,10 +92,10 @@ def infer(
             if offset <= done:
                 continue  # written by an earlier run
             if mode == "predict":
-                ids = trainer.predict_fn(state.params, decode_len)(batch, batch_index)
+                ids = trainer.predict_fn(params, decode_len)(batch, batch_index)
                 outputs: list[Any] = [vocab.decode(r) for r in ids[:n]]
             else:
-                outputs = trainer.score_fn(state.params)(batch)[:n]
+                outputs = trainer.score_fn(params)(batch)[:n]
             chunk = exs[i * batch_size : i * batch_size + n]
             records = [
                 {

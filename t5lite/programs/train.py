@@ -352,7 +352,7 @@ def _periodic_evaluation(
         if not (is_final or (evaluation.period and step % evaluation.period == 0)):
             return None
         return run_evaluation(
-            evaluator, eval_trainer, state, decode_len=decode_len, writer=writer, step=step,
+            evaluator, eval_trainer, state.params, decode_len=decode_len, writer=writer, step=step,
             num_to_print=evaluation.num_predictions_to_print,
         )  # fmt: skip
 
