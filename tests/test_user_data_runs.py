@@ -80,6 +80,14 @@ def test_prefix_lm_learns_an_answer_that_depends_on_the_prefix(tmp_path, capsys)
     # Reversing 3 random letters: 1 in 26^3 by chance; the model reads its prefix.
     assert metrics["exact_match"] >= 95, metrics
     assert 1.0 <= metrics["perplexity"] < 1.5 and metrics["log_likelihood"] < 0, metrics
+    # Prompted decoding through `t5lite infer` continues each prompt with its reverse.
+    out = tmp_path / "predictions.jsonl"
+    assert run_cli(
+        "infer", "--gin_file=runs/infer.gin", f"--gin_file={gin_file}", f"--gin.OUTPUT_FILE='{out}'"
+    ) == 0  # fmt: skip
+    records = [json.loads(s) for s in out.read_text().splitlines()]
+    assert len(records) == 48
+    assert sum(r["prediction"] == r["inputs"][::-1] for r in records) >= 45, records[:3]
     # The loss is on the targets only: the random prompt letters would cap accuracy far below 1.
     records = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
                if s]  # fmt: skip
@@ -111,9 +119,16 @@ def test_prefix_lm_learns_an_answer_that_depends_on_the_prefix(tmp_path, capsys)
     assert not (tmp_path / "lm").exists()
 
 
-def test_training_from_the_cache_sees_the_same_batches(tmp_path):
+def test_training_from_the_cache_sees_the_same_batches(tmp_path, monkeypatch):
+    """With a SentencePiece vocabulary trained from the data: the cache, training from it, and
+    the vocabulary file copied beside the model."""
+    monkeypatch.setenv("SEQIO_LITE_HOME", str(tmp_path / "home"))
     _reverse_data(tmp_path, n_train=300)
-    gin_file = _gin(tmp_path, "user_reverse_cached", "t5", "train.evaluation = None\n")
+    gin_file = _gin(tmp_path, "user_reverse_cached", "t5", """
+train.evaluation = None
+user_reverse_cached/JsonlTask.vocabulary = @TrainedSentencePiece()
+TrainedSentencePiece.vocab_size = 40
+""")  # fmt: skip
     # The Beam job, with a pipeline option passed through to Beam.
     assert run_cli("cache", f"--gin_file={gin_file}", "--direct_num_workers=1") == 0
     task_dir = tmp_path / "cache" / "user_reverse_cached"
@@ -150,6 +165,10 @@ def test_training_from_the_cache_sees_the_same_batches(tmp_path):
         return [json.loads(s)["loss"] for s in lines if json.loads(s)["split"] == "train"]
 
     assert losses("run") == losses("run_cached") and len(losses("run")) == 5
+    vocab = seqio_lite.get_task_or_mixture("user_reverse_cached").output_features["targets"]
+    model_file = vocab.vocabulary.model_file
+    beside = tmp_path / "run" / "vocabulary" / Path(model_file).name
+    assert beside.read_bytes() == Path(model_file).read_bytes()
 
 
 def test_eval_batch_size_is_independent_of_the_train_batch(tmp_path):
