@@ -144,6 +144,56 @@ def test_beam_of_one_equals_greedy(arch):
     assert np.all(np.diff(np.asarray(aux["scores"]), axis=1) <= 0)  # best first
 
 
+def test_model_eos_and_decoder_start_ids():
+    """predict_batch stops at the model's own EOS and feeds its own decoder start token."""
+    params, _ = _params("t5")
+    batch = _batch("t5")
+    free = np.asarray(jax.jit(_model("t5", eos_id=NO_EOS).predict_batch)(params, batch))
+    eos = int(free[0, 2])  # a token greedy emits: as this model's EOS, rows stop at it
+    got = np.asarray(jax.jit(_model("t5", eos_id=eos).predict_batch)(params, batch))
+    want = free.copy()
+    for r in range(B):
+        hits = np.flatnonzero(free[r] == eos)
+        if hits.size:
+            want[r, hits[0] + 1 :] = 0
+    np.testing.assert_array_equal(got, want)
+    assert (want != free).any()
+    # The first token is the prediction after the model's decoder start token.
+    start = 5
+    first = jax.jit(_model("t5", decoder_start_token_id=start).predict_batch)(params, batch)
+    dec_in = np.zeros((B, L), np.int32)
+    dec_in[:, 0] = start
+    logits = _model("t5")._logits(params, {**batch, "decoder_input_tokens": dec_in}, None)
+    np.testing.assert_array_equal(np.asarray(first)[:, 0], np.argmax(logits[:, 0], -1))
+
+
+def test_model_decode_order_and_traced_decoder_params():
+    params, _ = _params("t5")
+    batch = _batch("t5")
+    beams = {}
+    for order in ("best_first", "best_last"):
+        model = _model("t5", decoding_method="beam", beam_size=3, decode_order=order)
+        fn = functools.partial(model.predict_batch_with_aux, return_all_decodes=True)
+        beams[order] = jax.tree.map(np.asarray, jax.jit(fn)(params, batch))
+        best = jax.jit(model.predict_batch)(params, batch)
+        np.testing.assert_array_equal(best, beams["best_first"][0][:, 0])  # the best, either way
+    (seqs, aux), (seqs_t5x, aux_t5x) = beams["best_first"], beams["best_last"]
+    assert np.all(np.diff(aux_t5x["scores"], axis=1) >= 0)  # t5x: ascending, best last
+    np.testing.assert_array_equal(seqs_t5x, seqs[:, ::-1])
+    np.testing.assert_array_equal(aux_t5x["scores"], aux["scores"][:, ::-1])
+    # Per-row temperature as a traced argument: rows at 0 decode greedily.
+    greedy = np.asarray(jax.jit(_model("t5").predict_batch)(params, batch))
+    model = _model("t5", decoding_method="sample")
+    fn = jax.jit(
+        lambda p, b, t: model.predict_batch_with_aux(p, b, decoder_params={"temperature": t})
+    )
+    got = np.asarray(fn(params, batch, jnp.array([0.0] * (B // 2) + [1.0] * (B // 2)))[0])
+    np.testing.assert_array_equal(got[: B // 2], greedy[: B // 2])
+    assert not np.array_equal(got[B // 2 :], greedy[B // 2 :])
+    with pytest.raises(ValueError, match=r"decoder_params \['beam_size'\] do not apply"):
+        model.predict_batch_with_aux(params, batch, decoder_params={"beam_size": 2})
+
+
 def test_sampling_top_k_one_and_tiny_top_p_are_greedy_and_seeds_reproduce():
     arch = "t5"
     params, _ = _params(arch)

@@ -169,11 +169,12 @@ def _check_prompt(
     has_BL = prompt != pad_id
     has_BL[:, 0] = False
     last_prompt = np.where(has_BL.any(1), length - 1 - np.argmax(has_BL[:, ::-1], axis=1), 0)
-    # The row predicts decoder-input positions index + 1 .. end; one must be free of prompt.
+    # The row predicts decoder-input positions index + 1 .. end; when the prompt reaches into
+    # them (prompt tokens at <= index are in the cache already), one must be left free.
     end = np.full_like(index, length)
     if max_decode_steps is not None:
         end = np.minimum(end, index + int(np.asarray(max_decode_steps)))
-    bad = np.flatnonzero(last_prompt >= end)
+    bad = np.flatnonzero((last_prompt > index) & (last_prompt >= end))
     if bad.size:
         r = bad[0]
         raise ValueError(
