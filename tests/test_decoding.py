@@ -487,6 +487,12 @@ def test_sampling_options_are_traced_and_per_row():
     assert sample._cache_size() == 1  # new values, no retracing
     # Scalars (traced too) work as well.
     np.testing.assert_array_equal(sample(0.0, 0.5, length, -1e9)[0][:, 0], greedy)
+    # Beam search: max_decode_steps and alpha traced.
+    beam = lambda steps, alpha: decoding.beam_search(
+        *args, beam_size=2, alpha=alpha, max_decode_steps=steps, eos_id=no_eos
+    )
+    for got, want in zip(jax.jit(beam)(3, 0.6), beam(3, 0.6)):
+        np.testing.assert_array_equal(got, want)
 
 
 # --- the same tokens on every mesh; the cache sharded as its logical axes say ----------------
