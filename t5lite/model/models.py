@@ -161,7 +161,7 @@ class BaseModel(abc.ABC):
         *,
         max_decode_length: int | None = None,
     ) -> Array:
-        """Decoded token ids [B, max_decode_length] (0 after EOS); see `predict_batch_with_aux`."""
+        """Decoded ids [B, max_decode_length] (`pad_id` after EOS); see `predict_batch_with_aux`."""
         decodes, _ = self.predict_batch_with_aux(
             params, batch, rng, max_decode_length=max_decode_length
         )
