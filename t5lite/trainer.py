@@ -19,7 +19,6 @@ from flax.core import meta
 from jax.sharding import PartitionSpec
 
 from seqio_lite.feature_converters import complete_features
-from seqio_lite.vocabularies import EOS_ID, PAD_ID
 from t5lite.model import optimizers
 from t5lite.model.models import FEATURE_AXES, BaseModel
 from t5lite.partitioning import Partitioner, logical_axes_of
@@ -224,7 +223,8 @@ class Trainer:
             rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), rng_index)
             global_batch = self.global_batch_from_full(fit_batch(batch, self.batch_size))
             ids = jax.device_get(predict(params, global_batch, rng))
-            return [_until_eos(r) for r in np.asarray(ids)[:rows]]
+            eos, pad = self.model.eos_id, self.model.pad_id
+            return [_until_eos(r, eos, pad) for r in np.asarray(ids)[:rows]]
 
         return predict_fn
 
@@ -284,14 +284,14 @@ def fit_batch(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarra
     return out
 
 
-def _until_eos(ids: np.ndarray) -> list[int]:
-    """Token ids up to the first EOS (kept) or padding id (dropped)."""
+def _until_eos(ids: np.ndarray, eos_id: int, pad_id: int) -> list[int]:
+    """Token ids up to the first EOS (kept) or padding id (dropped): the model's ids."""
     out = []
     for t in ids.tolist():
-        if t == PAD_ID:
+        if t == pad_id:
             break
         out.append(t)
-        if t == EOS_ID:
+        if t == eos_id:
             break
     return out
 

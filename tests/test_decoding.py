@@ -144,6 +144,56 @@ def test_beam_of_one_equals_greedy(arch):
     assert np.all(np.diff(np.asarray(aux["scores"]), axis=1) <= 0)  # best first
 
 
+def test_model_eos_and_decoder_start_ids():
+    """predict_batch stops at the model's own EOS and feeds its own decoder start token."""
+    params, _ = _params("t5")
+    batch = _batch("t5")
+    free = np.asarray(jax.jit(_model("t5", eos_id=NO_EOS).predict_batch)(params, batch))
+    eos = int(free[0, 2])  # a token greedy emits: as this model's EOS, rows stop at it
+    got = np.asarray(jax.jit(_model("t5", eos_id=eos).predict_batch)(params, batch))
+    want = free.copy()
+    for r in range(B):
+        hits = np.flatnonzero(free[r] == eos)
+        if hits.size:
+            want[r, hits[0] + 1 :] = 0
+    np.testing.assert_array_equal(got, want)
+    assert (want != free).any()
+    # The first token is the prediction after the model's decoder start token.
+    start = 5
+    first = jax.jit(_model("t5", decoder_start_token_id=start).predict_batch)(params, batch)
+    dec_in = np.zeros((B, L), np.int32)
+    dec_in[:, 0] = start
+    logits = _model("t5")._logits(params, {**batch, "decoder_input_tokens": dec_in}, None)
+    np.testing.assert_array_equal(np.asarray(first)[:, 0], np.argmax(logits[:, 0], -1))
+
+
+def test_model_decode_order_and_traced_decoder_params():
+    params, _ = _params("t5")
+    batch = _batch("t5")
+    beams = {}
+    for order in ("best_first", "best_last"):
+        model = _model("t5", decoding_method="beam", beam_size=3, decode_order=order)
+        fn = functools.partial(model.predict_batch_with_aux, return_all_decodes=True)
+        beams[order] = jax.tree.map(np.asarray, jax.jit(fn)(params, batch))
+        best = jax.jit(model.predict_batch)(params, batch)
+        np.testing.assert_array_equal(best, beams["best_first"][0][:, 0])  # the best, either way
+    (seqs, aux), (seqs_t5x, aux_t5x) = beams["best_first"], beams["best_last"]
+    assert np.all(np.diff(aux_t5x["scores"], axis=1) >= 0)  # t5x: ascending, best last
+    np.testing.assert_array_equal(seqs_t5x, seqs[:, ::-1])
+    np.testing.assert_array_equal(aux_t5x["scores"], aux["scores"][:, ::-1])
+    # Per-row temperature as a traced argument: rows at 0 decode greedily.
+    greedy = np.asarray(jax.jit(_model("t5").predict_batch)(params, batch))
+    model = _model("t5", decoding_method="sample")
+    fn = jax.jit(
+        lambda p, b, t: model.predict_batch_with_aux(p, b, decoder_params={"temperature": t})
+    )
+    got = np.asarray(fn(params, batch, jnp.array([0.0] * (B // 2) + [1.0] * (B // 2)))[0])
+    np.testing.assert_array_equal(got[: B // 2], greedy[: B // 2])
+    assert not np.array_equal(got[B // 2 :], greedy[B // 2 :])
+    with pytest.raises(ValueError, match=r"decoder_params \['beam_size'\] do not apply"):
+        model.predict_batch_with_aux(params, batch, decoder_params={"beam_size": 2})
+
+
 def test_sampling_top_k_one_and_tiny_top_p_are_greedy_and_seeds_reproduce():
     arch = "t5"
     params, _ = _params(arch)
@@ -202,25 +252,78 @@ def _score(table, seq, alpha, eos):
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.8])
-def test_beam_search_finds_the_best_sequence(alpha):
+def test_exhaustive_beam_search_returns_every_finished_sequence(alpha):
+    """With a beam per possible sequence: exactly the EOS-ended ones, best first (t5x)."""
     v, length, eos = 4, 3, 1
     table = np.random.RandomState(3).normal(size=(v, v)) * 2.0
-    # Every complete sequence: ends at EOS or has `length` tokens.
-    complete = [
+    finished = [
         seq
         for n in range(1, length + 1)
         for seq in itertools.product(range(v), repeat=n)
-        if (eos not in seq[:-1]) and (seq[-1] == eos or n == length)
+        if eos not in seq[:-1] and seq[-1] == eos
     ]
-    best = max(complete, key=lambda s: _score(table, s, alpha, eos))
+    want = sorted(finished, key=lambda s: -_score(table, s, alpha, eos))
     prompt = jnp.zeros((1, length), jnp.int32)
     seqs, scores = decoding.beam_search(
         prompt, jnp.zeros((1,)), _markov(table), beam_size=v**length, alpha=alpha, eos_id=eos
     )
-    got = [t for t in np.asarray(seqs[0, 0]).tolist()]
-    got = got[: got.index(eos) + 1] if eos in got else got
-    assert tuple(got) == best
-    np.testing.assert_allclose(float(scores[0, 0]), _score(table, best, alpha, eos), rtol=1e-5)
+    got = [tuple(s[: s.index(eos) + 1]) for s in np.asarray(seqs[0, : len(want)]).tolist()]
+    assert got == want
+    np.testing.assert_allclose(
+        scores[0, : len(want)], [_score(table, s, alpha, eos) for s in want], rtol=1e-5
+    )
+    # The slots no finished sequence filled: NEG_INF and no tokens.
+    assert np.all(np.asarray(scores[0, len(want) :]) == decoding.NEG_INF)
+    assert not np.asarray(seqs[0, len(want) :]).any()
+
+
+def _markov_rows(tables_RVV: np.ndarray):
+    """tokens_to_logits of one bigram model per row; the 'cache' is each row's table index."""
+    tables = jnp.asarray(tables_RVV, jnp.float32)
+
+    def tokens_to_logits(state: decoding.DecodingState):
+        return tables[state.cache, state.cur_token[:, 0]], state.cache
+
+    return tokens_to_logits
+
+
+def _beam_tables() -> np.ndarray:
+    """Row 0: EOS first is fine, later unlikely; row 1: EOS never makes the top 2W."""
+    v, eos = 6, 1
+    tables = np.zeros((2, v, v))
+    tables[:, :, 2], tables[:, :, 3], tables[:, :, 0] = 5.0, 3.0, -10.0
+    tables[:, :, eos] = -10.0
+    tables[0, 0, eos] = 4.0  # after BOS
+    tables[1] += np.random.RandomState(0).uniform(0, 0.5, (v, v))  # no ties among live beams
+    return tables
+
+
+def test_beam_search_prefers_finished_beams_and_falls_back_to_live_ones():
+    """t5x: a row returns its EOS-ended beams even when a live (length-limited) beam scores
+    higher; a row where no beam finished returns its live beams, scored by log-probability."""
+    tables, length, eos = _beam_tables(), 3, 1
+    logp = jax.nn.log_softmax(jnp.asarray(tables), -1)
+    prompt = jnp.zeros((2, length), jnp.int32)
+    seqs, scores = decoding.beam_search(
+        prompt, jnp.arange(2), _markov_rows(tables), beam_size=2, alpha=0.0, eos_id=eos
+    )
+    seqs, scores = np.asarray(seqs), np.asarray(scores)
+    # Row 0: [EOS] finished; the live [2, 2, 2] is more likely, but it never ended.
+    live_logp = 3 * float(logp[0, 2, 2])
+    assert live_logp > float(logp[0, 0, eos])
+    assert seqs[0].tolist() == [[eos, 0, 0], [0, 0, 0]]
+    np.testing.assert_allclose(scores[0], [float(logp[0, 0, eos]), decoding.NEG_INF], rtol=1e-6)
+    # Row 1: nothing finished, so the live beams: the two best length-3 sequences.
+    best = sorted(itertools.product(range(6), repeat=length), key=lambda s: -_logp(tables[1], s))
+    assert [tuple(s) for s in seqs[1].tolist()] == best[:2]
+    np.testing.assert_allclose(scores[1], [_logp(tables[1], s) for s in best[:2]], rtol=1e-5)
+    # t5x's order is the exact reverse.
+    seqs_t5x, scores_t5x = decoding.beam_search(
+        prompt, jnp.arange(2), _markov_rows(tables), beam_size=2, alpha=0.0, eos_id=eos,
+        order="best_last",
+    )  # fmt: skip
+    np.testing.assert_array_equal(seqs_t5x, seqs[:, ::-1])
+    np.testing.assert_array_equal(scores_t5x, scores[:, ::-1])
 
 
 def test_eos_stops_decoding_and_pads():
@@ -250,6 +353,146 @@ def test_prompt_prefill_and_initial_index():
         prompt, jnp.zeros((2,)), _markov(table), initial_index=jnp.array([1, 2])
     )
     assert np.asarray(seqs[:, 0]).tolist() == [[5, 2, 3, 4, 5], [3, 4, 5, 2, 3]]
+
+
+def _chain(v: int, pairs, eos_logit: float = -5.0) -> np.ndarray:
+    """A bigram table that almost surely goes a -> b for each (a, b) in pairs."""
+    table = np.full((v, v), -5.0)
+    table[:, 1] = eos_logit  # -50: EOS never makes a beam candidate (no EOS-ended beams)
+    for a, b in pairs:
+        table[a, b] = 5.0
+    return table
+
+
+def _logp(table, seq, prev=0) -> float:
+    """Log-probability of the tokens of seq under the bigram table, after token prev."""
+    logp = jax.nn.log_softmax(jnp.asarray(table, jnp.float32), -1)
+    return sum(float(logp[a, b]) for a, b in zip((prev, *seq[:-1]), seq))
+
+
+def test_prompt_without_initial_index_is_forced():
+    """t5x: every non-pad prompt token is forced, gaps are generated; forced tokens add nothing
+    to the score and a forced EOS does not end the row."""
+    table = _chain(6, [(0, 2), (2, 3), (3, 4), (4, 5), (5, 2), (1, 2)], eos_logit=-50.0)
+    prompt = jnp.array([[0, 4, 0, 1, 0, 0, 0]], jnp.int32)  # 4, (gap), EOS, then free
+    want = [4, 5, 1, 2, 3, 4, 5]
+    seqs, logp = decoding.greedy(prompt, jnp.zeros((1,)), _markov(table))
+    assert np.asarray(seqs[0, 0]).tolist() == want
+    generated = _logp(table, [5], prev=4) + _logp(table, [2, 3, 4, 5], prev=1)
+    np.testing.assert_allclose(float(logp[0, 0]), generated, rtol=1e-6)
+    seqs, _ = decoding.beam_search(prompt, jnp.zeros((1,)), _markov(table), beam_size=2)
+    assert np.asarray(seqs[0, 0]).tolist() == want
+    seqs, _ = decoding.temperature_sample(
+        prompt, jnp.zeros((1,)), _markov(table), num_decodes=4, temperature=3.0
+    )
+    samples = np.asarray(seqs[0])
+    assert (samples[:, 0] == 4).all() and (samples[:, 2] == 1).all()  # forced in each sample
+
+
+def test_prompt_after_initial_index_is_forced():
+    table = _chain(6, [(2, 3), (3, 4), (4, 5), (5, 2), (0, 2)], eos_logit=-50.0)
+    # Row 0 resumes after its prefilled prompt [5] and must still place the 4 at position 3.
+    prompt = jnp.array([[0, 5, 0, 4, 0, 0], [0, 3, 0, 0, 0, 0]], jnp.int32)
+    initial = jnp.array([1, 1])
+    for decode in (decoding.greedy, functools.partial(decoding.beam_search, beam_size=2)):
+        seqs, _ = decode(prompt, jnp.zeros((2,)), _markov(table), initial_index=initial)
+        assert np.asarray(seqs[:, 0]).tolist() == [[5, 2, 4, 5, 2, 3], [3, 4, 5, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ([[0, 2, 0, 0, 0], [0, 2, 3, 4, 0]], {"max_decode_steps": 3},
+         r"the prompt of row 1 leaves no room to decode: it runs to prompt_BL\[1, 3\], but the "
+         r"row decodes positions 1..3 only \(decode length 5, max_decode_steps 3\)"),
+        ([[0, 2, 3, 0, 0]], {"initial_index": np.array([1]), "max_decode_steps": 1},
+         r"the prompt of row 0 leaves no room to decode"),
+        ([[0, 2, 0, 0, 0], [7, 2, 0, 0, 0]], {},
+         r"prompt_BL\[1, 0\] = 7, but position 0 is the decoder start slot"),
+        ([[0, 2, 0, 0, 0]], {"initial_index": np.array([5])},
+         r"initial_index\[0\] = 5 leaves no position to decode: it must be in \[0, 4\]"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_a_prompt_that_cannot_be_honoured_is_refused(prompt, kwargs, message, method):
+    decode = decoding.greedy if method == "greedy" else decoding.beam_search
+    prompt = np.array(prompt, np.int32)
+    table = _chain(8, [(0, 2)])
+    with pytest.raises(ValueError, match=message):
+        decode(prompt, jnp.zeros((len(prompt),)), _markov(table), **kwargs)
+
+
+def test_eos_pad_and_start_ids_are_parameters():
+    """A model whose EOS is 2 stops at 2, not at 1; pad and decoder start ids are its own."""
+    table = _chain(8, [(0, 3), (3, 1), (1, 4), (4, 2), (2, 5), (6, 4), (5, 5)])
+    prompt = jnp.zeros((1, 6), jnp.int32)
+    args = (prompt, jnp.zeros((1,)), _markov(table))
+    for decode in (decoding.greedy, functools.partial(decoding.beam_search, beam_size=2)):
+        assert np.asarray(decode(*args)[0][0, 0]).tolist() == [3, 1, 0, 0, 0, 0]
+        seqs, _ = decode(*args, eos_id=2)
+        assert np.asarray(seqs[0, 0]).tolist() == [3, 1, 4, 2, 0, 0]
+        no_prompt = jnp.full((1, 6), 7, jnp.int32)  # pad_id 7: a 0 would be a prompt token
+        seqs, _ = decode(no_prompt, *args[1:], eos_id=2, pad_id=7, decoder_start_token_id=6)
+        assert np.asarray(seqs[0, 0]).tolist() == [4, 2, 7, 7, 7, 7]
+
+
+def test_order_best_last_is_t5x_ascending():
+    table = np.random.RandomState(4).normal(size=(8, 8)) * 2.0
+    args = (jnp.zeros((2, 5), jnp.int32), jnp.zeros((2,)), _markov(table))
+    for kw in ({"num_decodes": 4, "temperature": 2.0}, {"beam_size": 4}):
+        decode = decoding.beam_search if "beam_size" in kw else decoding.temperature_sample
+        seqs, scores = decode(*args, **kw)
+        seqs_t5x, scores_t5x = decode(*args, order="best_last", **kw)
+        assert np.all(np.diff(np.asarray(scores_t5x), axis=1) >= 0)  # best last
+        np.testing.assert_array_equal(seqs_t5x, seqs[:, ::-1])
+        np.testing.assert_array_equal(scores_t5x, scores[:, ::-1])
+    with pytest.raises(ValueError, match="order must be one of"):
+        decoding.greedy(*args, order="t5")
+
+
+def test_sampling_options_are_traced_and_per_row():
+    """temperature / top_p / min_log_prob ([B] or scalar) and max_decode_steps as jit args."""
+    b, v, length, no_eos = 4, 16, 10, -1
+    table = np.random.RandomState(5).normal(size=(v, v))
+    prompt = jnp.zeros((b, length), jnp.int32)
+    args = (prompt, jnp.zeros((b,)), _markov(table))
+    greedy = np.asarray(decoding.greedy(*args, eos_id=no_eos)[0][:, 0])
+
+    @jax.jit
+    def sample(temperature, top_p, steps, min_log_prob):
+        return decoding.temperature_sample(
+            *args, decode_rng=jax.random.PRNGKey(3), temperature=temperature, top_p=top_p,
+            max_decode_steps=steps, min_log_prob=min_log_prob, eos_id=no_eos,
+        )  # fmt: skip
+
+    rows = lambda *x: jnp.array(x, jnp.float32)  # one value per row
+    unlimited, no_floor = rows(1.0, 1.0, 1.0, 1.0), rows(-1e9, -1e9, -1e9, -1e9)
+    hot = rows(0.0, 0.0, 1.0, 1.0)
+    seqs = np.asarray(sample(hot, unlimited, length, no_floor)[0][:, 0])
+    np.testing.assert_array_equal(seqs[:2], greedy[:2])  # temperature 0: argmax
+    assert not np.array_equal(seqs[2], greedy[2]) and not np.array_equal(seqs[3], greedy[3])
+    tiny_p = rows(1.0, 1.0, 1e-6, 1e-6)
+    np.testing.assert_array_equal(sample(hot, tiny_p, length, no_floor)[0][:, 0], greedy)
+    seqs = np.asarray(sample(rows(0, 0, 0, 0), unlimited, 3, no_floor)[0][:, 0])
+    np.testing.assert_array_equal(seqs[:, :3], greedy[:, :3])
+    assert not seqs[:, 3:].any()
+    # min_log_prob: a row stops once its log-probability falls below it (that token kept).
+    row = greedy[0].tolist()
+    cum = np.cumsum([_logp(table, [t], prev=p) for p, t in zip([0, *row[:-1]], row)])
+    floor = rows((cum[2] + cum[3]) / 2, -1e9, -1e9, -1e9)
+    seqs, logp = sample(rows(0, 0, 0, 0), unlimited, length, floor)
+    assert np.asarray(seqs[0, 0]).tolist() == [*greedy[0, :4].tolist(), 0, 0, 0, 0, 0, 0]
+    np.testing.assert_allclose(float(logp[0, 0]), cum[3], rtol=1e-5)
+    np.testing.assert_array_equal(seqs[1:, 0], greedy[1:])
+    assert sample._cache_size() == 1  # new values, no retracing
+    # Scalars (traced too) work as well.
+    np.testing.assert_array_equal(sample(0.0, 0.5, length, -1e9)[0][:, 0], greedy)
+    # Beam search: max_decode_steps and alpha traced.
+    beam = lambda steps, alpha: decoding.beam_search(
+        *args, beam_size=2, alpha=alpha, max_decode_steps=steps, eos_id=no_eos
+    )
+    for got, want in zip(jax.jit(beam)(3, 0.6), beam(3, 0.6)):
+        np.testing.assert_array_equal(got, want)
 
 
 # --- the same tokens on every mesh; the cache sharded as its logical axes say ----------------

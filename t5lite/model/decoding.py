@@ -5,37 +5,55 @@ that feeds `state.cur_token` [B, 1] through its KV cache (`state.cache`) and ret
 for the next token [B, V] (or [B, 1, V]) and the updated cache. Everything here runs inside one
 `jax.lax.while_loop`, so it jits and partitions like any other step.
 
-Coordinates. `prompt_BL[b, i]` is the token fed to the decoder at position i (position 0 is
-BOS = PAD = 0); row b starts decoding at `initial_index[b]`: its cache already holds positions
-< initial_index (a prefill, for decoder-only prompts) and the first token fed is
-`prompt_BL[b, initial_index[b]]`. Returned sequences are in *target* coordinates:
-`sequences[..., j]` is the token predicted at position j, so positions j < initial_index hold
-the prompt (`prompt_BL[b, j + 1]`), generated tokens follow and everything after EOS is 0.
-Decoding of a row stops at EOS, at the last position (L - 1) or after `max_decode_steps` tokens.
+Coordinates. `prompt_BL[b, i]` is the token fed to the decoder at position i. Position 0 is the
+decoder start slot: it is always fed `decoder_start_token_id` (t5x: 0). Row b starts decoding
+at `initial_index[b]` (default 0): its cache already holds positions < initial_index (a prefill,
+for decoder-only prompts) and the first token fed is `prompt_BL[b, initial_index[b]]`. Returned
+sequences are in *target* coordinates: `sequences[..., j]` is the token at position j + 1 of the
+decoder input, so positions j < initial_index hold the prompt (`prompt_BL[b, j + 1]`).
+
+Prompts (t5x semantics). Every prompt token (any id but `pad_id`) that the loop reaches is
+forced, with or without `initial_index`: it is written instead of a prediction, adds nothing to
+the score and does not end the row even if it is EOS; generation continues after it. A prompt
+that cannot be honoured -- one that leaves a row no position to generate (too long for the
+length or for `max_decode_steps`), a prompt token in the start slot 0, or an `initial_index`
+outside [0, L) -- raises ValueError when the inputs are concrete (not traced). Under `jax.jit`
+the values are unknown, so this is not checked there.
+
+Stopping. A row stops after a generated `eos_id` (t5x: 1), at its last position (L - 1, or
+`initial_index + max_decode_steps - 1`), or (sampling) once its log-probability falls below
+`min_log_prob`. Everything after is `pad_id` (t5x: 0).
+
+Order. Decodes come best first by default: `sequences[:, 0]` is the best, as Hugging Face's
+`generate` returns them and as t5lite always did. `order="best_last"` gives t5x's order
+(ascending score; t5x users take `decodes[:, -1]`); the two orders are exact reverses.
 
 The cache is any pytree whose leaves have the batch on axis 0 (t5lite's KV cache does, scanned
 or not); for several decodes per example (samples, beams) it is repeated per decode here, so
 the model prefills each example once.
 
-Shape letters: B=batch, L=length, V=vocab, N=decodes per example, W=beams.
+Shape letters: B=batch, L=length, V=vocab, N=decodes per example, W=beams, C=2W candidates.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-
-from seqio_lite.vocabularies import EOS_ID, PAD_ID
+import numpy as np
 
 Array = jax.Array
 PyTree = Any
 
 # NOTE: a large finite negative (not -inf) keeps sums and divisions of scores finite.
 NEG_INF = -1.0e7
+# t5x's ids (T5's SentencePiece vocabulary); models pass their own.
+EOS_ID, PAD_ID, DECODER_START_ID = 1, 0, 0
+ORDERS = ("best_first", "best_last")
 
 
 @flax.struct.dataclass
@@ -70,21 +88,109 @@ def expand_batch(tree: PyTree, n: int) -> PyTree:
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), tree)
 
 
+def _per_row(x: float | Array, b: int, name: str) -> Array:
+    """A scalar or per-row [B] option as fp32 [B]."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim == 0:
+        return jnp.full((b,), x)
+    if x.shape != (b,):
+        raise ValueError(f"{name} must be a scalar or one value per row [{b}], got {x.shape}")
+    return x
+
+
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+
+
+@flax.struct.dataclass
+class _Start:
+    """Where each row starts and ends, from the prompt."""
+
+    index_B: Array  # first position fed
+    token_B1: Array  # first token fed
+    sequences_BL: Array  # target coordinates: the prompt before index_B, pad after
+    forced_BL: Array  # target coordinates: the prompt token to force at j (pad: none)
+    last_B: Array  # last position decoded
+
+
 def _start(
-    prompt_BL: Array, initial_index_B: Array, max_decode_steps: int | None
-) -> tuple[Array, Array, Array]:
-    """Initial target-coordinate sequences, first tokens [B, 1] and each row's last position."""
-    length = prompt_BL.shape[1]
-    j = jnp.arange(length)[None]
-    shifted_BL = jnp.pad(prompt_BL[:, 1:], ((0, 0), (0, 1)))
-    sequences_BL = jnp.where(j < initial_index_B[:, None], shifted_BL, PAD_ID)
-    first_B1 = jnp.take_along_axis(
-        prompt_BL, jnp.clip(initial_index_B, 0, length - 1)[:, None], axis=1
-    )
-    last_B = jnp.full_like(initial_index_B, length - 1)
+    prompt_BL: Array,
+    initial_index: Array | None,
+    max_decode_steps: int | Array | None,
+    pad_id: int,
+    decoder_start_token_id: int,
+) -> _Start:
+    b, length = prompt_BL.shape
+    if initial_index is None:
+        index_B = jnp.zeros((b,), jnp.int32)
+    else:
+        index_B = jnp.asarray(initial_index).astype(jnp.int32).reshape(b)
+    prompt_BL = jnp.asarray(prompt_BL).astype(jnp.int32)
+    _check_prompt(prompt_BL, index_B, max_decode_steps, pad_id, decoder_start_token_id)
+    prompt_BL = prompt_BL.at[:, 0].set(decoder_start_token_id)
+    forced_BL = jnp.pad(prompt_BL[:, 1:], ((0, 0), (0, 1)), constant_values=pad_id)
+    sequences_BL = jnp.where(jnp.arange(length)[None] < index_B[:, None], forced_BL, pad_id)
+    token_B1 = jnp.take_along_axis(prompt_BL, jnp.clip(index_B, 0, length - 1)[:, None], axis=1)
+    last_B = jnp.full_like(index_B, length - 1)
     if max_decode_steps is not None:
-        last_B = jnp.minimum(last_B, initial_index_B + max_decode_steps - 1)
-    return sequences_BL.astype(jnp.int32), first_B1.astype(jnp.int32), last_B
+        last_B = jnp.minimum(last_B, index_B + max_decode_steps - 1)
+    return _Start(index_B, token_B1, sequences_BL.astype(jnp.int32), forced_BL, last_B)
+
+
+def _check_prompt(
+    prompt_BL: Array,
+    index_B: Array,
+    max_decode_steps: int | Array | None,
+    pad_id: int,
+    start_id: int,
+) -> None:
+    """Raises ValueError for a prompt that cannot be honoured (only for concrete inputs)."""
+    values = (prompt_BL, index_B, max_decode_steps)
+    if any(isinstance(x, jax.core.Tracer) for x in values):
+        return  # under jit: values unknown
+    prompt, index = np.asarray(prompt_BL), np.asarray(index_B)
+    length = prompt.shape[1]
+    bad = np.flatnonzero((index < 0) | (index >= length))
+    if bad.size:
+        r = bad[0]
+        raise ValueError(
+            f"initial_index[{r}] = {index[r]} leaves no position to decode: it must be in "
+            f"[0, {length - 1}] for decode length {length}"
+        )
+    bad = np.flatnonzero((prompt[:, 0] != pad_id) & (prompt[:, 0] != start_id))
+    if bad.size:
+        r = bad[0]
+        raise ValueError(
+            f"prompt_BL[{r}, 0] = {prompt[r, 0]}, but position 0 is the decoder start slot "
+            f"(prompt_BL is in decoder-input coordinates): put the prompt at positions 1.."
+        )
+    # Decoder-input position of each row's last prompt token (0: none).
+    has_BL = prompt != pad_id
+    has_BL[:, 0] = False
+    last_prompt = np.where(has_BL.any(1), length - 1 - np.argmax(has_BL[:, ::-1], axis=1), 0)
+    # The row predicts decoder-input positions index + 1 .. end; when the prompt reaches into
+    # them (prompt tokens at <= index are in the cache already), one must be left free.
+    end = np.full_like(index, length)
+    if max_decode_steps is not None:
+        end = np.minimum(end, index + int(np.asarray(max_decode_steps)))
+    bad = np.flatnonzero((last_prompt > index) & (last_prompt >= end))
+    if bad.size:
+        r = bad[0]
+        raise ValueError(
+            f"the prompt of row {r} leaves no room to decode: it runs to prompt_BL[{r}, "
+            f"{last_prompt[r]}], but the row decodes positions {index[r] + 1}..{end[r]} only "
+            f"(decode length {length}, max_decode_steps {max_decode_steps}); shorten the "
+            f"prompt or decode longer"
+        )
+
+
+def _forced(forced_BL: Array, index_B: Array, pad_id: int) -> tuple[Array, Array]:
+    """The prompt token at each row's current position [B] and whether it is forced [B]."""
+    length = forced_BL.shape[1]
+    idx_B1 = jnp.clip(index_B, 0, length - 1)[:, None]
+    token_B = jnp.take_along_axis(forced_BL, idx_B1, axis=1)[:, 0]
+    return token_B, (token_B != pad_id) & (index_B < length)
 
 
 def _logits_BV(logits: Array) -> Array:
@@ -92,14 +198,22 @@ def _logits_BV(logits: Array) -> Array:
     return logits.reshape(logits.shape[0], logits.shape[-1])
 
 
-def filter_logits(logits_BV: Array, top_k: int = 0, top_p: float = 1.0) -> Array:
+def _ordered(sequences_BNL: Array, scores_BN: Array, order: str) -> tuple[Array, Array]:
+    """Best-first decodes as `order` asks (best_last: reversed, t5x's ascending order)."""
+    if order == "best_last":
+        return sequences_BNL[:, ::-1], scores_BN[:, ::-1]
+    return sequences_BNL, scores_BN
+
+
+def filter_logits(logits_BV: Array, top_k: int = 0, top_p: float | Array = 1.0) -> Array:
     """Keeps the top-k logits and the smallest top-p nucleus; the rest get NEG_INF.
 
     Args:
       logits_BV: fp32 logits (already divided by the temperature).
-      top_k: keep the k largest (0: no limit). Ties at the k-th value are all kept.
+      top_k: keep the k largest (0: no limit); static. Ties at the k-th value are all kept.
       top_p: keep the most probable tokens whose cumulative probability first reaches top_p
-        (1.0: no limit); the most probable token is always kept.
+        (1.0: no limit); the most probable token is always kept. A scalar or one per row [B];
+        may be traced.
 
     Returns:
       Filtered logits, same shape.
@@ -107,15 +221,71 @@ def filter_logits(logits_BV: Array, top_k: int = 0, top_p: float = 1.0) -> Array
     if top_k > 0:
         kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
-    if top_p < 1.0:
-        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        # A token is kept when the mass of the more probable ones is still below top_p.
-        keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
-        n_keep_B1 = jnp.maximum(jnp.sum(keep_BV, axis=-1, keepdims=True), 1)
-        threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
-        logits_BV = jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
-    return logits_BV
+    if isinstance(top_p, int | float) and top_p >= 1.0:
+        return logits_BV  # statically no nucleus: skip the sort
+    top_p_B1 = jnp.asarray(top_p, jnp.float32).reshape(-1, 1)
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # A token is kept when the mass of the more probable ones is still below top_p (all of
+    # them at top_p >= 1, where rounding could otherwise drop the tail).
+    keep_BV = ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p_B1) | (top_p_B1 >= 1.0)
+    n_keep_B1 = jnp.maximum(jnp.sum(keep_BV, axis=-1, keepdims=True), 1)
+    threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+    return jnp.where(logits_BV < threshold_B1, NEG_INF, logits_BV)
+
+
+@flax.struct.dataclass
+class _Sampling:
+    """The temperature-sampling loop's carry."""
+
+    step: Array
+    index_B: Array
+    token_B1: Array
+    sequences_BL: Array
+    cache: PyTree
+    done_B: Array
+    logp_B: Array
+
+
+def _choose(
+    logits_BV: Array, key: Array, temperature_B: Array, top_k: int, top_p: float | Array
+) -> Array:
+    """Next tokens [B]: sampled, or the argmax in rows whose temperature is 0."""
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    hot_B = temperature_B > 0.0
+    safe_B1 = jnp.where(hot_B, temperature_B, 1.0)[:, None]  # no 0 / 0 in greedy rows
+    sampled_B = jax.random.categorical(key, filter_logits(logits_BV / safe_B1, top_k, top_p))
+    return jnp.where(hot_B, sampled_B, greedy_B)
+
+
+def _sample_step(
+    c: _Sampling,
+    tokens_to_logits: TokensToLogits,
+    choose: Callable[[Array, Array], Array],
+    start: _Start,
+    min_log_prob_B: Array | None,
+    eos_id: int,
+    pad_id: int,
+) -> _Sampling:
+    """One position of every row: predict (or force the prompt), score, write, maybe stop."""
+    logits, cache = tokens_to_logits(DecodingState(c.index_B, c.token_B1, c.sequences_BL, c.cache))
+    logits_BV = _logits_BV(logits)
+    prompt_B, forced_B = _forced(start.forced_BL, c.index_B, pad_id)
+    next_B = jnp.where(forced_B, prompt_B, choose(logits_BV, c.step))
+    next_B = jnp.where(c.done_B, pad_id, next_B).astype(jnp.int32)
+    token_logp_B = jnp.take_along_axis(
+        jax.nn.log_softmax(logits_BV, axis=-1), next_B[:, None], axis=-1
+    )[:, 0]
+    logp_B = c.logp_B + jnp.where(c.done_B | forced_B, 0.0, token_logp_B)
+    at_BL = jnp.arange(c.sequences_BL.shape[1])[None] == c.index_B[:, None]
+    write_BL = at_BL & ~c.done_B[:, None]
+    sequences_BL = jnp.where(write_BL, next_B[:, None], c.sequences_BL)
+    ends_B = ((next_B == eos_id) & ~forced_B) | (c.index_B >= start.last_B)
+    if min_log_prob_B is not None:
+        ends_B = ends_B | (logp_B < min_log_prob_B)
+    return _Sampling(
+        c.step + 1, c.index_B + 1, next_B[:, None], sequences_BL, cache, c.done_B | ends_B, logp_B
+    )
 
 
 def temperature_sample(
@@ -126,74 +296,76 @@ def temperature_sample(
     decode_rng: Array | None = None,
     initial_index: Array | None = None,
     num_decodes: int = 1,
-    temperature: float = 1.0,
+    temperature: float | Array = 1.0,
     top_k: int = 0,
-    top_p: float = 1.0,
+    top_p: float | Array = 1.0,
+    min_log_prob: float | Array | None = None,
+    max_decode_steps: int | Array | None = None,
     eos_id: int = EOS_ID,
-    max_decode_steps: int | None = None,
+    pad_id: int = PAD_ID,
+    decoder_start_token_id: int = DECODER_START_ID,
+    order: str = "best_first",
 ) -> tuple[Array, Array]:
-    """Samples `num_decodes` continuations per row (greedy when temperature == 0 or top_k == 1).
+    """Samples `num_decodes` continuations per row (greedy where the temperature is 0).
 
     Args:
-      prompt_BL: int decoder inputs [B, L] (see the module docstring); zeros for no prompt.
+      prompt_BL: int decoder inputs [B, L] (see the module docstring); pad_id for no prompt.
       cache: the model's cache for B rows, positions < initial_index filled.
       tokens_to_logits: the model's step function.
       decode_rng: PRNG key for sampling (default PRNGKey(0); unused when greedy).
       initial_index: [B] first position to decode per row (default 0).
-      num_decodes: N samples per row (the cache is repeated N times).
-      temperature: logits are divided by it before sampling; 0 means greedy (argmax).
-      top_k, top_p: see `filter_logits`.
-      eos_id: decoding of a row stops after this token.
-      max_decode_steps: at most this many new tokens per row (default: up to position L - 1).
+      num_decodes: N samples per row (the cache is repeated N times); static.
+      temperature: logits are divided by it before sampling; 0 means greedy (argmax). A scalar
+        or one per row [B]; may be traced.
+      top_k: see `filter_logits`; static (top_k == 1 is greedy).
+      top_p: see `filter_logits`; a scalar or [B]; may be traced.
+      min_log_prob: a row (each of its samples) stops, as at its length limit, once its
+        log-probability (the returned score) falls below this; the token that crossed it is
+        kept. None: no limit. A scalar or [B]; may be traced.
+      max_decode_steps: at most this many positions per row from `initial_index` (forced prompt
+        tokens count); default: up to position L - 1. May be traced.
+      eos_id: decoding of a row stops after generating this token (t5x: 1).
+      pad_id: written after a row stops; marks "no prompt token" in `prompt_BL` (t5x: 0).
+      decoder_start_token_id: fed at position 0 (t5x: 0).
+      order: "best_first" or "best_last" (t5x); see the module docstring.
 
     Returns:
       (sequences [B, N, L] int32, log_probs [B, N] fp32): decodes sorted by the model's
-      log-probability of the generated tokens (raw logits, before temperature and filtering),
-      most likely first.
+      log-probability of the generated tokens (raw logits, before temperature and filtering;
+      forced prompt tokens excluded), in `order`.
     """
+    _check_order(order)
     b, length = prompt_BL.shape
-    if initial_index is None:
-        initial_index = jnp.zeros((b,), jnp.int32)
-    greedy = temperature == 0.0 or top_k == 1
-    rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
-    prompt_BL, index_B, cache = expand_batch(
-        (prompt_BL, initial_index.astype(jnp.int32), cache), num_decodes
+    start = _start(prompt_BL, initial_index, max_decode_steps, pad_id, decoder_start_token_id)
+    temperature_B = _per_row(temperature, b, "temperature")
+    # A Python top_p stays static (1.0 skips the nucleus sort); anything else is per row.
+    top_p_B = None if isinstance(top_p, int | float) else _per_row(top_p, b, "top_p")
+    min_log_prob_B = None if min_log_prob is None else _per_row(min_log_prob, b, "min_log_prob")
+    start, temperature_B, top_p_B, min_log_prob_B, cache = expand_batch(
+        (start, temperature_B, top_p_B, min_log_prob_B, cache), num_decodes
     )
-    sequences_BL, token_B1, last_B = _start(prompt_BL, index_B, max_decode_steps)
-    positions_1L = jnp.arange(length)[None]
-
-    def cond(carry):
-        return ~jnp.all(carry[5])
-
-    def body(carry):
-        step, index_B, token_B1, sequences_BL, cache, done_B, logp_B = carry
-        logits, cache = tokens_to_logits(DecodingState(index_B, token_B1, sequences_BL, cache))
-        logits_BV = _logits_BV(logits)
-        if greedy:
-            next_B = jnp.argmax(logits_BV, axis=-1)
-        else:
-            scaled_BV = filter_logits(logits_BV / temperature, top_k, top_p)
-            next_B = jax.random.categorical(jax.random.fold_in(rng, step), scaled_BV, axis=-1)
-        next_B = jnp.where(done_B, PAD_ID, next_B).astype(jnp.int32)
-        token_logp_B = jnp.take_along_axis(
-            jax.nn.log_softmax(logits_BV, axis=-1), next_B[:, None], axis=-1
-        )[:, 0]
-        logp_B = logp_B + jnp.where(done_B, 0.0, token_logp_B)
-        write_BL = (positions_1L == index_B[:, None]) & ~done_B[:, None]
-        sequences_BL = jnp.where(write_BL, next_B[:, None], sequences_BL)
-        done_B = done_B | (next_B == eos_id) | (index_B >= last_B)
-        return step + 1, index_B + 1, next_B[:, None], sequences_BL, cache, done_B, logp_B
-
-    carry = (
-        jnp.zeros((), jnp.int32), index_B, token_B1, sequences_BL, cache,
-        index_B > last_B, jnp.zeros(index_B.shape, jnp.float32),
+    rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
+    if top_k == 1 or (isinstance(temperature, int | float) and temperature == 0.0):
+        choose = lambda logits_BV, step: jnp.argmax(logits_BV, axis=-1)  # statically greedy
+    else:
+        choose = lambda logits_BV, step: _choose(
+            logits_BV, jax.random.fold_in(rng, step), temperature_B, top_k,
+            top_p if top_p_B is None else top_p_B,
+        )  # fmt: skip
+    step = functools.partial(
+        _sample_step, tokens_to_logits=tokens_to_logits, choose=choose, start=start,
+        min_log_prob_B=min_log_prob_B, eos_id=eos_id, pad_id=pad_id,
     )  # fmt: skip
-    carry = jax.lax.while_loop(cond, body, carry)
-    sequences_BNL = carry[3].reshape(b, num_decodes, length)
-    logp_BN = carry[6].reshape(b, num_decodes)
-    order_BN = jnp.argsort(-logp_BN, axis=1)
-    sequences_BNL = jnp.take_along_axis(sequences_BNL, order_BN[:, :, None], axis=1)
-    return sequences_BNL, jnp.take_along_axis(logp_BN, order_BN, axis=1)
+    carry = _Sampling(
+        jnp.zeros((), jnp.int32), start.index_B, start.token_B1, start.sequences_BL, cache,
+        start.index_B > start.last_B, jnp.zeros(start.index_B.shape, jnp.float32),
+    )  # fmt: skip
+    carry = jax.lax.while_loop(lambda c: ~jnp.all(c.done_B), step, carry)
+    sequences_BNL = carry.sequences_BL.reshape(b, num_decodes, length)
+    logp_BN = carry.logp_B.reshape(b, num_decodes)
+    best_first_BN = jnp.argsort(-logp_BN, axis=1)
+    sequences_BNL = jnp.take_along_axis(sequences_BNL, best_first_BN[:, :, None], axis=1)
+    return _ordered(sequences_BNL, jnp.take_along_axis(logp_BN, best_first_BN, axis=1), order)
 
 
 def greedy(
@@ -222,6 +394,102 @@ def _reorder_cache(cache: PyTree, beam_BW: Array) -> PyTree:
     return jax.tree.map(one, cache)
 
 
+@flax.struct.dataclass
+class _Beams:
+    """The beam-search loop's carry: W live beams and a pool of W finished ones per row."""
+
+    index_B: Array
+    token_BW1: Array
+    live_BWL: Array
+    live_logp_BW: Array
+    fin_BWL: Array
+    fin_score_BW: Array  # log_prob / brevity penalty; NEG_INF in slots not yet filled
+    fin_flag_BW: Array  # the slot holds a sequence that ended in a generated EOS
+    cache: PyTree
+    done_B: Array
+
+
+def _candidates(
+    s: _Beams, logp_BWV: Array, start: _Start, pad_id: int
+) -> tuple[Array, Array, Array, Array, Array]:
+    """The 2W best one-token extensions: log-probs, origin beams, tokens, sequences [B, C, L],
+    and whether this step is a forced prompt token [B]."""
+    b, w, vocab = logp_BWV.shape
+    prompt_B, forced_B = _forced(start.forced_BL, s.index_B, pad_id)
+    # A forced position has one free continuation per beam (prompt tokens add no score).
+    one_hot_BV = jnp.where(jnp.arange(vocab)[None] == prompt_B[:, None], 0.0, NEG_INF)
+    logp_BWV = jnp.where(forced_B[:, None, None], one_hot_BV[:, None], logp_BWV)
+    total_BWV = s.live_logp_BW[:, :, None] + logp_BWV
+    logp_BC, flat_BC = jax.lax.top_k(total_BWV.reshape(b, w * vocab), 2 * w)
+    beam_BC, token_BC = flat_BC // vocab, flat_BC % vocab
+    at_11L = jnp.arange(s.live_BWL.shape[-1])[None, None] == s.index_B[:, None, None]
+    seqs_BCL = jnp.where(at_11L, token_BC[:, :, None], _take_beams(s.live_BWL, beam_BC))
+    return logp_BC, beam_BC, token_BC.astype(jnp.int32), seqs_BCL, forced_B
+
+
+def _merge_finished(
+    s: _Beams, seqs_BCL: Array, score_BC: Array, finishes_BC: Array
+) -> tuple[Array, Array, Array]:
+    """The W best of the finished pool and this step's finished candidates (best first)."""
+    w = s.fin_score_BW.shape[1]
+    pool_score = jnp.concatenate([s.fin_score_BW, jnp.where(finishes_BC, score_BC, NEG_INF)], 1)
+    fin_score_BW, idx_BW = jax.lax.top_k(pool_score, w)
+    pool_flag = jnp.concatenate([s.fin_flag_BW, finishes_BC], axis=1)
+    fin_BWL = _take_beams(jnp.concatenate([s.fin_BWL, seqs_BCL], axis=1), idx_BW)
+    return fin_BWL, fin_score_BW, jnp.take_along_axis(pool_flag, idx_BW, axis=1)
+
+
+def _beam_step(
+    s: _Beams,
+    tokens_to_logits: TokensToLogits,
+    start: _Start,
+    alpha: float,
+    eos_id: int,
+    pad_id: int,
+) -> _Beams:
+    """Extends every live beam by one token; moves EOS-ended candidates to the finished pool."""
+    b, w, length = s.live_BWL.shape
+    flat_live = s.live_BWL.reshape(b * w, length)
+    logits, cache = tokens_to_logits(
+        DecodingState(jnp.repeat(s.index_B, w), s.token_BW1, flat_live, s.cache)
+    )
+    logp_BWV = jax.nn.log_softmax(_logits_BV(logits), axis=-1).reshape(b, w, -1)
+    logp_BC, beam_BC, token_BC, seqs_BCL, forced_B = _candidates(s, logp_BWV, start, pad_id)
+    eos_BC = (token_BC == eos_id) & ~forced_B[:, None]
+    # NOTE: candidates scored near NEG_INF extend beams that never existed (fewer than W
+    # continuations so far); they never count as finished.
+    finishes_BC = eos_BC & (logp_BC > NEG_INF / 2)
+    penalty_B1 = brevity_penalty(alpha, s.index_B - start.index_B + 1)[:, None]
+    fin_BWL, fin_score_BW, fin_flag_BW = _merge_finished(
+        s, seqs_BCL, logp_BC / penalty_B1, finishes_BC
+    )
+    # Live beams: the W best candidates that did not just generate EOS.
+    live_logp_BW, live_idx_BW = jax.lax.top_k(jnp.where(eos_BC, NEG_INF, logp_BC), w)
+    token_BW = jnp.take_along_axis(token_BC, live_idx_BW, axis=1)
+    origin_BW = jnp.take_along_axis(beam_BC, live_idx_BW, axis=1)
+    # Rows already done keep their beams and pool as they were: that is what they return.
+    keep_B1 = s.done_B[:, None]
+    keep_B11 = keep_B1[:, :, None]
+    origin_BW = jnp.where(keep_B1, jnp.arange(w)[None], origin_BW)
+    new = _Beams(
+        index_B=s.index_B + 1,
+        token_BW1=jnp.where(keep_B1, s.token_BW1.reshape(b, w), token_BW).reshape(b * w, 1),
+        live_BWL=jnp.where(keep_B11, s.live_BWL, _take_beams(seqs_BCL, live_idx_BW)),
+        live_logp_BW=jnp.where(keep_B1, s.live_logp_BW, live_logp_BW),
+        fin_BWL=jnp.where(keep_B11, s.fin_BWL, fin_BWL),
+        fin_score_BW=jnp.where(keep_B1, s.fin_score_BW, fin_score_BW),
+        fin_flag_BW=jnp.where(keep_B1, s.fin_flag_BW, fin_flag_BW),
+        cache=_reorder_cache(cache, origin_BW),
+        done_B=s.done_B,
+    )
+    # No live beam can beat the worst finished one: its log-probability only falls, and the
+    # penalty divides by at most the penalty of the longest possible decode.
+    max_len_B = start.last_B - start.index_B + 1
+    best_possible_B = new.live_logp_BW[:, 0] / brevity_penalty(alpha, max_len_B)
+    stop_B = (s.index_B >= start.last_B) | (new.fin_score_BW[:, -1] >= best_possible_B)
+    return new.replace(done_B=s.done_B | stop_B)
+
+
 def beam_search(
     prompt_BL: Array,
     cache: PyTree,
@@ -230,92 +498,48 @@ def beam_search(
     beam_size: int = 4,
     alpha: float = 0.6,
     initial_index: Array | None = None,
+    max_decode_steps: int | Array | None = None,
     eos_id: int = EOS_ID,
-    max_decode_steps: int | None = None,
+    pad_id: int = PAD_ID,
+    decoder_start_token_id: int = DECODER_START_ID,
+    order: str = "best_first",
 ) -> tuple[Array, Array]:
-    """Beam search with the t5x brevity penalty `((5 + len) / 6) ** alpha`.
+    """Beam search with the t5x brevity penalty `((5 + len) / 6) ** alpha`; t5x's results.
 
     Each step extends the W live beams by every token, keeps the 2W best candidates, moves
-    those ending in EOS (all of them at a row's last position) to the finished pool scored by
-    `log_prob / brevity_penalty(alpha, generated_length)`, and keeps the W best others live.
-    A row stops when its last position is reached or no live beam can still beat the worst
-    finished one.
+    those ending in a generated EOS to the finished pool scored by
+    `log_prob / brevity_penalty(alpha, decoded_length)`, and keeps the W best others live.
+    A row stops at its last position or when no live beam can still beat the worst finished
+    one. As t5x, a row returns its finished (EOS-ended) beams; only a row where no beam
+    finished returns its live beams (cut by the length limit), scored by their plain
+    log-probability. Finished-pool slots never filled score NEG_INF and hold just the prompt.
 
     Args:
-      prompt_BL, cache, tokens_to_logits, initial_index, eos_id, max_decode_steps: as for
-        `temperature_sample`.
-      beam_size: W, beams per row (the cache is repeated W times).
+      prompt_BL, cache, tokens_to_logits, initial_index, max_decode_steps, eos_id, pad_id,
+        decoder_start_token_id, order: as for `temperature_sample` (prompt tokens are forced).
+      beam_size: W, beams per row (the cache is repeated W times); static.
       alpha: brevity penalty exponent (0: plain log-probability).
 
     Returns:
-      (sequences [B, W, L] int32, scores [B, W] fp32), best first.
+      (sequences [B, W, L] int32, scores [B, W] fp32), in `order`.
     """
-    b, length = prompt_BL.shape
-    w = beam_size
-    if initial_index is None:
-        initial_index = jnp.zeros((b,), jnp.int32)
-    first_BL, token_B1, last_B = _start(
-        prompt_BL, initial_index.astype(jnp.int32), max_decode_steps
-    )
-    index_B = initial_index.astype(jnp.int32)
-    max_len_B = (last_B - index_B + 1).astype(jnp.float32)
-    positions_11L = jnp.arange(length)[None, None]
-
-    def cond(carry):
-        return ~jnp.all(carry[-1])
-
-    def body(carry):
-        index_B, token_BW1, live_BWL, live_logp_BW, fin_BWL, fin_score_BW, cache, done_B = carry
-        state = DecodingState(
-            jnp.repeat(index_B, w), token_BW1, live_BWL.reshape(b * w, length), cache
-        )
-        logits, cache = tokens_to_logits(state)
-        logp_BWV = jax.nn.log_softmax(_logits_BV(logits), axis=-1).reshape(b, w, -1)
-        vocab = logp_BWV.shape[-1]
-        cand_logp_BC, flat_BC = jax.lax.top_k(
-            (live_logp_BW[:, :, None] + logp_BWV).reshape(b, w * vocab), 2 * w
-        )
-        cand_beam_BC, cand_token_BC = flat_BC // vocab, flat_BC % vocab
-        cand_BCL = _take_beams(live_BWL, cand_beam_BC)
-        write_1CL = positions_11L == index_B[:, None, None]
-        cand_BCL = jnp.where(write_1CL, cand_token_BC[:, :, None], cand_BCL)
-        at_end_B1 = (index_B >= last_B)[:, None]
-        finishes_BC = (cand_token_BC == eos_id) | at_end_B1
-        penalty_B1 = brevity_penalty(alpha, index_B - initial_index + 1)[:, None]
-        new_fin_BC = jnp.where(finishes_BC, cand_logp_BC / penalty_B1, NEG_INF)
-        # Finished pool: the W best of the old pool and this step's finished candidates.
-        pool_score = jnp.concatenate([fin_score_BW, new_fin_BC], axis=1)
-        pool_seqs = jnp.concatenate([fin_BWL, cand_BCL], axis=1)
-        top_fin_BW, top_idx_BW = jax.lax.top_k(pool_score, w)
-        top_fin_BWL = jnp.take_along_axis(pool_seqs, top_idx_BW[:, :, None], axis=1)
-        # Live beams: the W best candidates that did not end in EOS.
-        live_cand = jnp.where(cand_token_BC == eos_id, NEG_INF, cand_logp_BC)
-        new_live_logp_BW, live_idx_BW = jax.lax.top_k(live_cand, w)
-        new_live_BWL = jnp.take_along_axis(cand_BCL, live_idx_BW[:, :, None], axis=1)
-        origin_BW = jnp.take_along_axis(cand_beam_BC, live_idx_BW, axis=1)
-        cache = _reorder_cache(cache, origin_BW)
-        new_token_BW1 = jnp.take_along_axis(cand_token_BC, live_idx_BW, axis=1).reshape(-1, 1)
-        # A finished row keeps its pool; rows still running take the new one.
-        keep_B1 = done_B[:, None]
-        fin_score_BW = jnp.where(keep_B1, fin_score_BW, top_fin_BW)
-        fin_BWL = jnp.where(keep_B1[:, :, None], fin_BWL, top_fin_BWL)
-        # No live beam can beat the worst finished one: its log-probability only falls, and the
-        # penalty divides by at most the penalty of the longest possible decode.
-        best_possible_B = new_live_logp_BW[:, 0] / brevity_penalty(alpha, max_len_B)
-        done_B = done_B | at_end_B1[:, 0] | (fin_score_BW[:, -1] >= best_possible_B)
-        return (
-            index_B + 1, new_token_BW1.astype(jnp.int32), new_live_BWL, new_live_logp_BW,
-            fin_BWL, fin_score_BW, cache, done_B,
-        )  # fmt: skip
-
-    live_logp_BW = jnp.concatenate(
-        [jnp.zeros((b, 1), jnp.float32), jnp.full((b, w - 1), NEG_INF, jnp.float32)], axis=1
-    )  # only beam 0 is live at first, so the W copies do not yield W equal candidates
-    live_BWL = jnp.repeat(first_BL[:, None], w, axis=1)
-    carry = (
-        index_B, jnp.repeat(token_B1, w, axis=0), live_BWL, live_logp_BW, live_BWL,
-        jnp.full((b, w), NEG_INF, jnp.float32), expand_batch(cache, w), index_B > last_B,
+    _check_order(order)
+    b, w = prompt_BL.shape[0], beam_size
+    start = _start(prompt_BL, initial_index, max_decode_steps, pad_id, decoder_start_token_id)
+    # Only beam 0 is live at first, so the W copies do not yield W equal candidates.
+    live_logp_BW = jnp.full((b, w), NEG_INF, jnp.float32).at[:, 0].set(0.0)
+    first_BWL = jnp.repeat(start.sequences_BL[:, None], w, axis=1)
+    carry = _Beams(
+        start.index_B, jnp.repeat(start.token_B1, w, axis=0), first_BWL, live_logp_BW,
+        first_BWL, jnp.full((b, w), NEG_INF, jnp.float32), jnp.zeros((b, w), bool),
+        expand_batch(cache, w), start.index_B > start.last_B,
     )  # fmt: skip
-    carry = jax.lax.while_loop(cond, body, carry)
-    fin_BWL, fin_score_BW = carry[4], carry[5]
-    return fin_BWL.astype(jnp.int32), fin_score_BW
+    step = functools.partial(
+        _beam_step, tokens_to_logits=tokens_to_logits, start=start, alpha=alpha, eos_id=eos_id,
+        pad_id=pad_id,
+    )  # fmt: skip
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), step, carry)
+    finished_B = jnp.any(s.fin_flag_BW, axis=1)
+    sequences_BWL = jnp.where(finished_B[:, None, None], s.fin_BWL, s.live_BWL)
+    scores_BW = jnp.where(finished_B[:, None], s.fin_score_BW, s.live_logp_BW)
+    return _ordered(sequences_BWL.astype(jnp.int32), scores_BW, order)

@@ -40,7 +40,7 @@ class BaseModel(abc.ABC):
     loss_normalization: str = "per_real_token"  # "sum" | "per_real_token" | "per_sequence"
     decoding_method: str = "greedy"
     """How `predict_batch` decodes: 'greedy', 'sample' (temperature, top_k, top_p,
-    num_decodes) or 'beam' (beam_size, alpha); see decoding.py."""
+    num_decodes, min_log_prob) or 'beam' (beam_size, alpha); see decoding.py."""
     temperature: float = 1.0
     """'sample': logits are divided by it (0: greedy)."""
     top_k: int = 0
@@ -49,15 +49,30 @@ class BaseModel(abc.ABC):
     """'sample': keep the smallest nucleus of this probability mass (1.0: all)."""
     num_decodes: int = 1
     """'sample': samples per example; the most likely is returned unless all are asked for."""
+    min_log_prob: float | None = None
+    """'sample': a sample stops once its log-probability falls below this (None: never)."""
     beam_size: int = 4
     """'beam': beams per example."""
     alpha: float = 0.6
     """'beam': brevity penalty exponent, ((5 + length) / 6) ** alpha."""
+    decode_order: str = "best_first"
+    """Order of all decodes (`return_all_decodes`): 'best_first' ([:, 0] is the best, as HF's
+    generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best)."""
+    eos_id: int = decoding.EOS_ID
+    """The model's end-of-sequence id: a row stops after generating it (t5x/T5: 1)."""
+    pad_id: int = decoding.PAD_ID
+    """The model's padding id: written after EOS; "no token" in prompts (t5x/T5: 0)."""
+    decoder_start_token_id: int = decoding.DECODER_START_ID
+    """The first token fed to the decoder (BOS; t5x/T5: 0, the same as padding)."""
 
     def __post_init__(self) -> None:
         if self.decoding_method not in DECODING_METHODS:
             raise ValueError(
                 f"decoding_method must be one of {DECODING_METHODS}, got {self.decoding_method!r}"
+            )
+        if self.decode_order not in decoding.ORDERS:
+            raise ValueError(
+                f"decode_order must be one of {decoding.ORDERS}, got {self.decode_order!r}"
             )
         if self.num_decodes < 1 or self.beam_size < 1:
             raise ValueError(
@@ -152,7 +167,7 @@ class BaseModel(abc.ABC):
         *,
         max_decode_length: int | None = None,
     ) -> Array:
-        """Decoded token ids [B, max_decode_length] (0 after EOS); see `predict_batch_with_aux`."""
+        """Decoded ids [B, max_decode_length] (`pad_id` after EOS); see `predict_batch_with_aux`."""
         decodes, _ = self.predict_batch_with_aux(
             params, batch, rng, max_decode_length=max_decode_length
         )
@@ -167,6 +182,7 @@ class BaseModel(abc.ABC):
         *,
         max_decode_length: int | None = None,
         return_all_decodes: bool = False,
+        decoder_params: Mapping[str, Any] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """Decodes with the KV cache by `decoding_method`.
 
@@ -176,11 +192,15 @@ class BaseModel(abc.ABC):
           rng: PRNG key for sampling (default PRNGKey(0)).
           max_decode_length: tokens to generate at most per row (and the output length).
           return_all_decodes: return every sample / beam, not just the best.
+          decoder_params: per-call overrides of the model's decoding fields (t5x's
+            `decoder_params`), which may be traced or per row [B]: 'temperature', 'top_p',
+            'top_k' (static), 'min_log_prob' (sampling), 'alpha' (beam) and
+            'max_decode_steps' (any method).
 
         Returns:
-          (decodes, {"scores": ...}): ids [B, T] (or [B, N, T] with all decodes, best first),
-          and their log-probabilities (sampling) or length-normalised beam scores, [B] or
-          [B, N].
+          (decodes, {"scores": ...}): ids [B, T] (or [B, N, T] with all decodes, in
+          `decode_order`), and their log-probabilities (sampling) or beam scores (see
+          `decoding.beam_search`), [B] or [B, N].
         """
 
     def _decodes_per_example(self) -> int:
@@ -196,19 +216,53 @@ class BaseModel(abc.ABC):
         rng: Array | None,
         initial_index: Array | None,
         max_decode_steps: int | None,
+        decoder_params: Mapping[str, Any] | None,
     ) -> tuple[Array, Array]:
-        kwargs = dict(initial_index=initial_index, max_decode_steps=max_decode_steps)
-        if self.decoding_method == "beam":
-            return decoding.beam_search(
-                prompt_BL, cache, tokens_to_logits, beam_size=self.beam_size, alpha=self.alpha,
-                **kwargs,
-            )  # fmt: skip
-        if self.decoding_method == "greedy":
-            return decoding.greedy(prompt_BL, cache, tokens_to_logits, **kwargs)
-        return decoding.temperature_sample(
-            prompt_BL, cache, tokens_to_logits, decode_rng=rng, num_decodes=self.num_decodes,
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, **kwargs,
+        """Runs `decoding_method` with this model's settings and ids, best first."""
+        method = self.decoding_method
+        kwargs: dict[str, Any] = dict(
+            initial_index=initial_index, max_decode_steps=max_decode_steps, eos_id=self.eos_id,
+            pad_id=self.pad_id, decoder_start_token_id=self.decoder_start_token_id,
         )  # fmt: skip
+        if method == "beam":
+            kwargs.update(beam_size=self.beam_size, alpha=self.alpha)
+        elif method == "sample":
+            kwargs.update(
+                decode_rng=rng, num_decodes=self.num_decodes, temperature=self.temperature,
+                top_k=self.top_k, top_p=self.top_p, min_log_prob=self.min_log_prob,
+            )  # fmt: skip
+        overrides = dict(decoder_params or {})
+        unknown = sorted(set(overrides) - _DECODER_PARAMS[method])
+        if unknown:
+            raise ValueError(
+                f"decoder_params {unknown} do not apply to decoding_method={method!r}; it takes "
+                f"{sorted(_DECODER_PARAMS[method])}"
+            )
+        kwargs.update(overrides)
+        fn = {
+            "beam": decoding.beam_search,
+            "greedy": decoding.greedy,
+            "sample": decoding.temperature_sample,
+        }[method]
+        return fn(prompt_BL, cache, tokens_to_logits, **kwargs)
+
+    def _best_or_all(
+        self, sequences_BNL: Array, scores_BN: Array, return_all: bool
+    ) -> tuple[Array, dict[str, Array]]:
+        """Best-first decodes -> all of them in `decode_order`, or the best alone."""
+        if not return_all:
+            return sequences_BNL[:, 0], {"scores": scores_BN[:, 0]}
+        if self.decode_order == "best_last":  # t5x: ascending scores
+            sequences_BNL, scores_BN = sequences_BNL[:, ::-1], scores_BN[:, ::-1]
+        return sequences_BNL, {"scores": scores_BN}
+
+
+# What `predict_batch_with_aux(decoder_params=...)` may override, per decoding method.
+_DECODER_PARAMS = {
+    "greedy": {"max_decode_steps"},
+    "sample": {"max_decode_steps", "temperature", "top_k", "top_p", "min_log_prob"},
+    "beam": {"max_decode_steps", "alpha"},
+}
 
 
 def _zero_cache(create: Any) -> PyTree:
@@ -238,14 +292,6 @@ def _set_cache_index(cache: PyTree, index_B: Array) -> PyTree:
         return jnp.broadcast_to(idx, x.shape)
 
     return jax.tree_util.tree_map_with_path(one, cache)
-
-
-def _best_or_all(
-    sequences_BNL: Array, scores_BN: Array, return_all: bool
-) -> tuple[Array, dict[str, Array]]:
-    if return_all:
-        return sequences_BNL, {"scores": scores_BN}
-    return sequences_BNL[:, 0], {"scores": scores_BN[:, 0]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +338,7 @@ class EncoderDecoderModel(BaseModel):
         *,
         max_decode_length: int | None = None,
         return_all_decodes: bool = False,
+        decoder_params: Mapping[str, Any] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """See `BaseModel.predict_batch_with_aux`; the encoder runs once, the decoder is cached.
 
@@ -323,9 +370,11 @@ class EncoderDecoderModel(BaseModel):
             logits_B1V, variables = call(state.cache, encoded_n, enc_n, state.cur_token)
             return logits_B1V[:, -1], variables["cache"]
 
-        prompt_BL = jnp.zeros((b, length), jnp.int32)  # BOS only
-        sequences, scores = self._decode(prompt_BL, cache, tokens_to_logits, rng, None, None)
-        return _best_or_all(sequences, scores, return_all_decodes)
+        prompt_BL = jnp.full((b, length), self.pad_id, jnp.int32)  # no prompt: BOS only
+        sequences, scores = self._decode(
+            prompt_BL, cache, tokens_to_logits, rng, None, None, decoder_params
+        )
+        return self._best_or_all(sequences, scores, return_all_decodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +434,7 @@ class DecoderOnlyModel(BaseModel):
         *,
         max_decode_length: int | None = None,
         return_all_decodes: bool = False,
+        decoder_params: Mapping[str, Any] | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """See `BaseModel.predict_batch_with_aux`: continues each row's prompt.
 
@@ -410,11 +460,12 @@ class DecoderOnlyModel(BaseModel):
         cache = _zero_cache(lambda: call(None, jnp.zeros((b, length), jnp.int32)))
         if causal_BL is None:
             initial_B = jnp.zeros((b,), jnp.int32)
-            prompt_BL = jnp.zeros_like(tokens_BL)
+            prompt_BL = jnp.full_like(tokens_BL, self.pad_id)
         else:
             # `decoder_causal_attention` covers BOS + inputs: the last input is at index n.
             initial_B = jnp.maximum(jnp.sum(causal_BL, axis=1) - 1, 0).astype(jnp.int32)
-            prompt_BL = tokens_BL * causal_BL
+            prompt_BL = jnp.where(causal_BL > 0, tokens_BL, self.pad_id)
+            prompt_BL = prompt_BL.at[:, 0].set(self.decoder_start_token_id)
             bidirectional = causal_BL if self.inputs_bidirectional_attention else None
             _, variables = call(cache, prompt_BL, bidirectional)
             # The prefill wrote all L positions; each row resumes at its last prompt token
@@ -427,7 +478,7 @@ class DecoderOnlyModel(BaseModel):
             return logits_B1V[:, -1], variables["cache"]
 
         sequences_BNL, scores_BN = self._decode(
-            prompt_BL, cache, tokens_to_logits, rng, initial_B, max_decode_length
+            prompt_BL, cache, tokens_to_logits, rng, initial_B, max_decode_length, decoder_params
         )
         # Drop the prompt: continuation token j of row b sits at target position j + n_b.
         out_len = max_decode_length or length
@@ -435,5 +486,5 @@ class DecoderOnlyModel(BaseModel):
         gathered = jnp.take_along_axis(
             sequences_BNL, jnp.clip(src_BT, 0, length - 1)[:, None, :], axis=2
         )
-        continuation_BNT = jnp.where((src_BT < length)[:, None, :], gathered, 0)
-        return _best_or_all(continuation_BNT, scores_BN, return_all_decodes)
+        continuation_BNT = jnp.where((src_BT < length)[:, None, :], gathered, self.pad_id)
+        return self._best_or_all(continuation_BNT, scores_BN, return_all_decodes)
