@@ -329,3 +329,32 @@ user_data/JsonlTask.targets_field = 'a'
     expected = "t5lite train: error: " + message.format(d=tmp_path)
     assert rc == 1 and len(err) == 1 and err[0].startswith(expected), err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "binding,message",
+    [
+        ("user_cfg/JsonlTask.input_field='q'",
+         "Configurable 'JsonlTask' doesn't have a parameter named 'input_field'. In bindings "
+         "string line 1 user_cfg/JsonlTask.input_field='q'; did you mean inputs_field?"),
+        ("user_cfg/JsonlTask.vocabulary=@SentencePieceVocabulary()",
+         "user_cfg/SentencePieceVocabulary.model_file: required, but no value is bound"),
+        ("user_cfg/JsonlTask.files='t.jsonl'",
+         "user_cfg/JsonlTask.files = 't.jsonl': expects Mapping, got str"),
+    ],
+)  # fmt: skip
+def test_task_binding_mistakes_in_one_line(tmp_path, capsys, binding, message):
+    _write_jsonl(tmp_path / "t.jsonl", [{"q": "a", "a": "b"}])
+    (tmp_path / "user.gin").write_text(f"""
+include 'quickstart.gin'
+TASK = @user_cfg/JsonlTask()
+user_cfg/JsonlTask.name = 'user_cfg'
+user_cfg/JsonlTask.files = {{'train': '{tmp_path}/t.jsonl'}}
+user_cfg/JsonlTask.inputs_field = 'q'
+user_cfg/JsonlTask.targets_field = 'a'
+""")  # fmt: skip
+    file_tasks._defined.pop("user_cfg", None)
+    rc = run_cli("train", f"--gin_file={tmp_path}/user.gin", f"--gin.{binding}",
+                 f"--gin.MODEL_DIR='{tmp_path}/run'", "--host_device_count=8")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err == [f"t5lite train: error: {message}"], err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import os
 import re
@@ -95,13 +96,40 @@ def parse_gin(
 
 
 def _with_suggestion(message: str) -> str:
-    """Adds "did you mean" to gin's message for an unknown configurable name."""
+    """Adds "did you mean" to gin's message for an unknown configurable or parameter name."""
+    m = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", message)
+    if m:
+        params = _parameters(m.group(1))
+        close = difflib.get_close_matches(m.group(2), params, n=1)
+        return f"{message}; did you mean {close[0]}?" if close else message
     m = re.search(r"No configurable matching '([\w.]+)'", message)
     if not m:
         return message
     known = sorted({name.split(".")[-1] for name, _ in gin.config._REGISTRY.items()})
     close = difflib.get_close_matches(m.group(1).split(".")[-1], known, n=1)
     return f"{message}; did you mean {close[0]}?" if close else message
+
+
+def _parameters(configurable: str) -> list[str]:
+    """The parameter names of a registered configurable (short or dotted name)."""
+    for name, c in gin.config._REGISTRY.items():
+        if name == configurable or name.split(".")[-1] == configurable.split(".")[-1]:
+            target = c.wrapped.__init__ if inspect.isclass(c.wrapped) else c.wrapped
+            return [p for p in inspect.signature(target).parameters if p != "self"]
+    return []
+
+
+def missing_arguments(e: BaseException) -> str | None:
+    """One line for gin's error when a configurable is called without a required argument."""
+    text = re.sub(r"\s*\(<(function|class) [^>]*>\)", "", str(e))
+    m = re.search(r"No values supplied by Gin or caller for arguments: \[([^\]]*)\]", text)
+    where = re.search(r"In call to configurable '([\w.]+)'(?: in scope '([\w./]+)')?", text)
+    if not (m and where):
+        return None
+    names = [a.strip(" '") for a in m.group(1).split(",") if a.strip()]
+    scope = f"{where.group(2)}/" if where.group(2) else ""
+    binding = ", ".join(f"{scope}{where.group(1)}.{n}" for n in names)
+    return f"{binding}: required, but no value is bound"
 
 
 def describe_configs() -> str:

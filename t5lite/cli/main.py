@@ -119,6 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except user_errors as e:
         print(f"t5lite {args.command}: error: {gin_utils.one_line(e)}", file=sys.stderr)
         return 1
+    except TypeError as e:  # gin calling a configurable without a required argument
+        missing = None if os.environ.get("T5LITE_DEBUG") else gin_utils.missing_arguments(e)
+        if missing is None:
+            raise
+        print(f"t5lite {args.command}: error: {missing}", file=sys.stderr)
+        return 1
     except Exception as e:
         distributed.exit_on_peer_failure(args.command, e)
         raise

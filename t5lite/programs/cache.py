@@ -35,6 +35,13 @@ def cache(
       overwrite: replace a completed cache (otherwise an existing one is refused, never lost).
       pipeline_args: Beam pipeline options, e.g. `['--runner=FlinkRunner', ...]`.
     """
+    try:
+        import apache_beam  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "t5lite cache needs Apache Beam, the [beam] extra: "
+            "pip install -c constraints.txt -e '.[beam]'"
+        ) from None
     if not data.cache_dir:
         raise ValueError("t5lite cache needs DataConfig.cache_dir (where the cache is written)")
     obj = seqio_lite.get_task_or_mixture(data.task)
