@@ -32,6 +32,13 @@ from seqio_lite.feature_converters import (
     LMFeatureConverter,
     PrefixLMFeatureConverter,
 )
+from seqio_lite.file_tasks import (
+    TrainedSentencePiece,
+    hf_dataset_task,
+    jsonl_task,
+    parquet_task,
+    text_lines_task,
+)
 from seqio_lite.loader import DataIterator, StateMismatchError, get_dataset
 from seqio_lite.sources import (
     ArrayRecordSource,
@@ -83,16 +90,21 @@ __all__ = [
     "Task",
     "TaskRegistry",
     "TextLineSource",
+    "TrainedSentencePiece",
     "Vocabulary",
     "accuracy",
     "bleu",
     "exact_match",
     "get_dataset",
     "get_task_or_mixture",
+    "hf_dataset_task",
+    "jsonl_task",
+    "parquet_task",
     "rate_num_examples",
     "rate_unsupervised",
     "register_embedded_tasks",
     "rouge",
     "sequence_accuracy",
+    "text_lines_task",
     "train_sentencepiece",
 ]

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 
 import seqio_lite
-from seqio_lite import file_tasks
+from seqio_lite import cache_tasks, file_tasks
 
 pytestmark = pytest.mark.slow  # each test trains a tiny model for a few seconds, plus compiles
 
@@ -136,7 +136,7 @@ TrainedSentencePiece.vocab_size = 40
     assert sorted(p.name for p in task_dir.glob("train.array_record-*")) == [
         f"train.array_record-{i:05d}-of-00008" for i in range(8)
     ]
-    seqio_lite.cache_tasks.add_global_cache_dirs([str(tmp_path / "cache")])
+    cache_tasks.add_global_cache_dirs([str(tmp_path / "cache")])
     kwargs = dict(batch_size=8, seed=3, pack=True)
     lengths = {"inputs": 8, "targets": 8}
     plain = seqio_lite.get_dataset("user_reverse_cached", lengths, **kwargs)
