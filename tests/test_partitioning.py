@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import require_devices, run_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from toy_model import EMBED, MLP, MlpBlock, ToyModel, loss_fn
@@ -196,6 +196,45 @@ def test_hybrid_mesh_puts_dcn_outermost():
     assert ids[0].flatten().tolist() == [0, 1, 2, 3]
     mesh = partitioning.create_mesh(ici_mesh_shape=(2, 2), dcn_mesh_shape=(2, 1))
     assert np.vectorize(lambda d: d.id)(mesh.devices).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_mesh_specifications_combine_when_they_agree():
+    """A run preset's num_partitions and a user's multi-slice shapes build one mesh; shapes win."""
+    require_devices(8)
+    mesh = partitioning.create_mesh(4, ici_mesh_shape=(1, 1, 4), dcn_mesh_shape=(2, 1, 1))
+    assert dict(mesh.shape) == {"replica": 2, "data": 1, "model": 4}
+    assert dict(partitioning.create_mesh(2, model_parallel_submesh=(2,)).shape) == {
+        "data": 4, "model": 2,
+    }  # fmt: skip
+    with pytest.raises(PartitioningError) as e:
+        partitioning.create_mesh(1, ici_mesh_shape=(1, 2, 2), dcn_mesh_shape=(2, 1, 1))
+    assert str(e.value) == (
+        "create_mesh: num_partitions=1 (model axis 1), ici_mesh_shape=(1, 2, 2) x "
+        "dcn_mesh_shape=(2, 1, 1) (model axis 2) contradict each other; give one, or the same "
+        "model size"
+    )
+
+
+@pytest.mark.slow
+def test_multislice_recipe_with_the_run_presets(tmp_path, capsys):
+    """README's multi-slice recipe on the quickstart (whose NUM_PARTITIONS is 4)."""
+    require_devices(8)
+    common = ["train", "--gin_file=quickstart.gin", "--gin_file=partitioning/multislice.gin",
+              f"--gin.MODEL_DIR='{tmp_path}'", "--gin.TRAIN_STEPS=2", "--gin.train.evaluation=None",
+              "--gin.warmup_cosine_schedule.warmup_steps=1",
+              "--gin.Partitioner.dcn_mesh_shape=(2, 1, 1)"]  # fmt: skip
+    assert run_cli(*common, "--gin.Partitioner.ici_mesh_shape=(1, 1, 4)") == 0
+    assert (tmp_path / "checkpoint_2" / "COMMIT").is_file()
+    capsys.readouterr()
+    assert run_cli(*common, "--gin.Partitioner.ici_mesh_shape=(1, 2, 2)") == 1
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(
+            "t5lite train: error: create_mesh: num_partitions=4 (model axis 4), ici_mesh_shape="
+            "(1, 2, 2) x dcn_mesh_shape=(2, 1, 1) (model axis 2) contradict each other"
+        )
+    )
 
 
 def test_model_parallel_submesh_tiles_physical_mesh():

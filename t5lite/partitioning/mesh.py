@@ -30,7 +30,9 @@ def create_mesh(
 ) -> Mesh:
     """Builds the device mesh with axes `('data', 'model')`, or `('replica', 'data', 'model')`.
 
-    Give exactly one of:
+    Give one of (several only when they agree on the size of the `model` axis; the most
+    specific one then builds the mesh, so a run preset's `num_partitions` and a user's
+    multi-slice shapes combine):
       num_partitions: size of the `model` axis; `data` takes the remaining devices.
       model_parallel_submesh: the physical TPU block (e.g. `(2, 2, 1, 2)` = x, y, z, core) that
         forms one model-parallel group; its product is the `model` size. On devices without
@@ -52,8 +54,8 @@ def create_mesh(
         )
         if v is not None
     ]
-    if len(given) > 1:
-        raise PartitioningError(f"create_mesh: give only one of {given}")
+    _check_model_sizes_agree(num_partitions, model_parallel_submesh, ici_mesh_shape,
+                             dcn_mesh_shape)  # fmt: skip
     if dcn_mesh_shape is not None and ici_mesh_shape is None:
         raise PartitioningError("create_mesh: dcn_mesh_shape needs ici_mesh_shape")
     if not given:
@@ -99,6 +101,31 @@ def create_mesh(
         )
     shape = (len(devices) // num_partitions, num_partitions)
     return Mesh(_device_array(shape, devices), (DATA, MODEL))
+
+
+def _check_model_sizes_agree(
+    num_partitions: int | None,
+    submesh: Sequence[int] | None,
+    ici: Sequence[int] | None,
+    dcn: Sequence[int] | None,
+) -> None:
+    """Several mesh specifications are fine when they name the same `model` size."""
+    sizes = []
+    if num_partitions is not None:
+        sizes.append((f"num_partitions={num_partitions}", int(num_partitions)))
+    if submesh is not None:
+        sizes.append((f"model_parallel_submesh={tuple(submesh)}", math.prod(submesh)))
+    if ici is not None:
+        model = int(ici[-1]) * (int(dcn[-1]) if dcn is not None and len(dcn) else 1)
+        label = f"ici_mesh_shape={tuple(ici)}" + (
+            f" x dcn_mesh_shape={tuple(dcn)}" if dcn is not None else ""
+        )
+        sizes.append((label, model))
+    if len({size for _, size in sizes}) > 1:
+        described = ", ".join(f"{label} (model axis {size})" for label, size in sizes)
+        raise PartitioningError(
+            f"create_mesh: {described} contradict each other; give one, or the same model size"
+        )
 
 
 def check_mesh_size(shape: tuple[int, ...], names: tuple[str, ...], num_devices: int) -> None:
