@@ -215,6 +215,20 @@ def test_mesh_specifications_combine_when_they_agree():
     )
 
 
+def test_an_explicit_axis_mesh_is_refused_up_front():
+    require_devices(8)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes by default since JAX 0.9
+    with pytest.raises(PartitioningError) as e:
+        Partitioner(mesh=mesh)
+    assert str(e.value) == (
+        "mesh axes ['data', 'model'] are AxisType.Explicit, and t5lite shards by rules on Auto "
+        "axes: build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * 2 (e.g. "
+        "jax.make_mesh(shape, names, axis_types=...)), or use t5lite.create_mesh"
+    )
+    auto = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    assert Partitioner(mesh=auto).mesh is auto
+
+
 @pytest.mark.slow
 def test_multislice_recipe_with_the_run_presets(tmp_path, capsys):
     """README's multi-slice recipe on the quickstart (whose NUM_PARTITIONS is 4)."""

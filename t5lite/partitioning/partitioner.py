@@ -49,6 +49,26 @@ _STANDARD_NAMES = frozenset(
 PyTree = Any
 
 
+def _check_auto_axes(mesh: Mesh) -> None:
+    """t5lite places arrays by rules and lets the partitioner propagate the rest (Auto axes).
+
+    On Explicit axes (`jax.make_mesh`'s default since JAX 0.9) every array's sharding is part
+    of its type and `with_sharding_constraint` in model code fails mid-compile: refuse such a
+    mesh up front, with the fix.
+    """
+    explicit = [
+        name for name, kind in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+        if kind == jax.sharding.AxisType.Explicit
+    ]  # fmt: skip
+    if explicit:
+        n = len(mesh.axis_names)
+        raise PartitioningError(
+            f"mesh axes {explicit} are AxisType.Explicit, and t5lite shards by rules on Auto "
+            f"axes: build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * {n} (e.g. "
+            "jax.make_mesh(shape, names, axis_types=...)), or use t5lite.create_mesh"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class DataLayout:
     """Which part of the global batch this process loads (t5x's `DataLayout`)."""
@@ -100,6 +120,7 @@ class Partitioner:
                 dcn_mesh_shape=dcn_mesh_shape,
             )
         check_mesh_size(tuple(mesh.devices.shape), tuple(mesh.axis_names), mesh.devices.size)
+        _check_auto_axes(mesh)
         self.mesh = mesh
         self.rules = tuple(
             (str(n), tuple(a) if isinstance(a, list) else a)
