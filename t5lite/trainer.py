@@ -253,7 +253,7 @@ class Trainer:
         # Features a converter does not produce (e.g. no packing) default to what they mean.
         local = complete_features(local_batch, list(self.batch_abstract))
         local = {k: local[k] for k in self.batch_abstract}
-        return self.partitioner.host_local_to_global(local, self.batch_size)
+        return self.partitioner.host_local_to_global(local, self.batch_size, self.batch_shardings)
 
     def global_batch_from_full(self, batch: Mapping[str, np.ndarray]) -> dict[str, Array]:
         """Global arrays from a batch every process holds whole (eval / infer): each process

@@ -229,6 +229,40 @@ def test_an_explicit_axis_mesh_is_refused_up_front():
     assert Partitioner(mesh=auto).mesh is auto
 
 
+def test_batches_follow_the_rules_when_length_is_sharded():
+    """A table that shards `length` places batches as it says (not a fixed P(batch, None)) and
+    trains with the losses of the data-parallel table."""
+    require_devices(8)
+    from t5lite.model import network, optimizers
+    from t5lite.model.models import EncoderDecoderModel
+    from t5lite.trainer import Trainer, summarize
+
+    cfg = network.T5Config(vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1,
+                           num_decoder_layers=1, head_dim=8, mlp_dim=32)  # fmt: skip
+    model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(2, 32, size=(8, 8)).astype(np.int32)
+    batch = {"encoder_input_tokens": tokens, "decoder_target_tokens": tokens[:, ::-1].copy(),
+             "decoder_input_tokens": np.pad(tokens[:, ::-1], ((0, 0), (1, 0)))[:, :-1]}  # fmt: skip
+    losses = {}
+    replicated = [(n, None) for n, _ in partitioning.data_parallel_logical_axis_rules()]
+    by_length = [("batch", "data"), ("length", "model"), *replicated]  # earlier rules win
+    for name, rules in [("dp", partitioning.data_parallel_logical_axis_rules()),
+                        ("length", by_length)]:  # fmt: skip
+        part = Partitioner(num_partitions=2, logical_axis_rules=rules)
+        tr = Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
+        global_batch = tr.global_batch(batch)
+        if name == "length":
+            spec = global_batch["encoder_input_tokens"].sharding.spec
+            assert tuple(spec) == ("data", "model")
+        state = tr.init_state()
+        losses[name] = []
+        for _ in range(3):
+            state, metrics = tr.train_step(state, global_batch)
+            losses[name].append(summarize(metrics)["loss"])
+    np.testing.assert_allclose(losses["length"], losses["dp"], rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_multislice_recipe_with_the_run_presets(tmp_path, capsys):
     """README's multi-slice recipe on the quickstart (whose NUM_PARTITIONS is 4)."""

@@ -392,9 +392,16 @@ class Partitioner:
         )
 
     def host_local_to_global(
-        self, batch: Mapping[str, np.ndarray], global_batch_size: int
+        self,
+        batch: Mapping[str, np.ndarray],
+        global_batch_size: int,
+        shardings: Mapping[str, NamedSharding] | None = None,
     ) -> dict[str, jax.Array]:
-        """Assembles global `jax.Array`s from this process's slice of each batch feature."""
+        """Assembles global `jax.Array`s from this process's slice of each batch feature.
+
+        `shardings` (per feature) are what the rules give the features, e.g. with `length`
+        sharded too; by default dimension 0 over the batch's mesh axes and the rest whole.
+        """
         self._check_batch(global_batch_size)
         layout = self.get_data_layout(global_batch_size)
         out = {}
@@ -406,8 +413,9 @@ class Partitioner:
                     f"must load {layout.per_process_batch_size} of the global batch of "
                     f"{global_batch_size}"
                 )
+            sharding = (shardings or {}).get(name) or self.batch_sharding(local.ndim)
             out[name] = jax.make_array_from_process_local_data(
-                self.batch_sharding(local.ndim), local, (global_batch_size, *local.shape[1:])
+                sharding, local, (global_batch_size, *local.shape[1:])
             )
         return out
 
