@@ -236,7 +236,8 @@ class _Spec:
         if vocabulary is None:
             extra = _SPAN_CORRUPTION_EXTRA_IDS if objective == "span_corruption" else 0
             vocabulary = vocabs.ByteVocabulary(extra_ids=extra)
-        if objective == "span_corruption" and vocabulary.extra_ids == 0:
+        trained = isinstance(vocabulary, TrainedSentencePiece)  # gets T5's 100 sentinels
+        if objective == "span_corruption" and not trained and vocabulary.extra_ids == 0:
             raise ValueError(
                 f"task {name!r}: span_corruption needs sentinel ids but the vocabulary has "
                 "extra_ids = 0 (set it to 100, as T5 does)"
