@@ -159,7 +159,8 @@ def one_line(e: BaseException) -> str:
     """An exception's message on one line, without gin's function reprs."""
     text = re.sub(r"\s*\(<(function|class) [^>]*>\)", "", str(e))
     # The program a command runs is already named by the command ("t5lite train: error: ...").
-    text = re.sub(r"\s*In call to configurable '(train|evaluate|infer|inspect|plan|cache)'\s*$", "", text)
+    programs = "train|evaluate|infer|inspect|plan|cache"
+    text = re.sub(rf"\s*In call to configurable '({programs})'\s*$", "", text)
     return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
