@@ -121,6 +121,7 @@ STANDARD_FACTOR_RULES: Mapping[str, FactorDim] = {
     "joined_kv": FactorDim.COLUMN,
     "relpos_buckets": FactorDim.NONE,
     "layers": FactorDim.BATCH,
+    "stack": FactorDim.BATCH,  # t5x: stacked (unscanned) layers keep per-layer statistics
 }
 
 
