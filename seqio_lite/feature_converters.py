@@ -6,16 +6,23 @@ Model feature names follow t5x/seqio:
   decoder_loss_weights (+ encoder/decoder_segment_ids, encoder/decoder_positions when packed);
 - `LMFeatureConverter`: decoder_target_tokens, decoder_input_tokens, decoder_loss_weights
   (+ decoder_segment_ids, decoder_positions when packed);
-- `PrefixLMFeatureConverter`: the LM features + decoder_causal_attention; loss on targets only.
+- `PrefixLMFeatureConverter`: the LM features + decoder_causal_attention; loss on targets only
+  (or, with `loss_on_targets_only=False`, on the inputs too).
+
+Options shared with seqio: `bos_id` (the decoder start token written at each segment start of
+`decoder_input_tokens`, 0 by default as in T5) and `passthrough_features` (extra 1-D task features
+carried into the batch under their own name and length, packed alongside their example).
 
 A converter works in two steps so the loader can pack greedily: `convert_example` turns one task
 example into its unpadded 1-D stored features (`GROUPS`), and `make_batch` lays rows of such
 examples out into `[batch, length]` arrays and derives the rest on the whole batch at once:
-`decoder_input_tokens` is the targets shifted right with a 0 at *every segment start*, so
-packing cannot leak a token across a segment boundary; `decoder_loss_weights` marks non-padding
-targets. (Deriving per batch keeps the per-example objects, which cross process boundaries when
-grain workers are used, small.) With packing, segment
-ids count from 1 per row (0 is padding) and positions restart at 0 in each segment.
+`decoder_input_tokens` is the targets shifted right with `bos_id` at *every segment start*, so
+packing cannot leak a token across a segment boundary, and 0 on padding (NOTE: seqio writes the
+shifted EOS into the first padding slot of an unpacked row, and `bos_id` into the first padding
+slot after the last segment of a packed one; both sit where the loss weight is 0);
+`decoder_loss_weights` marks non-padding targets. (Deriving per batch keeps the per-example
+objects, which cross process boundaries when grain workers are used, small.) With packing,
+segment ids count from 1 per row (0 is padding) and positions restart at 0 in each segment.
 """
 
 from __future__ import annotations
@@ -40,28 +47,76 @@ class FeatureConverter(abc.ABC):
       pack: pack several examples per row (segment ids, positions) instead of one padded row.
       overlong: what to do with a task feature longer than its length: "trim" (default, as the
         feature spec says), "drop" (skip the example; counted by the loader) or "error".
+      bos_id: the decoder start token, written at position 0 of every segment of
+        `decoder_input_tokens` (seqio's `bos_id`; T5: 0, the padding id).
+      passthrough_features: names of extra 1-D task features (seqio's `passthrough_features`)
+        carried into the batch unchanged, each at its own length from `task_feature_lengths`,
+        padded with 0 and, when packing, placed in the row of their example (with
+        `<name>_segment_ids` and `<name>_positions`). Their dtype is kept.
     """
 
     TASK_FEATURES: tuple[str, ...] = ()
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {}  # group -> model features sharing its length
 
-    def __init__(self, pack: bool = True, overlong: str = "trim"):
+    def __init__(
+        self,
+        pack: bool = True,
+        overlong: str = "trim",
+        *,
+        bos_id: int = 0,
+        passthrough_features: Sequence[str] = (),
+    ):
         if overlong not in _OVERLONG:
             raise ValueError(f"overlong must be one of {_OVERLONG}, got {overlong!r}")
         self.pack = pack
         self.overlong = overlong
+        self.bos_id = int(bos_id)
+        self.passthrough_features = tuple(passthrough_features)
+        model_features = {n for names in self.GROUPS.values() for n in names}
+        clash = sorted(set(self.passthrough_features) & (set(self.TASK_FEATURES) | model_features))
+        if clash or len(set(self.passthrough_features)) != len(self.passthrough_features):
+            raise ValueError(
+                f"passthrough_features {list(self.passthrough_features)} must be distinct and "
+                f"not task or model features of {type(self).__name__} (clash: {clash})"
+            )
+        # Each passthrough feature is a group of its own: its own length, packed independently.
+        self.groups: dict[str, tuple[str, ...]] = {
+            **self.GROUPS,
+            **{n: (n,) for n in self.passthrough_features},
+        }
+
+    def _options(self) -> str:
+        """Non-default options, so default converters keep their pre-existing fingerprint."""
+        extra = ""
+        if self.bos_id:
+            extra += f", bos_id={self.bos_id}"
+        if self.passthrough_features:
+            extra += f", passthrough_features={list(self.passthrough_features)}"
+        return extra
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(pack={self.pack}, overlong={self.overlong!r})"
+        return (
+            f"{type(self).__name__}(pack={self.pack}, overlong={self.overlong!r}{self._options()})"
+        )
 
     @property
     def name(self) -> str:
         """Identity used in iterator-state fingerprints."""
         return repr(self)
 
-    @abc.abstractmethod
     def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
-        """Model length of each feature group."""
+        """Model length of each feature group (passthrough features: their own length)."""
+        lengths = self._group_lengths(task_feature_lengths)
+        missing = [n for n in self.passthrough_features if n not in task_feature_lengths]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}: sequence_length lacks passthrough features {missing}"
+            )
+        return {**lengths, **{n: task_feature_lengths[n] for n in self.passthrough_features}}
+
+    @abc.abstractmethod
+    def _group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+        """Model length of each of the converter's own feature groups."""
 
     @abc.abstractmethod
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
@@ -72,13 +127,20 @@ class FeatureConverter(abc.ABC):
         missing = [k for k in self.TASK_FEATURES if k not in task_feature_lengths]
         if missing:
             raise ValueError(f"{type(self).__name__}: sequence_length lacks {missing}")
+        missing = [k for k in self.passthrough_features if k not in task_feature_lengths]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}: sequence_length lacks passthrough features {missing}"
+            )
         ex = {}
-        for k in self.TASK_FEATURES:
+        for k in (*self.TASK_FEATURES, *self.passthrough_features):
             if k not in example:
                 raise ValueError(
                     f"{type(self).__name__} needs task feature {k!r}; example has {sorted(example)}"
                 )
-            ids = np.asarray(example[k], dtype=np.int32).reshape(-1)
+            # Passthrough features keep their dtype (e.g. float weights); task features are ids.
+            dtype = None if k in self.passthrough_features else np.int32
+            ids = np.asarray(example[k], dtype=dtype).reshape(-1)
             limit = task_feature_lengths[k]
             if ids.size > limit:
                 if self.overlong == "drop":
@@ -90,11 +152,13 @@ class FeatureConverter(abc.ABC):
                     )
                 ids = ids[:limit]
             ex[k] = ids
-        return self._convert(ex)
+        out = self._convert({k: ex[k] for k in self.TASK_FEATURES})
+        out.update({k: ex[k] for k in self.passthrough_features})
+        return out
 
     def example_lengths(self, converted: Example) -> dict[str, int]:
         """Length of each group in one converted example."""
-        return {g: len(converted[names[0]]) for g, names in self.GROUPS.items()}
+        return {g: len(converted[names[0]]) for g, names in self.groups.items()}
 
     def make_batch(
         self, rows: Sequence[Sequence[Example]], batch_size: int, lengths: GroupLengths
@@ -104,9 +168,9 @@ class FeatureConverter(abc.ABC):
         Rows beyond `len(rows)` are all padding. Without packing each row holds one example.
         """
         out: dict[str, np.ndarray] = {}
-        for group, names in self.GROUPS.items():
+        for group, names in self.groups.items():
             length = lengths[group]
-            arrays = {n: np.zeros((batch_size, length), np.int32) for n in names}
+            arrays = {n: np.zeros((batch_size, length), self._dtype(rows, n)) for n in names}
             seg = np.zeros((batch_size, length), np.int32)
             pos = np.zeros((batch_size, length), np.int32)
             for r, row in enumerate(rows):
@@ -128,30 +192,40 @@ class FeatureConverter(abc.ABC):
                 targets = out["decoder_target_tokens"]
                 inputs = np.zeros_like(targets)
                 inputs[:, 1:] = targets[:, :-1]
-                inputs[pos == 0] = 0  # each segment starts afresh (position 0; padding too)
+                # Each segment starts afresh with BOS at position 0; padding stays 0.
+                inputs[pos == 0] = 0
+                inputs[(pos == 0) & (seg > 0)] = self.bos_id
                 out["decoder_input_tokens"] = inputs
                 if "decoder_loss_weights" not in out:
                     out["decoder_loss_weights"] = (targets != 0).astype(np.int32)
         return out
 
+    def _dtype(self, rows: Sequence[Sequence[Example]], name: str) -> np.dtype:
+        """int32 for model features; a passthrough feature's own dtype."""
+        if name in self.passthrough_features:
+            for row in rows:
+                for ex in row:
+                    return np.asarray(ex[name]).dtype
+        return np.dtype(np.int32)
+
     def unpack(self, batch: Mapping[str, np.ndarray]) -> list[Example]:
         """Inverse of `make_batch`: the converted examples, row by row, segment by segment."""
         examples: list[Example] = []
-        first = next(iter(self.GROUPS))
-        nrows = batch[self.GROUPS[first][0]].shape[0]
+        first = next(iter(self.groups))
+        nrows = batch[self.groups[first][0]].shape[0]
         for r in range(nrows):
             if self.pack:
-                segs = {g: batch[f"{g}_segment_ids"][r] for g in self.GROUPS}
+                segs = {g: batch[f"{g}_segment_ids"][r] for g in self.groups}
                 nseg = int(segs[first].max())
                 for s in range(1, nseg + 1):
                     ex = {}
-                    for g, names in self.GROUPS.items():
+                    for g, names in self.groups.items():
                         sel = segs[g] == s
                         ex.update({n: batch[n][r][sel] for n in names})
                     examples.append(ex)
             else:
                 ex = {}
-                for names in self.GROUPS.values():
+                for names in self.groups.values():
                     # A row's length is up to its last non-pad target/input token.
                     key = batch[names[0]][r]
                     n = int(np.max(np.nonzero(key)[0]) + 1) if key.any() else 0
@@ -200,7 +274,7 @@ class EncDecFeatureConverter(FeatureConverter):
         "decoder": ("decoder_target_tokens",),
     }
 
-    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+    def _group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
         return {
             "encoder": task_feature_lengths["inputs"],
             "decoder": task_feature_lengths["targets"],
@@ -216,7 +290,7 @@ class LMFeatureConverter(FeatureConverter):
     TASK_FEATURES = ("targets",)
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {"decoder": ("decoder_target_tokens",)}
 
-    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+    def _group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
         return {"decoder": task_feature_lengths["targets"]}
 
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
@@ -224,11 +298,24 @@ class LMFeatureConverter(FeatureConverter):
 
 
 class PrefixLMFeatureConverter(FeatureConverter):
-    """Decoder-only on `inputs ++ targets`: full attention over the prefix, loss on targets only.
+    """Decoder-only on `inputs ++ targets`: full attention over the prefix, loss on the targets.
 
     `decoder_causal_attention` is 1 on the inputs and on the first target position (which reads
     the last input token through the shifted `decoder_input_tokens`), as in seqio.
+
+    Args:
+      loss_on_targets_only: True (default): loss weights only on the targets part; False: on
+        every non-padding token, inputs included (seqio's `loss_on_targets_only=False`).
+      **kwargs: see `FeatureConverter`.
     """
+
+    def __init__(self, *args: Any, loss_on_targets_only: bool = True, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.loss_on_targets_only = bool(loss_on_targets_only)
+
+    def _options(self) -> str:
+        extra = "" if self.loss_on_targets_only else ", loss_on_targets_only=False"
+        return super()._options() + extra
 
     TASK_FEATURES = ("inputs", "targets")
     GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -239,7 +326,7 @@ class PrefixLMFeatureConverter(FeatureConverter):
         )
     }
 
-    def group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
+    def _group_lengths(self, task_feature_lengths: Mapping[str, int]) -> GroupLengths:
         return {"decoder": task_feature_lengths["inputs"] + task_feature_lengths["targets"]}
 
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
@@ -248,7 +335,9 @@ class PrefixLMFeatureConverter(FeatureConverter):
         positions = np.arange(seq.size)
         return {
             "decoder_target_tokens": seq,
-            "decoder_loss_weights": ((positions >= inputs.size) & (seq != 0)).astype(np.int32),
+            "decoder_loss_weights": (
+                ((positions >= inputs.size) | (not self.loss_on_targets_only)) & (seq != 0)
+            ).astype(np.int32),
             "decoder_causal_attention": (positions < inputs.size + 1).astype(np.int32),
         }
 

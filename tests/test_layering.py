@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "partitioning": {"pytree"},
     "checkpoint": {"pytree"},
     "trainer": {"model", "partitioning", "pytree"},
+    "compat": {"model"},
     "insight": {"model", "partitioning", "trainer", "pytree"},
     "hf": {"model", "checkpoint", "pytree"},
     "programs": {
@@ -36,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
         "pytree",
     },
     "cli": {
+        "compat",
         "model",
         "partitioning",
         "checkpoint",

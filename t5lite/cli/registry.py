@@ -11,9 +11,10 @@ import gin
 import seqio_lite
 from seqio_lite import file_tasks
 from t5lite import partitioning
+from t5lite.compat import t5x
 from t5lite.insight import plan as _plan
 from t5lite.insight import report
-from t5lite.model import models, network, optimizers
+from t5lite.model import decoding, network, optimizers
 from t5lite.programs import cache as _cache
 from t5lite.programs import configs
 from t5lite.programs import evaluate as _evaluate
@@ -37,10 +38,20 @@ T5Config = _register(network.T5Config, "network")
 DecoderOnlyConfig = _register(network.DecoderOnlyConfig, "network")
 
 # --- models and optimizers -------------------------------------------------------------------
-EncoderDecoderModel = _register(models.EncoderDecoderModel)
-DecoderOnlyModel = _register(models.DecoderOnlyModel)
+# The models and Adafactor are registered through their t5x aliases (t5lite's fields plus
+# t5x's names for them; they build the same objects) under modules whose last part is t5x's, so
+# both `EncoderDecoderModel.z_loss` and t5x's `models.EncoderDecoderModel.z_loss` resolve. A
+# second registration of the same name would make the bare name ambiguous in gin.
+EncoderDecoderModel = _register(t5x.EncoderDecoderModel, "t5lite.models")
+DecoderOnlyModel = _register(t5x.DecoderOnlyModel, "t5lite.models")
 AdamW = _register(optimizers.AdamW)
-Adafactor = _register(optimizers.Adafactor)
+Adafactor = _register(t5x.Adafactor, "t5lite.adafactor")
+standard_logical_factor_rules = _register(t5x.standard_logical_factor_rules, "t5lite.adafactor")
+# t5x's network wrappers and decode functions, as t5x gin files name them.
+Transformer = _register(t5x.Transformer, "network")
+DecoderWrapper = _register(t5x.DecoderWrapper, "network")
+beam_search = _register(decoding.beam_search, "decoding")
+temperature_sample = _register(decoding.temperature_sample, "decoding")
 rsqrt_schedule = _register(optimizers.rsqrt_schedule)
 warmup_cosine_schedule = _register(optimizers.warmup_cosine_schedule)
 constant_schedule = _register(optimizers.constant_schedule)

@@ -49,7 +49,36 @@ def cross_entropy_with_logits(
 
 # --- weighted sequence losses (label smoothing, normalisation) ------------------------------
 
-LOSS_NORMALIZATIONS = ("sum", "per_real_token", "per_sequence")
+LOSS_NORMALIZATIONS = ("sum", "per_real_token", "per_total_token", "per_sequence")
+# t5x's `SpecialLossNormalizingFactor` names, accepted as synonyms.
+T5X_NORMALIZATIONS = {
+    "NUM_REAL_TARGET_TOKENS": "per_real_token",
+    "NUM_TOTAL_TARGET_TOKENS": "per_total_token",
+    "AVERAGE_PER_SEQUENCE": "per_sequence",
+}
+Normalization = str | float
+
+
+def canonical_normalization(normalization: Normalization | None) -> Normalization:
+    """A loss normalisation in canonical form: one of `LOSS_NORMALIZATIONS` or a constant > 0.
+
+    Accepts t5x's spellings too: `None` (t5x's `loss_normalizing_factor=None`, i.e. "sum"), the
+    `SpecialLossNormalizingFactor` names (or the enum itself), and a number (t5x's constant
+    factor, e.g. 233472 = 2048 x 114 for fine-tuning the T5.1.1 checkpoints).
+    """
+    if normalization is None:
+        return "sum"
+    name = getattr(normalization, "name", normalization)  # a t5x enum member
+    if isinstance(name, str):
+        name = T5X_NORMALIZATIONS.get(name, name)
+        if name in LOSS_NORMALIZATIONS:
+            return name
+    elif isinstance(name, int | float) and not isinstance(name, bool) and name > 0:
+        return float(name)
+    raise ValueError(
+        f"loss normalization must be one of {LOSS_NORMALIZATIONS}, a t5x name "
+        f"{sorted(T5X_NORMALIZATIONS)} or a positive constant, got {normalization!r}"
+    )
 
 
 def weighted_cross_entropy(
@@ -70,7 +99,7 @@ def cross_entropy_terms(
     *,
     z_loss: float = 1e-4,
     label_smoothing: float = 0.0,
-    normalization: str = "per_real_token",
+    normalization: Normalization | None = "per_real_token",
     segment_ids: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The training loss of a batch as numerator / denominator, plus summable metrics.
@@ -83,8 +112,11 @@ def cross_entropy_terms(
       label_smoothing: mass spread uniformly over the other V-1 ids; the constant entropy of the
         smoothed distribution is subtracted so a perfect model still scores 0 (as t5x does).
       normalization: "sum" (t5x's default, no normalising factor), "per_real_token" (divide by
-        the number of weighted target tokens) or "per_sequence" (mean over examples of each
-        example's mean token loss; packed examples are told apart by `segment_ids`).
+        the number of weighted target tokens), "per_total_token" (divide by every target
+        position, padding included: B * L), "per_sequence" (mean over examples of each
+        example's mean token loss; packed examples are told apart by `segment_ids`), or a
+        constant (t5x's numeric `loss_normalizing_factor`: the weighted sum divided by it). See
+        `canonical_normalization` for t5x's spellings.
       segment_ids: [B, L] packing ids, used by "per_sequence".
 
     Returns:
@@ -94,10 +126,7 @@ def cross_entropy_terms(
       `weight_sum`, `correct_sum` (argmax hits), `num_sequences`, `loss_denominator` (loss =
       numerator / loss_denominator).
     """
-    if normalization not in LOSS_NORMALIZATIONS:
-        raise ValueError(
-            f"loss normalization must be one of {LOSS_NORMALIZATIONS}, got {normalization!r}"
-        )
+    normalization = canonical_normalization(normalization)
     weights_BL = (
         (targets > 0).astype(jnp.float32) if weights is None else weights.astype(jnp.float32)
     )
@@ -127,11 +156,16 @@ def cross_entropy_terms(
     tokens_per_seq = jax.ops.segment_sum(weights_BL.reshape(-1), flat_ids, b * length + 1)
     num_sequences = jnp.sum(tokens_per_seq[1:] > 0).astype(jnp.float32)
     weight_sum = jnp.sum(weights_BL)
-    if normalization == "sum":
+    if normalization == "sum" or isinstance(normalization, float):
         # A denominator of 0 stays 0 when summed over microbatches; the divisor is max(den, 1).
-        numerator, denominator = jnp.sum(weighted_BL), jnp.zeros([], jnp.float32)
+        # A constant divides each microbatch's numerator, so the sum over microbatches is the
+        # big batch's sum / constant, as in t5x.
+        scale = 1.0 if normalization == "sum" else 1.0 / normalization
+        numerator, denominator = jnp.sum(weighted_BL) * scale, jnp.zeros([], jnp.float32)
     elif normalization == "per_real_token":
         numerator, denominator = jnp.sum(weighted_BL), weight_sum
+    elif normalization == "per_total_token":
+        numerator, denominator = jnp.sum(weighted_BL), jnp.asarray(b * length, jnp.float32)
     else:
         per_token = weighted_BL.reshape(-1) / jnp.maximum(tokens_per_seq[flat_ids], 1.0)
         numerator = jnp.sum(jnp.where(flat_ids > 0, per_token, 0.0))

@@ -37,7 +37,11 @@ class BaseModel(abc.ABC):
     optimizer: Optimizer = AdamW()  # noqa: RUF009 (frozen: safe to share)
     z_loss: float = 1e-4  # T5.1.1's auxiliary z-loss coefficient
     label_smoothing: float = 0.0
-    loss_normalization: str = "per_real_token"  # "sum" | "per_real_token" | "per_sequence"
+    loss_normalization: str | float = "per_real_token"
+    """How the summed token loss is normalised: 'per_real_token' (weighted tokens), 'sum',
+    'per_total_token' (all target positions, padding included), 'per_sequence', or a constant
+    (t5x's numeric `loss_normalizing_factor`, e.g. 233472 for T5.1.1 fine-tuning). t5x's
+    `SpecialLossNormalizingFactor` names are accepted too; see `losses.canonical_normalization`."""
     decoding_method: str = "greedy"
     """How `predict_batch` decodes: 'greedy', 'sample' (temperature, top_k, top_p,
     num_decodes, min_log_prob) or 'beam' (beam_size, alpha); see decoding.py."""
@@ -66,6 +70,10 @@ class BaseModel(abc.ABC):
     """The first token fed to the decoder (BOS; t5x/T5: 0, the same as padding)."""
 
     def __post_init__(self) -> None:
+        # Canonical form up front, so a typo fails at configuration time, not in the jit.
+        object.__setattr__(
+            self, "loss_normalization", losses.canonical_normalization(self.loss_normalization)
+        )
         if self.decoding_method not in DECODING_METHODS:
             raise ValueError(
                 f"decoding_method must be one of {DECODING_METHODS}, got {self.decoding_method!r}"

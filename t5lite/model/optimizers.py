@@ -121,6 +121,7 @@ STANDARD_FACTOR_RULES: Mapping[str, FactorDim] = {
     "joined_kv": FactorDim.COLUMN,
     "relpos_buckets": FactorDim.NONE,
     "layers": FactorDim.BATCH,
+    "stack": FactorDim.BATCH,  # t5x: stacked (unscanned) layers keep per-layer statistics
 }
 
 
@@ -134,6 +135,9 @@ class AdafactorState(NamedTuple):
     v_row: PyTree  # per parameter: factored row statistics, or a (1,) placeholder
     v_col: PyTree
     v: PyTree  # per parameter: full statistics when not factored, else a (1,) placeholder
+    # First moment (t5x's `exp_avg`) when `beta1` is set; None (no leaves) otherwise, so states
+    # and checkpoints without momentum keep their structure.
+    m: PyTree = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +160,10 @@ class Adafactor:
     weight_decay_rate: float | None = None  # decoupled, multiplied by the learning rate
     clip_norm: float | None = None  # optional global gradient-norm clipping first
     factor_rules: Mapping[str, FactorDim] | None = None  # default: STANDARD_FACTOR_RULES
+    beta1: float | None = None
+    """Momentum (t5x's `beta1`, optax's `momentum`): an EMA, without bias correction, of the
+    scaled update (after clipping, learning rate and parameter scale, before weight decay),
+    kept in fp32 with the parameters' layout. None: no momentum and no extra state."""
 
     def _factoring(self, axes: Any, shape: tuple[int, ...]) -> _Factoring | None:
         if axes is None or len(shape) < 2:
@@ -197,8 +205,11 @@ class Adafactor:
                     cols.append(jnp.zeros(_drop(p.shape, f.rows), jnp.float32))
                     full.append(placeholder)
             unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
+            m = None
+            if self.beta1 is not None:
+                m = unflat([jnp.zeros(p.shape, jnp.float32) for p in leaves])
             return AdafactorState(
-                jnp.zeros([], jnp.int32), unflat(rows), unflat(cols), unflat(full)
+                jnp.zeros([], jnp.int32), unflat(rows), unflat(cols), unflat(full), m
             )
 
         def update(grads: PyTree, state: AdafactorState, params: PyTree | None = None):
@@ -210,22 +221,24 @@ class Adafactor:
             learning_rate = lr(state.count)
             g_leaves, treedef = jax.tree_util.tree_flatten(grads)
             flat = lambda t: treedef.flatten_up_to(t)
+            ms = flat(state.m) if self.beta1 is not None else [None] * len(g_leaves)
             outs = [
-                self._update_one(g, p, f, vr, vc, v, decay, learning_rate)
-                for g, p, f, vr, vc, v in zip(
+                self._update_one(g, p, f, vr, vc, v, m, decay, learning_rate)
+                for g, p, f, vr, vc, v, m in zip(
                     g_leaves, flat(params), facts, flat(state.v_row), flat(state.v_col),
-                    flat(state.v),
+                    flat(state.v), ms,
                 )
             ]  # fmt: skip
             unflat = lambda i: jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
-            return unflat(0), AdafactorState(step, unflat(1), unflat(2), unflat(3))
+            m = unflat(4) if self.beta1 is not None else None
+            return unflat(0), AdafactorState(step, unflat(1), unflat(2), unflat(3), m)
 
         tx = optax.GradientTransformation(init, update)
         if self.clip_norm:
             tx = optax.chain(optax.clip_by_global_norm(self.clip_norm), tx)
         return tx
 
-    def _update_one(self, g, p, f, v_row, v_col, v, decay, learning_rate):
+    def _update_one(self, g, p, f, v_row, v_col, v, m, decay, learning_rate):
         """One parameter's update (all statistics in fp32)."""
         g = g.astype(jnp.float32)
         g_sq = g * g + self.epsilon1
@@ -248,10 +261,15 @@ class Adafactor:
         if self.multiply_by_parameter_scale:
             p32 = p.astype(jnp.float32)
             scale = scale * jnp.maximum(jnp.sqrt(jnp.mean(p32 * p32)), self.epsilon2)
-        u = -scale * u
+        u = scale * u
+        if self.beta1 is not None:
+            # NOTE: momentum of the scaled step, as t5x and optax do (not of the raw gradient).
+            m = self.beta1 * m + (1.0 - self.beta1) * u
+            u = m
+        u = -u
         if self.weight_decay_rate:
             u = u - learning_rate * self.weight_decay_rate * p.astype(jnp.float32)
-        return u.astype(p.dtype), v_row, v_col, v
+        return u.astype(p.dtype), v_row, v_col, v, m
 
     def learning_rate_at(self, step: jax.Array) -> jax.Array:
         return _as_schedule(self.learning_rate)(step)
@@ -274,8 +292,11 @@ class Adafactor:
 
             return jax.tree_util.tree_map(one, params_axes, params, is_leaf=is_axes)
 
+        m = None
+        if self.beta1 is not None:  # the first moment is laid out like its parameter
+            m = jax.tree_util.tree_map(lambda ax, p: ax, params_axes, params, is_leaf=is_axes)
         return AdafactorState(
-            PartitionSpec(), per_param("v_row"), per_param("v_col"), per_param("v")
+            PartitionSpec(), per_param("v_row"), per_param("v_col"), per_param("v"), m
         )
 
 

@@ -31,8 +31,20 @@ PyTree = Any
 
 
 # Names that are never sharded by the standard tables (explicit `None`, so the rule exists and a
-# missing rule can be told apart from a deliberately replicated name).
-_REPLICATED_NAMES = ("length", "kv", "relpos_buckets", "layers")
+# missing rule can be told apart from a deliberately replicated name). Besides t5lite's own, the
+# rest of t5x's vocabulary, so t5x-style modules partition unchanged: `abspos_buckets` (learned
+# absolute positions), `stack` (stacked, unscanned layers), `mlp_activations` (the gated MLP's
+# activation index), and from t5x's MoE tables `expert_group` and `unmodeled`.
+_REPLICATED_NAMES = (
+    "length", "kv", "relpos_buckets", "layers",
+    "abspos_buckets", "stack", "mlp_activations", "expert_group", "unmodeled",
+)  # fmt: skip
+
+
+def _expert_rules(data_axis: MeshAxis) -> list[tuple[str, MeshAxis]]:
+    """t5x's MoE names (t5x/contrib/moe, with model parallelism): experts split over the data
+    axis, each expert's MLP over `model`, expert replicas not split."""
+    return [("expert", data_axis), ("expert_mlp", MODEL), ("expert_replicas", None)]
 
 
 def standard_logical_axis_rules(
@@ -81,6 +93,7 @@ def standard_logical_axis_rules(
     else:
         rules += [("embed", MODEL), ("embed", DATA)]
     rules += [(name, None) for name in _REPLICATED_NAMES]
+    rules += _expert_rules(data_axis)
     rules += list(additional_rules or ())
     return tuple(rules)
 
@@ -92,6 +105,9 @@ def data_parallel_logical_axis_rules(
     rules: list[tuple[str, MeshAxis]] = [("batch", (DATA, MODEL))]
     for name in ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "embed", *_REPLICATED_NAMES):
         rules.append((name, None))
+    # As t5x's MoE table when the batch spans both axes: experts over `data`, their replicas
+    # over `model` (the second data axis), no expert-MLP split.
+    rules += [("expert", DATA), ("expert_mlp", None), ("expert_replicas", MODEL)]
     return tuple(rules + list(additional_rules or ()))
 
 
