@@ -135,7 +135,8 @@ def train(
         throughput = _Throughput(model, dict(data.task_feature_lengths), data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
-        run_info = {"seed": seed, "network_config": _network_record(model.network_config)}
+        run_info = {"seed": seed, "network_config": _network_record(model.network_config),
+                    "token_ids": _token_ids(model)}  # fmt: skip
 
         start = int(state.step)
         last, eval_metrics = {}, {}  # the latest train and eval metrics
@@ -183,6 +184,11 @@ def _check_start_checkpoint(
 
 def _network_record(cfg: Any) -> dict[str, Any]:
     return {"type": type(cfg).__name__, **asdict(cfg)}
+
+
+def _token_ids(model: Any) -> dict[str, int]:
+    # What `t5lite convert` writes back as the HF config's pad / EOS / decoder-start ids.
+    return {k: getattr(model, k) for k in ("pad_id", "eos_id", "decoder_start_token_id")}
 
 
 def _done_line(ckpt: CheckpointManager, seconds: float) -> str:
