@@ -247,7 +247,8 @@ def _rope_from_hf(c: dict[str, Any], where: str) -> dict[str, Any]:
     """DecoderOnlyConfig RoPE fields from HF `rope_parameters` (5.x) or `rope_scaling` (4.x)."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    out: dict[str, Any] = {"rope_theta": float(c.get("rope_theta", rope.get("rope_theta", 1e4)))}
+    theta = rope.get("rope_theta") or c.get("rope_theta") or 10000.0  # 5.x: in rope_parameters
+    out: dict[str, Any] = {"rope_theta": float(theta)}
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported")
     if kind == "dynamic":
