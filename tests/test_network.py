@@ -436,3 +436,12 @@ def test_dropout_is_active_only_when_enabled():
     c = model.apply(variables, **batch, rngs={"dropout": jax.random.PRNGKey(1)})
     np.testing.assert_array_equal(a, b)
     assert float(jnp.max(jnp.abs(a - c))) > 1e-3
+
+
+def test_rope_scaling_config_is_validated_with_one_line():
+    with pytest.raises(ValueError, match=r"rope_scaling must be one of .* got 'dynamic'"):
+        network.DecoderOnlyConfig(rope_scaling="dynamic")
+    with pytest.raises(ValueError, match=r"rope_high_freq_factor \(1.0\) must exceed"):
+        network.DecoderOnlyConfig(rope_scaling="llama3", rope_high_freq_factor=1.0)
+    with pytest.raises(ValueError, match="scale_logits=True needs tied logits"):
+        network.T5Config(tie_logits=False, scale_logits=True)

@@ -1,9 +1,11 @@
 """`t5lite convert`: Hugging Face safetensors checkpoints <-> t5lite TensorStore checkpoints.
 
 Import writes `OUT/checkpoint_0` (a params-only t5lite checkpoint whose extra state records the
-network config) and `OUT/model.gin` (the config as gin bindings). Fine-tune from it with
-`--gin.CheckpointConfig.init_checkpoint='OUT/checkpoint_0'` and `--gin_file=OUT/model.gin`.
-Export reads the config back from the checkpoint and writes `config.json` + `model.safetensors`.
+network config and the special token ids), `OUT/model.gin` (the network config, the model's
+pad / EOS / decoder-start ids and attention type as gin bindings, and the vocabulary) and copies
+the tokenizer files. Fine-tune from it with `--gin.CheckpointConfig.init_checkpoint=
+'OUT/checkpoint_0'` and `--gin_file=OUT/model.gin`. Export reads the config and ids back from the
+checkpoint and writes `config.json` + `model.safetensors`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from pathlib import Path
 
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
+from t5lite.hf import tokens
 from t5lite.hf import weights as hf_convert
 from t5lite.model import network
 
@@ -34,18 +37,30 @@ def config_from_json(d: dict) -> network.T5Config | network.DecoderOnlyConfig:
     return _CONFIG_TYPES[kind](**fields)
 
 
-def model_gin(config: network.T5Config | network.DecoderOnlyConfig) -> str:
-    """Gin bindings that rebuild `config` (to combine with run and partitioning presets)."""
-    kind = type(config).__name__
+def model_gin(
+    config: network.T5Config | network.DecoderOnlyConfig,
+    ids: tokens.ModelIds = tokens.ModelIds(),  # noqa: B008  (frozen)
+    extra_lines: list[str] | None = None,
+) -> str:
+    """Gin bindings that rebuild the model (to combine with run and partitioning presets)."""
+    kind, model = type(config).__name__, _MODEL_OF[type(config).__name__]
     lines = [
         "# Written by `t5lite convert`: the imported model's network config.",
         "import t5lite.cli.registry",
         "",
-        f"MODEL = @{_MODEL_OF[kind]}()",
-        f"{_MODEL_OF[kind]}.network_config = @network.{kind}()",
+        f"MODEL = @{model}()",
+        f"{model}.network_config = @network.{kind}()",
     ]
     for k, v in dataclasses.asdict(config).items():
         lines.append(f"network.{kind}.{k} = {v!r}")
+    lines += ["", "# Special token ids from the Hugging Face config (decoding stops at eos_id)."]
+    lines += [f"{model}.{k} = {v!r}" for k, v in dataclasses.asdict(ids).items()]
+    if model == "DecoderOnlyModel":
+        # A causal LM was trained with causal attention over its prompts too.
+        lines += ["", "# A causal LM: prompts attend causally, as in pre-training.",
+                  "DecoderOnlyModel.inputs_bidirectional_attention = False"]  # fmt: skip
+    if extra_lines:
+        lines += ["", *extra_lines]
     return "\n".join(lines) + "\n"
 
 
@@ -57,11 +72,16 @@ def hf_to_t5lite(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if gin_path.exists():
         raise FileExistsError(f"convert: {gin_path} exists; refusing to overwrite it")
     config, params = hf_convert.import_hf(hf_dir, scan_layers=scan_layers)
+    encoder_decoder = isinstance(config, network.T5Config)
+    ids, notes = tokens.model_ids(tokens.read_hf_ids(hf_dir), encoder_decoder)
     mgr = CheckpointManager(out, async_save=False)
-    mgr.save(0, {"params": params},
-             extra={"network_config": _config_json(config), "source": str(hf_dir)})  # fmt: skip
+    extra = {"network_config": _config_json(config), "token_ids": dataclasses.asdict(ids),
+             "source": str(hf_dir)}  # fmt: skip
+    mgr.save(0, {"params": params}, extra=extra)
     mgr.close()
-    gin_path.write_text(model_gin(config))
+    copied = tokens.copy_tokenizer_files(hf_dir, out)
+    vocab = tokens.vocabulary_gin(out, copied, encoder_decoder)
+    gin_path.write_text(model_gin(config, ids, [*(f"# NOTE: {n}." for n in notes), *vocab]))
     return mgr.step_dir(0)
 
 
@@ -77,5 +97,7 @@ def t5lite_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> P
             f"{checkpoint}: no network config in its extra state (export needs a checkpoint "
             "written by `t5lite convert` or by training with `CheckpointConfig.init_checkpoint`)"
         )
-    hf_convert.export_hf(config_from_json(extra["network_config"]), state["params"], out)
+    # Checkpoints from before the ids were recorded decode with t5lite's defaults.
+    ids = tokens.ModelIds(**extra.get("token_ids", {}))
+    hf_convert.export_hf(config_from_json(extra["network_config"]), state["params"], out, ids)
     return out

@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from t5lite.hf import tokens
 from t5lite.model import network
 
 Params = dict[str, Any]
@@ -72,17 +73,21 @@ def _hf_shape(e: _Entry) -> tuple[int, ...]:
 
 def _t5_config_from_hf(c: dict[str, Any], where: str) -> network.T5Config:
     proj = c.get("feed_forward_proj", "relu")
-    # transformers >= 5 records T5.1.0's 1/sqrt(d) logit scaling as `scale_decoder_outputs` and
-    # always writes tie_word_embeddings=true; older versions used tie_word_embeddings for both.
-    tied = c.get("scale_decoder_outputs", c.get("tie_word_embeddings", True))
-    if proj == "gated-gelu" and not tied:
-        variant = "t5.1.1"
-    elif proj == "relu" and tied:
-        variant = "t5.1.0"
-    else:
+    variants = {"relu": "t5.1.0", "gated-gelu": "t5.1.1"}
+    if proj not in variants:
         raise ValueError(
-            f"{where}: unsupported T5 variant feed_forward_proj={proj!r}, "
-            f"tie_word_embeddings={tied} (supported: gated-gelu untied, relu tied)"
+            f"{where}: unsupported T5 variant feed_forward_proj={proj!r} (supported: "
+            "'relu' = T5 v1.0, 'gated-gelu' = T5.1.1)"
+        )
+    # transformers 4.x: tie_word_embeddings ties the head *and* scales the decoder output by
+    # D**-0.5. transformers 5.x always ties (and writes tie_word_embeddings=true, so a T5.1.1
+    # file has no lm_head.weight) and records the scaling as `scale_decoder_outputs`.
+    tied = bool(c.get("tie_word_embeddings", True))
+    scaled = bool(c.get("scale_decoder_outputs", tied))
+    if scaled and not tied:
+        raise ValueError(
+            f"{where}: unsupported T5 variant: untied lm_head with scale_decoder_outputs=true "
+            "(supported: tied and scaled = T5 v1.0, tied or untied and unscaled = T5.1.1)"
         )
     return network.T5Config(
         vocab_size=c["vocab_size"],
@@ -92,7 +97,9 @@ def _t5_config_from_hf(c: dict[str, Any], where: str) -> network.T5Config:
         num_decoder_layers=c.get("num_decoder_layers") or c["num_layers"],
         head_dim=c["d_kv"],
         mlp_dim=c["d_ff"],
-        variant=variant,
+        variant=variants[proj],
+        tie_logits=tied,
+        scale_logits=scaled,
         dropout_rate=c.get("dropout_rate", 0.0),
         relpos_num_buckets=c.get("relative_attention_num_buckets", 32),
         relpos_max_distance=c.get("relative_attention_max_distance", 128),
@@ -116,12 +123,11 @@ def _t5_config_to_hf(cfg: network.T5Config) -> dict[str, Any]:
         "dropout_rate": cfg.dropout_rate,
         "layer_norm_epsilon": cfg.layer_norm_epsilon,
         "feed_forward_proj": "relu" if cfg.variant == "t5.1.0" else "gated-gelu",
+        # NOTE: transformers 4.x ignores `scale_decoder_outputs` and scales iff tied, so a tied
+        # unscaled head (what 5.x writes for T5.1.1) loads correctly in 5.x only.
         "tie_word_embeddings": cfg.logits_via_embedding,
-        "scale_decoder_outputs": cfg.logits_via_embedding,
+        "scale_decoder_outputs": cfg.scale_tied_logits,
         "is_encoder_decoder": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "decoder_start_token_id": 0,
         "torch_dtype": cfg.param_dtype,
     }
 
@@ -219,10 +225,6 @@ def _llama_config_from_hf(c: dict[str, Any], where: str) -> network.DecoderOnlyC
         raise ValueError(f"{where}: unsupported Llama hidden_act={c['hidden_act']!r} (want 'silu')")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise ValueError(f"{where}: Llama attention_bias/mlp_bias are not supported")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{where}: unsupported RoPE scaling {rope!r} (only 'default')")
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     heads = c["num_attention_heads"]
     return network.DecoderOnlyConfig(
         vocab_size=c["vocab_size"],
@@ -234,11 +236,66 @@ def _llama_config_from_hf(c: dict[str, Any], where: str) -> network.DecoderOnlyC
         mlp_dim=c["intermediate_size"],
         mlp_activation="silu",
         position_embedding="rope",
-        rope_theta=float(theta),
+        **_rope_from_hf(c, where),
         logits_via_embedding=bool(c.get("tie_word_embeddings", False)),
         scale_attn_logits=True,
         layer_norm_epsilon=c.get("rms_norm_eps", 1e-6),
     )
+
+
+def _rope_from_hf(c: dict[str, Any], where: str) -> dict[str, Any]:
+    """DecoderOnlyConfig RoPE fields from HF `rope_parameters` (5.x) or `rope_scaling` (4.x)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta") or c.get("rope_theta") or 10000.0  # 5.x: in rope_parameters
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if kind == "dynamic":
+        # NOTE: transformers recomputes dynamic-NTK frequencies from each call's length and
+        # keeps them in module state, so cached decoding depends on the call history.
+        raise ValueError(
+            f"{where}: unsupported RoPE scaling type 'dynamic' (its frequencies depend on the "
+            "length of each call; supported: default, linear, llama3)"
+        )
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(
+            f"{where}: unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)"
+        )
+    if kind == "default":
+        return out
+
+    def need(key: str, default: Any = None) -> Any:
+        if rope.get(key, default) is None:
+            raise ValueError(f"{where}: RoPE scaling type {kind!r} needs {key!r}")
+        return rope.get(key, default)
+
+    out.update(rope_scaling=kind, rope_scaling_factor=float(need("factor")))
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(need("low_freq_factor")),
+            rope_high_freq_factor=float(need("high_freq_factor")),
+            rope_original_max_position=int(
+                need("original_max_position_embeddings", c.get("max_position_embeddings"))
+            ),
+        )
+    return out
+
+
+def _rope_to_hf(cfg: network.DecoderOnlyConfig) -> dict[str, Any]:
+    kind = "default" if cfg.rope_scaling == "none" else cfg.rope_scaling
+    rope: dict[str, Any] = {"rope_type": kind, "rope_theta": cfg.rope_theta}
+    if kind != "default":
+        rope["factor"] = cfg.rope_scaling_factor
+    if kind == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position,
+        )
+    # 5.x reads `rope_parameters`, 4.x `rope_scaling` (None when unscaled) and `rope_theta`.
+    legacy = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": cfg.rope_theta, "rope_parameters": rope, "rope_scaling": legacy}
 
 
 def _llama_config_to_hf(cfg: network.DecoderOnlyConfig) -> dict[str, Any]:
@@ -260,8 +317,7 @@ def _llama_config_to_hf(cfg: network.DecoderOnlyConfig) -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.layer_norm_epsilon,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **_rope_to_hf(cfg),
         "tie_word_embeddings": cfg.logits_via_embedding,
         "attention_bias": False,
         "mlp_bias": False,
@@ -433,6 +489,7 @@ def export_hf(
     config: network.T5Config | network.DecoderOnlyConfig,
     params: Params,
     out_dir: str | Path,
+    ids: tokens.ModelIds = tokens.ModelIds(),  # noqa: B008  (frozen)
 ) -> None:
     """Writes `params` as a Hugging Face checkpoint (`config.json` + `model.safetensors`).
 
@@ -441,6 +498,7 @@ def export_hf(
         LlamaForCausalLM (RoPE + SiLU only).
       params: the `params` collection, scanned or unscanned (unboxed arrays).
       out_dir: created if needed; existing `config.json` / `model.safetensors` are replaced.
+      ids: the model's pad / EOS / decoder-start (BOS) ids, written to `config.json`.
 
     Raises:
       ValueError: a config with no HF equivalent, or a missing or misshaped parameter.
@@ -453,6 +511,7 @@ def export_hf(
         hf_config, entries = _llama_config_to_hf(config), _llama_entries(config)
     else:
         raise ValueError(f"export_hf: unsupported config type {type(config).__name__}")
+    hf_config.update(tokens.hf_config_ids(ids, isinstance(config, network.T5Config)))
     params = network.unscan_params(params)
     tensors: dict[str, np.ndarray] = {}
     for e in entries:

@@ -10,6 +10,9 @@ import dataclasses
 from typing import Literal
 
 RematPolicy = Literal["none", "minimal", "full"]
+RopeScaling = Literal["none", "linear", "llama3"]
+ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
+"""What `rope_scaling` accepts (HF `rope_type` 'default', 'linear', 'llama3')."""
 REMAT_POLICIES: tuple[str, ...] = ("none", "minimal", "full")
 """What `remat_policy` accepts: save everything, save matmul outputs only, save nothing."""
 
@@ -45,6 +48,12 @@ class T5Config:
     """Embed via one-hot matmul (vocab-parallel lookup when the table is vocab-sharded)."""
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
+    tie_logits: bool | None = None
+    """Logits via the input embedding; None: the variant's choice (tied for 't5.1.0', a separate
+    `logits_dense` for 't5.1.1'). transformers 5.x saves T5.1.1 with a tied head."""
+    scale_logits: bool | None = None
+    """With tied logits, multiply the decoder output by D**-0.5 (HF `scale_decoder_outputs`);
+    None: the variant's choice (True for 't5.1.0')."""
 
     # Uniform interface shared with DecoderOnlyConfig, read by the layer classes.
     @property
@@ -57,11 +66,14 @@ class T5Config:
 
     @property
     def logits_via_embedding(self) -> bool:
-        return self.variant == "t5.1.0"
+        return self.variant == "t5.1.0" if self.tie_logits is None else self.tie_logits
 
     @property
     def scale_tied_logits(self) -> bool:
-        return self.variant == "t5.1.0"  # T5.1.0 divides its tied logits by sqrt(D), as HF does
+        # T5.1.0 divides its tied logits by sqrt(D), as HF does.
+        if self.scale_logits is None:
+            return self.variant == "t5.1.0" and self.logits_via_embedding
+        return self.scale_logits
 
     @property
     def use_rope(self) -> bool:
@@ -78,6 +90,9 @@ class T5Config:
     def __post_init__(self) -> None:
         if self.variant not in ("t5.1.1", "t5.1.0"):
             raise ValueError(f"T5Config.variant must be 't5.1.1' or 't5.1.0', got {self.variant!r}")
+        if self.scale_tied_logits and not self.logits_via_embedding:
+            # NOTE: HF scales only in front of its tied head; an untied scaled head is not T5.
+            raise ValueError("T5Config: scale_logits=True needs tied logits (tie_logits=True)")
         _check_remat(self.remat_policy)
 
 
@@ -97,6 +112,16 @@ class DecoderOnlyConfig:
     """Gated MLP activation: 'silu' (SwiGLU, Llama) or 'gelu' (GeGLU, T5.1.1)."""
     position_embedding: Literal["rope", "relative"] = "rope"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = "none"
+    """RoPE frequency scaling for long contexts (HF `rope_scaling`): 'linear' divides every
+    frequency by `rope_scaling_factor`; 'llama3' (Llama 3.1+) divides the frequencies whose
+    wavelength exceeds `rope_original_max_position / rope_low_freq_factor` by it, keeps those
+    below `rope_original_max_position / rope_high_freq_factor` and interpolates in between."""
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    """'llama3': the context length (tokens) the model was pre-trained with."""
     relpos_num_buckets: int = 32
     relpos_max_distance: int = 128
     logits_via_embedding: bool = False
@@ -123,6 +148,16 @@ class DecoderOnlyConfig:
         if self.position_embedding not in ("rope", "relative"):
             raise ValueError(
                 f"position_embedding must be 'rope' or 'relative', got {self.position_embedding!r}"
+            )
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"rope_scaling must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}"
+            )
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if self.rope_scaling == "llama3" and high <= low:
+            raise ValueError(
+                f"rope_high_freq_factor ({self.rope_high_freq_factor}) must exceed "
+                f"rope_low_freq_factor ({self.rope_low_freq_factor})"
             )
         _check_remat(self.remat_policy)
 

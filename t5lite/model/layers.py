@@ -11,8 +11,9 @@ R=H // G (query heads per kv head), K=kv (head width), F=mlp, V=vocab, N=relpos_
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -240,19 +241,65 @@ class RelativePositionBiases(nn.Module):
         return bias_HLS[None]
 
 
-def rotary_embedding(x_BLHK: Array, positions_BL: Array, theta: float = 10000.0) -> Array:
+class RopeScaling(NamedTuple):
+    """RoPE frequency scaling (HF `rope_scaling`); hashable, so a module attribute."""
+
+    kind: str = "none"  # 'none' | 'linear' | 'llama3'
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+NO_ROPE_SCALING = RopeScaling()
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling = NO_ROPE_SCALING
+) -> Array:
+    """fp32 inverse frequencies [K/2] of RoPE, scaled as HF's `ROPE_INIT_FUNCTIONS` do."""
+    # NOTE: computed in fp32 in the same order as transformers, so that logits agree to ~1e-6.
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling.kind == "none":
+        return inv_freq
+    if scaling.kind == "linear":  # positions / factor, i.e. frequencies / factor
+        return inv_freq / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {scaling.kind!r} (want 'none', 'linear', 'llama3')")
+    # Llama 3.1: long wavelengths (beyond what pre-training saw) are interpolated by `factor`,
+    # short ones are kept, and the band in between is blended smoothly.
+    old_len = scaling.original_max_position
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary_embedding(
+    x_BLHK: Array,
+    positions_BL: Array,
+    theta: float = 10000.0,
+    scaling: RopeScaling = NO_ROPE_SCALING,
+) -> Array:
     """Applies RoPE in the 'rotate half' layout of HF Llama (pairs (i, i + K/2)).
 
     Args:
       x_BLHK: queries or keys [B, L, H, K], K even.
       positions_BL: int positions [B, L].
       theta: RoPE base frequency.
+      scaling: long-context frequency scaling ('linear', 'llama3'; default none).
 
     Returns:
       Rotated array, same shape and dtype; the rotation is computed in fp32.
     """
     k = x_BLHK.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    inv_freq = rope_inverse_frequencies(k, theta, scaling)
     freqs_BLk = positions_BL.astype(jnp.float32)[..., None] * inv_freq
     cos = jnp.cos(freqs_BLk)[:, :, None, :]
     sin = jnp.sin(freqs_BLk)[:, :, None, :]
@@ -338,6 +385,7 @@ class MultiHeadAttention(nn.Module):
       scale_logits: multiply logits by 1/sqrt(K) (Llama). When False (T5) the scale is folded into
         the query initializer instead.
       use_rope: rotate q and k by their positions.
+      rope_scaling: RoPE frequency scaling for long contexts.
     """
 
     num_heads: int
@@ -349,6 +397,7 @@ class MultiHeadAttention(nn.Module):
     scale_logits: bool = False
     use_rope: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = NO_ROPE_SCALING
     kernel_init: Initializer = default_kernel_init
 
     @nn.compact
@@ -400,8 +449,8 @@ class MultiHeadAttention(nn.Module):
             name="value",
         )(inputs_kv_BSD)
         if self.use_rope:
-            q = rotary_embedding(q, positions_q_BL, self.rope_theta)
-            k = rotary_embedding(k, positions_kv_BS, self.rope_theta)
+            q = rotary_embedding(q, positions_q_BL, self.rope_theta, self.rope_scaling)
+            k = rotary_embedding(k, positions_kv_BS, self.rope_theta, self.rope_scaling)
         if self.scale_logits:
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))

@@ -56,7 +56,20 @@ def _attention(cfg: AnyConfig, name: str) -> layers.MultiHeadAttention:
         scale_logits=cfg.scale_attn_logits,
         use_rope=cfg.use_rope,
         rope_theta=cfg.rope_theta,
+        rope_scaling=_rope_scaling(cfg),
         name=name,
+    )
+
+
+def _rope_scaling(cfg: AnyConfig) -> layers.RopeScaling:
+    if not cfg.use_rope:
+        return layers.NO_ROPE_SCALING
+    return layers.RopeScaling(
+        cfg.rope_scaling,
+        cfg.rope_scaling_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_position,
     )
 
 

@@ -135,7 +135,7 @@ def train(
         throughput = _Throughput(model, dict(data.task_feature_lengths), data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
-        run_info = {"seed": seed, "network_config": _network_record(model.network_config)}
+        run_info = _run_info(seed, model)
 
         start = int(state.step)
         last, eval_metrics = {}, {}  # the latest train and eval metrics
@@ -183,6 +183,12 @@ def _check_start_checkpoint(
 
 def _network_record(cfg: Any) -> dict[str, Any]:
     return {"type": type(cfg).__name__, **asdict(cfg)}
+
+
+def _run_info(seed: int, model: Any) -> dict[str, Any]:
+    # The token ids are what `t5lite convert` writes back as the HF pad / EOS / start ids.
+    ids = {k: getattr(model, k) for k in ("pad_id", "eos_id", "decoder_start_token_id")}
+    return {"seed": seed, "network_config": _network_record(model.network_config), "token_ids": ids}
 
 
 def _done_line(ckpt: CheckpointManager, seconds: float) -> str:
