@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -309,10 +310,75 @@ def _drop(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Fine-tuning a part of the model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenParams:
+    """Trains only the parameters whose path matches none of `patterns`; the others stay put.
+
+    `patterns` are regular expressions matched in full against '/'-joined parameter paths
+    (`encoder/.*` freezes the encoder; `.*embedding.*` the embeddings). Frozen parameters get
+    no optimizer state at all (optax's `multi_transform` masks them out of the wrapped
+    optimizer, whose clipping, weight decay and statistics see only the trained ones), and a
+    zero update, so they come out of training bit for bit as they went in.
+    """
+
+    optimizer: AdamW | Adafactor = AdamW()
+    patterns: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", tuple(self.patterns))  # hashable, like the rest
+
+    def labels(self, params_axes: PyTree) -> PyTree:
+        """'frozen' or 'trained' per parameter; an error for a pattern that matches nothing."""
+        is_axes = lambda x: x is None or isinstance(x, PartitionSpec)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params_axes, is_leaf=is_axes)
+        paths = ["/".join(_key(k) for k in path) for path, _ in leaves]
+        compiled = [re.compile(p) for p in self.patterns]
+        for pattern, rx in zip(self.patterns, compiled):
+            if not any(rx.fullmatch(p) for p in paths):
+                raise ValueError(
+                    f"FrozenParams.patterns: {pattern!r} matches no parameter (paths look like "
+                    f"{paths[0]!r})"
+                )
+        frozen = ["frozen" if any(rx.fullmatch(p) for rx in compiled) else "trained" for p in paths]
+        if "trained" not in frozen:
+            raise ValueError("FrozenParams.patterns freeze every parameter: nothing would train")
+        return jax.tree_util.tree_unflatten(treedef, frozen)
+
+    def create(self, params_axes: PyTree) -> optax.GradientTransformation:
+        labels = self.labels(params_axes)
+        inner = self.optimizer.create(_masked(params_axes, labels))
+        return optax.multi_transform({"trained": inner, "frozen": optax.set_to_zero()}, labels)
+
+    def learning_rate_at(self, step: jax.Array) -> jax.Array:
+        return self.optimizer.learning_rate_at(step)
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _masked(tree: PyTree, labels: PyTree) -> PyTree:
+    """`tree` with its frozen leaves replaced by optax's MaskedNode, as `multi_transform`
+    presents the parameters to the optimizer of the trained ones."""
+    is_axes = lambda x: x is None or isinstance(x, PartitionSpec)
+    return jax.tree_util.tree_map(
+        lambda x, label: x if label == "trained" else optax.MaskedNode(),
+        tree, labels, is_leaf=is_axes,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # Optimizer state layout
 # ---------------------------------------------------------------------------------------------
 
-Optimizer = AdamW | Adafactor
+Optimizer = AdamW | Adafactor | FrozenParams
 
 
 def optimizer_state_axes(
@@ -328,6 +394,24 @@ def optimizer_state_axes(
     """
     abstract = jax.eval_shape(tx.init, params)
     is_axes = lambda x: x is None or isinstance(x, PartitionSpec)
+    if isinstance(optimizer, FrozenParams):
+        # multi_transform's state: the frozen part is empty; the trained part is the wrapped
+        # optimizer's state over the masked parameters, laid out as that optimizer's.
+        labels = optimizer.labels(params_axes)
+        masked_axes = _masked(params_axes, labels)
+        inner_tx = optimizer.optimizer.create(masked_axes)
+        inner = optimizer_state_axes(
+            optimizer.optimizer, inner_tx, _masked(params, labels), masked_axes
+        )
+        trained = abstract.inner_states["trained"]
+        return abstract._replace(
+            inner_states={
+                "trained": trained._replace(inner_state=inner),
+                "frozen": jax.tree_util.tree_map(
+                    lambda _: PartitionSpec(), abstract.inner_states["frozen"]
+                ),
+            }
+        )
     if isinstance(optimizer, Adafactor):
         # Adafactor's init needs real shapes, so optax.tree_map_params (which feeds it
         # placeholders) cannot be used; its state is laid out by `state_axes_for` instead.
