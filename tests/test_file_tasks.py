@@ -358,3 +358,22 @@ user_cfg/JsonlTask.targets_field = 'a'
                  f"--gin.MODEL_DIR='{tmp_path}/run'", "--host_device_count=8")  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err == [f"t5lite train: error: {message}"], err
+
+
+def test_decoder_inputs_start_with_the_models_start_id():
+    """Training and evaluation feed position 0 what the model's decoding feeds (an imported
+    Llama: its BOS), not a hard-coded 0."""
+    from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
+    from t5lite.programs.evaluate import feature_converter
+
+    for model, task, start in [
+        (DecoderOnlyModel(decoder_start_token_id=1), "tiny_corpus_lm", 1),
+        (EncoderDecoderModel(), "synthetic_copy", 0),
+    ]:
+        lengths = {"targets": 16} if task == "tiny_corpus_lm" else LENGTHS
+        for pack in (True, False):
+            it = seqio_lite.get_dataset(
+                task, lengths, batch_size=4, feature_converter=feature_converter(model, pack)
+            )
+            batch = next(it)
+            assert (batch["decoder_input_tokens"][:, 0] == start).all(), (task, pack)

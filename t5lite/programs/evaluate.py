@@ -62,6 +62,20 @@ def check_task_and_model(task: str, model: BaseModel, lengths: Mapping[str, int]
                 )
 
 
+_CONVERTERS = {
+    "enc_dec": seqio_lite.EncDecFeatureConverter,
+    "lm": seqio_lite.LMFeatureConverter,
+    "prefix_lm": seqio_lite.PrefixLMFeatureConverter,
+}
+
+
+def feature_converter(model: BaseModel, pack: bool) -> seqio_lite.FeatureConverter:
+    """The converter whose features `model` reads; decoder inputs start with the model's own
+    `decoder_start_token_id` (0 for T5; an imported Llama's BOS), as its decoding does."""
+    converter = _CONVERTERS[model.feature_converter_name]
+    return converter(pack=pack, bos_id=model.decoder_start_token_id)
+
+
 def make_evaluator(
     model: BaseModel,
     task: str,
@@ -74,7 +88,7 @@ def make_evaluator(
     """A seqio_lite evaluator whose batches have the model's features."""
     return seqio_lite.Evaluator(
         task, lengths, split=split, batch_size=batch_size,
-        feature_converter=model.feature_converter_name, num_examples=num_examples,
+        feature_converter=feature_converter(model, pack=False), num_examples=num_examples,
     )  # fmt: skip
 
 

@@ -30,7 +30,12 @@ from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
-from t5lite.programs.evaluate import check_task_and_model, make_evaluator, run_evaluation
+from t5lite.programs.evaluate import (
+    check_task_and_model,
+    feature_converter,
+    make_evaluator,
+    run_evaluation,
+)
 from t5lite.programs.run_lock import RunLock, RunLockError
 from t5lite.pytree import path_str
 from t5lite.trainer import Trainer, TrainState, summarize
@@ -250,7 +255,7 @@ def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner,
     return seqio_lite.get_dataset(
         data.task, dict(data.task_feature_lengths), split_of(data, "train"),
         layout.per_process_batch_size, shard_id=layout.shard_id, num_shards=layout.num_shards,
-        seed=seed, feature_converter=model.feature_converter_name, pack=data.pack,
+        seed=seed, feature_converter=feature_converter(model, data.pack),
         use_cached=data.use_cached,
     )  # fmt: skip
 
