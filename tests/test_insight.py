@@ -13,6 +13,7 @@ import pytest
 from conftest import require_devices
 from jax.sharding import PartitionSpec as P
 
+from t5lite.insight import communication, memory
 from t5lite.insight import plan as plan_lib
 from t5lite.insight import report as rep
 from t5lite.insight.hlo import parse_collectives
@@ -56,19 +57,19 @@ def test_toy_megatron_mlp_figures_equal_hand_computed():
     fn = part.partition(mlp, (P("data", None), P(None, "model"), P("model", None)), P("data"))
     abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(B, D), (D, F), (F, D)]]
     compiled = part.compile(fn, *abstract)
-    mem = rep.memory_report(compiled, device_memory=1 << 20)
+    mem = memory.memory_report(compiled, device_memory=1 << 20)
     # Per device: x 8x32, wi 32x16, wo 16x32 floats in; y 8x32 out.
     assert mem.arguments == 4 * (8 * 32 + 32 * 16 + 16 * 32) == 5120
     assert mem.outputs == 4 * 8 * 32 == 1024
     assert mem.fits is True
-    rows = rep.collective_rows(parse_collectives(compiled.as_text(), part.mesh))
+    rows = communication.collective_rows(parse_collectives(compiled.as_text(), part.mesh))
     # Exactly one all-reduce over `model` of the row-parallel output, 8x32 floats; a ring
     # all-reduce over 4 devices sends 2 * 3/4 of it.
     assert [(r.kind, r.axes, r.count, r.bytes) for r in rows] == [
         ("all-reduce", ("model",), 1, 1024)
     ]
     assert rows[0].link_bytes == pytest.approx(1536)
-    assert rep.communication_seconds(
+    assert communication.communication_seconds(
         parse_collectives(compiled.as_text(), part.mesh), 1536.0
     ) == pytest.approx(1.0)
 
@@ -78,7 +79,7 @@ def test_analytic_communication_hand_computed():
     model = tiny_lm(num_layers=2)
     tr = trainer_for(model, 4, standard_logical_axis_rules())
     report = sharding_report(tr.partitioner, tr.abstract_state().params, tr.params_axes)
-    a = rep.analytic_communication(tr, report)
+    a = communication.analytic_communication(tr, report)
     # Megatron, 1D parameters: each data group all-reduces the gradients of one model shard.
     assert a.data_axes == ("data",)
     # (norm scales are replicated, so this is the bytes per device, not a quarter of the total)
