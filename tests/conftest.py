@@ -53,3 +53,24 @@ def file_checksums(d, only: str = "") -> dict[str, str]:
         for p in sorted(d.rglob("*"))
         if p.is_file() and only in str(p)
     }
+
+
+def reverse_batch(n: int, seed: int = 0, ragged: bool = False) -> dict:
+    """An unpacked encoder-decoder batch of `n` reversal examples, inputs length 8, the last two
+    target positions padding (and, with `ragged`, every third row's targets cut after 3 tokens,
+    so rows differ in their number of real tokens)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(2, 32, size=(n, 8)).astype(np.int32)
+    targets = inputs[:, ::-1].copy()
+    targets[:, -2:] = 0
+    if ragged:
+        targets[::3, 3:] = 0
+    dec_in = np.concatenate([np.zeros((n, 1), np.int32), targets[:, :-1]], axis=1)
+    return {
+        "encoder_input_tokens": inputs,
+        "decoder_input_tokens": dec_in,
+        "decoder_target_tokens": targets,
+        "decoder_loss_weights": (targets > 0).astype(np.int32),
+    }

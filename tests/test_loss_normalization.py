@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import require_devices, reverse_batch
 
 from t5lite import partitioning
 from t5lite.model import losses, network, optimizers
@@ -86,21 +86,6 @@ TINY = network.T5Config(
 )  # fmt: skip
 
 
-def _batch(n=16, seed=3):
-    rng = np.random.default_rng(seed)
-    inputs = rng.integers(2, 32, size=(n, 8)).astype(np.int32)
-    targets = inputs[:, ::-1].copy()
-    targets[:, -2:] = 0
-    targets[::3, 3:] = 0
-    dec_in = np.concatenate([np.zeros((n, 1), np.int32), targets[:, :-1]], axis=1)
-    return {
-        "encoder_input_tokens": inputs,
-        "decoder_input_tokens": dec_in,
-        "decoder_target_tokens": targets,
-        "decoder_loss_weights": (targets > 0).astype(np.int32),
-    }
-
-
 @pytest.mark.parametrize("normalization", ["per_total_token", 233472.0])
 @pytest.mark.parametrize("k", [1, 4])
 def test_microbatched_gradients_normalise_over_the_whole_batch(normalization, k):
@@ -111,7 +96,7 @@ def test_microbatched_gradients_normalise_over_the_whole_batch(normalization, k)
     )
     tr = Trainer(model, partitioning.Partitioner(num_partitions=2), batch_size=16,
                  lengths={"inputs": 8, "targets": 8}, num_microbatches=k)  # fmt: skip
-    batch = _batch()
+    batch = reverse_batch(16, seed=3, ragged=True)
     state = tr.init_state()
     grads, metrics = jax.jit(tr._grads)(state.params, tr.global_batch(batch), jax.random.PRNGKey(0))
     divisor = 16 * 8 if normalization == "per_total_token" else normalization

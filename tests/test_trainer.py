@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, reverse_batch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,20 +19,6 @@ TINY = network.T5Config(
     head_dim=8, mlp_dim=32,
 )  # fmt: skip
 LENGTHS = {"inputs": 8, "targets": 8}
-
-
-def _batch(n, seed=0):
-    rng = np.random.default_rng(seed)
-    inputs = rng.integers(2, 32, size=(n, 8)).astype(np.int32)
-    targets = inputs[:, ::-1].copy()
-    targets[:, -2:] = 0  # some padding
-    dec_in = np.concatenate([np.zeros((n, 1), np.int32), targets[:, :-1]], axis=1)
-    return {
-        "encoder_input_tokens": inputs,
-        "decoder_input_tokens": dec_in,
-        "decoder_target_tokens": targets,
-        "decoder_loss_weights": (targets > 0).astype(np.int32),
-    }
 
 
 def _trainer(k=1, num_partitions=2, optimizer=None, batch_size=16):
@@ -49,7 +35,7 @@ def test_loss_goes_down_and_state_is_sharded():
     assert wi.sharding == NamedSharding(tr.partitioner.mesh, P(None, "model"))
     mu = state.opt_state[1][0].mu["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
     assert mu.sharding == wi.sharding  # optimizer state sharded like its parameter
-    batch = tr.global_batch(_batch(16))
+    batch = tr.global_batch(reverse_batch(16))
     losses = []
     for _ in range(30):
         state, metrics = tr.train_step(state, batch)
@@ -62,7 +48,7 @@ def test_loss_goes_down_and_state_is_sharded():
 def test_gradient_accumulation_equals_big_batch(normalization):
     import dataclasses
 
-    batch = _batch(16, seed=3)
+    batch = reverse_batch(16, seed=3)
     grads = {}
     for k in (1, 4):
         tr = _trainer(k=k)
@@ -76,7 +62,7 @@ def test_gradient_accumulation_equals_big_batch(normalization):
 
 
 def test_train_step_with_microbatches_matches_single_batch():
-    batch = _batch(16, seed=5)
+    batch = reverse_batch(16, seed=5)
     out = {}
     for k in (1, 2):
         tr = _trainer(k=k)
@@ -103,7 +89,7 @@ def _with_optimizer(opt, log_grad_norm):
 
 
 def test_grad_norm_is_logged_when_clipping_and_costs_nothing_there():
-    batch = _batch(16, seed=7)
+    batch = reverse_batch(16, seed=7)
     clipped = _with_optimizer(optimizers.AdamW(1e-2, clip_norm=1.0), None)
     assert clipped.log_grad_norm  # default: logged when the optimizer clips
     state = clipped.init_state()
@@ -206,7 +192,7 @@ def test_model_that_does_not_fit_reports_memory(monkeypatch):
 
 def test_unpacked_batch_means_one_example_per_row():
     tr = _trainer()
-    b = _batch(16)
+    b = reverse_batch(16)
     b.pop("decoder_loss_weights")
     packed_like = dict(
         b,
