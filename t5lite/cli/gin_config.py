@@ -48,7 +48,7 @@ def parse_gin(
     is built or compiled.
     """
     from t5lite.cli import gin_checks
-    from t5lite.cli import registry as gin_registry  # noqa: F401  (registers the configurables)
+    from t5lite.cli import registry as gin_registry  # registers the configurables
 
     try:
         gin_checks.check_flag_syntax(bindings)
@@ -66,6 +66,8 @@ def parse_gin(
     for d in _CONFIG_DIRS:
         if d.is_dir() and str(d) not in gin.config._LOCATION_PREFIXES:
             gin.add_config_file_search_path(str(d))
+    _stand_in_for_t5x(gin_registry.T5X_MODULES)
+    _tolerate_namespace_packages()
     # gin logs an ERROR for every search-path prefix an `include` does not resolve against,
     # even when a later prefix finds the file; those lines are noise, not errors.
     quiet = _DropMessages("Path not found")
@@ -80,6 +82,15 @@ def parse_gin(
                 finalize_config=True,
             )
     except ImportError as e:  # a gin `import` (gin's message names the file and line)
+        # gin re-raises a copy of the error with the file and line added, without `e.name`.
+        missing = re.search(r"No module named '([\w.]+)'", str(e))
+        top = missing.group(1).split(".")[0] if missing else ""
+        if getattr(sys.modules.get(top), "__doc__", None) == _STAND_IN_DOC:
+            known = ", ".join(sorted(gin_registry.T5X_MODULES))
+            raise ConfigError(
+                f"{one_line(e)}: t5x is not installed; t5lite stands in for {known} only (for "
+                "a t5x run file, include t5lite's t5x/configs/runs/*.gin)"
+            ) from e
         raise ConfigError(
             f"{one_line(e)}: looked in the working directory ({os.getcwd()}) and the installed "
             "packages"
@@ -93,6 +104,65 @@ def parse_gin(
         gin_checks.check_types()
     except gin_checks.GinCheckError as e:
         raise ConfigError(str(e)) from None
+
+
+def _tolerate_namespace_packages() -> None:
+    """gin's package-resource reader crashes (TypeError) on `include 'DIR/x.gin'` when DIR is a
+    directory on sys.path without `__init__.py` (a namespace package has no file); the search
+    paths are on sys.path for gin `import`s, so that is any included subdirectory there. Such a
+    path is simply not a package resource: the plain file reader finds it under its prefix."""
+
+    def tolerant(check):
+        def exists(path: str) -> bool:
+            try:
+                return check(path)
+            except TypeError:
+                return False
+
+        exists.tolerant = True  # type: ignore[attr-defined]
+        return exists
+
+    readers = gin.config._FILE_READERS
+    readers[:] = [(r, c if getattr(c, "tolerant", False) else tolerant(c)) for r, c in readers]
+
+
+_STAND_IN_DOC = "t5lite's stand-in for t5x/seqio in gin files (t5lite/cli/registry.T5X_MODULES)"
+
+
+def _stand_in_for_t5x(modules: dict[str, dict[str, object]]) -> None:
+    """Makes t5x's and seqio's module names importable where those packages are not installed.
+
+    A t5x gin file's `from t5x import models` then imports a module holding t5lite's
+    configurables under t5x's names (`registry.T5X_MODULES`). An installed t5x or seqio is never
+    shadowed: its own modules are imported, as in t5x.
+    """
+    import importlib.machinery
+    import importlib.util
+    import types
+
+    for name, attrs in modules.items():
+        top = name.split(".")[0]
+        if top not in sys.modules:
+            spec = importlib.util.find_spec(top)
+            # A directory of gin files named t5x/ on the path is a namespace package (no
+            # origin), not t5x.
+            if spec is not None and spec.origin is not None:
+                continue  # the real package
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # parents first: `import t5x.models` needs `t5x`
+            path = ".".join(parts[:i])
+            if path not in sys.modules:
+                module = types.ModuleType(path, _STAND_IN_DOC)
+                # gin resolves `include 't5x/x.gin'` against a package's origin: point it into
+                # configs/ (a file that need not exist; only its directory is used).
+                origin = str(_CONFIG_DIRS[-1].joinpath(*path.split("."), "__init__.py"))
+                module.__spec__ = importlib.machinery.ModuleSpec(path, None, origin=origin)
+                module.__path__ = []  # a package, so submodules import
+                sys.modules[path] = module
+                if i > 1:
+                    setattr(sys.modules[".".join(parts[: i - 1])], parts[i - 1], module)
+        for attr, value in attrs.items():
+            setattr(sys.modules[name], attr, value)
 
 
 def _with_suggestion(message: str) -> str:

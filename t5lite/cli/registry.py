@@ -11,6 +11,7 @@ import gin
 import seqio_lite
 from seqio_lite import file_tasks
 from t5lite import partitioning
+from t5lite.compat import seqio as seqio_compat
 from t5lite.compat import t5x
 from t5lite.insight import plan as _plan
 from t5lite.insight import report
@@ -34,7 +35,7 @@ create_mesh = _register(partitioning.create_mesh)
 Partitioner = _register(partitioning.Partitioner)
 
 # --- network configs ---------------------------------------------------
-T5Config = _register(network.T5Config, "network")
+T5Config = _register(t5x.T5Config, "network")  # t5lite's fields and t5x's names
 DecoderOnlyConfig = _register(network.DecoderOnlyConfig, "network")
 
 # --- models and optimizers -------------------------------------------------------------------
@@ -82,3 +83,27 @@ Mixture = gin.external_configurable(file_tasks.mixture, "Mixture", module="seqio
 ByteVocabulary = _register(seqio_lite.ByteVocabulary, "seqio_lite")
 SentencePieceVocabulary = _register(seqio_lite.SentencePieceVocabulary, "seqio_lite")
 TrainedSentencePiece = _register(file_tasks.TrainedSentencePiece, "seqio_lite")
+
+# --- t5x's module names ----------------------------------------------------------------------
+# t5x's gin files turn on dynamic registration and import t5x's modules by name (`from t5x
+# import models`, `from t5x.examples.t5 import network`, `import seqio`). Where t5x and seqio
+# are not installed, gin_config makes these names importable as modules holding the objects
+# below: gin finds the registrations above through them, so such a file binds t5lite's objects.
+# seqio.SentencePieceVocabulary is not registered here (a second `SentencePieceVocabulary`
+# would make the bare name ambiguous); gin registers it when a t5x file names it.
+T5X_MODULES: dict[str, dict[str, object]] = {  # the originals: gin keys registrations by them
+    "seqio": {"SentencePieceVocabulary": seqio_compat.SentencePieceVocabulary},
+    "t5x.models": {
+        "EncoderDecoderModel": t5x.EncoderDecoderModel,
+        "DecoderOnlyModel": t5x.DecoderOnlyModel,
+    },
+    "t5x.adafactor": {
+        "Adafactor": t5x.Adafactor,
+        "standard_logical_factor_rules": t5x.standard_logical_factor_rules,
+    },
+    "t5x.decoding": {
+        "beam_search": decoding.beam_search,
+        "temperature_sample": decoding.temperature_sample,
+    },
+    "t5x.examples.t5.network": {"T5Config": t5x.T5Config, "Transformer": t5x.Transformer},
+}

@@ -1,4 +1,5 @@
-"""seqio's argument names for `seqio_lite.get_dataset`, for code ported from seqio.
+"""seqio's argument names for `seqio_lite.get_dataset`, for code ported from seqio, and the
+`seqio.SentencePieceVocabulary` a t5x model gin file names.
 
 `seqio_lite.Task` already takes seqio's arguments (name, source, output_features, preprocessors,
 postprocess_fn, metric_fns); only `get_dataset` names its arguments differently.
@@ -53,3 +54,19 @@ def get_dataset(
         shard_id=shard.index, num_shards=shard.num_shards, seed=0 if seed is None else seed,
         shuffle=shuffle, num_epochs=num_epochs, feature_converter=feature_converter,
     )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SentencePieceVocabulary:
+    """seqio's `SentencePieceVocabulary(sentencepiece_model_file, extra_ids)` as t5x's model gin
+    files bind it (`VOCABULARY = @seqio.SentencePieceVocabulary()`), read when asked (`load`).
+
+    t5lite's models decode with the task's vocabulary, not the model's, so the file t5x's
+    configs name (a gs:// path) is never opened unless something calls `load`.
+    """
+
+    sentencepiece_model_file: str
+    extra_ids: int = 0
+
+    def load(self) -> seqio_lite.SentencePieceVocabulary:
+        return seqio_lite.SentencePieceVocabulary(self.sentencepiece_model_file, self.extra_ids)

@@ -8,6 +8,8 @@ settings, and returns the plain t5lite object (nothing here is a second implemen
   temperature_sample` -> `decoding_method='beam' / 'sample'`, `feature_converter_cls` ->
   `feature_converter`; `input_vocabulary`, `output_vocabulary`, `vocabulary` are accepted and
   unused (the task's vocabulary is used).
+- `network.T5Config`: `mlp_activations=('gelu', 'linear') / ('relu',)` -> `variant='t5.1.1' /
+  't5.1.0'`, `logits_via_embedding` -> `tie_logits`.
 - `network.Transformer(config)`, `network.DecoderWrapper(config)`: the config itself.
 - `adafactor.Adafactor`: `logical_factor_rules` -> `factor_rules`, `factored=False` ->
   `factor_rules={}`, `global_norm_clip_threshold` -> `clip_norm`.
@@ -26,7 +28,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from t5lite.model import losses, models, optimizers
+from t5lite.model import config, losses, models, optimizers
 
 _UNSET: Any = object()  # a t5x argument that was not given (None is a meaningful t5x value)
 _P = inspect.Parameter
@@ -170,4 +172,31 @@ Adafactor = _alias(
     _adafactor_aliases,
     "`optimizers.Adafactor` with t5x's argument names too. The learning rate is the optimizer's "
     "(t5x takes it from the trainer's `learning_rate_fn`).",
+)
+
+
+_T5_MLPS = {("gelu", "linear"): "t5.1.1", ("relu",): "t5.1.0"}
+
+
+def _t5_config_aliases(t5x: dict[str, Any]) -> dict[str, Any]:
+    """t5x T5Config arguments -> t5lite fields."""
+    out: dict[str, Any] = {}
+    if t5x.get("mlp_activations", _UNSET) is not _UNSET:
+        acts = tuple(t5x["mlp_activations"])
+        if acts not in _T5_MLPS:
+            raise ValueError(
+                f"T5Config.mlp_activations={acts!r}: t5lite's T5 is one of {list(_T5_MLPS)} "
+                "(variant 't5.1.1' or 't5.1.0')"
+            )
+        out["variant"] = _T5_MLPS[acts]
+    if t5x.get("logits_via_embedding", _UNSET) is not _UNSET:
+        out["tie_logits"] = t5x["logits_via_embedding"]
+    return out
+
+
+T5Config = _alias(
+    config.T5Config,
+    {"mlp_activations": tuple, "logits_via_embedding": bool},
+    _t5_config_aliases,
+    "`network.T5Config` with t5x's `mlp_activations` and `logits_via_embedding` too.",
 )

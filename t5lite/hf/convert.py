@@ -18,23 +18,9 @@ from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.hf import tokens
 from t5lite.hf import weights as hf_convert
 from t5lite.model import network
+from t5lite.model.config import config_from_record, config_record
 
-_CONFIG_TYPES = {"T5Config": network.T5Config, "DecoderOnlyConfig": network.DecoderOnlyConfig}
 _MODEL_OF = {"T5Config": "EncoderDecoderModel", "DecoderOnlyConfig": "DecoderOnlyModel"}
-
-
-def _config_json(config: network.T5Config | network.DecoderOnlyConfig) -> dict:
-    # The same record `programs.train` stores with every checkpoint.
-    return {"type": type(config).__name__, **dataclasses.asdict(config)}
-
-
-def config_from_json(d: dict) -> network.T5Config | network.DecoderOnlyConfig:
-    """The network config saved by `hf_to_t5lite`."""
-    fields = dict(d)
-    kind = fields.pop("type")
-    if kind not in _CONFIG_TYPES:
-        raise ValueError(f"unknown network config type {kind!r}")
-    return _CONFIG_TYPES[kind](**fields)
 
 
 def model_gin(
@@ -75,7 +61,7 @@ def hf_to_t5lite(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     encoder_decoder = isinstance(config, network.T5Config)
     ids, notes = tokens.model_ids(tokens.read_hf_ids(hf_dir), encoder_decoder)
     mgr = CheckpointManager(out, async_save=False)
-    extra = {"network_config": _config_json(config), "token_ids": dataclasses.asdict(ids),
+    extra = {"network_config": config_record(config), "token_ids": dataclasses.asdict(ids),
              "source": str(hf_dir)}  # fmt: skip
     mgr.save(0, {"params": params}, extra=extra)
     mgr.close()
@@ -99,5 +85,5 @@ def t5lite_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> P
         )
     # Checkpoints from before the ids were recorded decode with t5lite's defaults.
     ids = tokens.ModelIds(**extra.get("token_ids", {}))
-    hf_convert.export_hf(config_from_json(extra["network_config"]), state["params"], out, ids)
+    hf_convert.export_hf(config_from_record(extra["network_config"]), state["params"], out, ids)
     return out

@@ -7,7 +7,7 @@ Frozen dataclasses: gin binds them (`network.T5Config.emb_dim = 768`), checkpoin
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 RematPolicy = Literal["none", "minimal", "full"]
 RopeScaling = Literal["none", "linear", "llama3"]
@@ -176,3 +176,18 @@ AnyConfig = T5Config | DecoderOnlyConfig
 def _check_remat(policy: str) -> None:
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {policy!r}")
+
+
+def config_record(config: AnyConfig) -> dict[str, Any]:
+    """The JSON record of a network config that every checkpoint keeps (`extra.json`)."""
+    return {"type": type(config).__name__, **dataclasses.asdict(config)}
+
+
+def config_from_record(record: dict[str, Any]) -> AnyConfig:
+    """The network config of a checkpoint's record (`config_record`)."""
+    fields = dict(record)
+    kind = fields.pop("type")
+    types = {"T5Config": T5Config, "DecoderOnlyConfig": DecoderOnlyConfig}
+    if kind not in types:
+        raise ValueError(f"unknown network config type {kind!r}")
+    return types[kind](**fields)

@@ -11,7 +11,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from t5lite.distributed import ProgressWatchdog
 from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import peak_flops
 from t5lite.insight.sharding import format_bytes
+from t5lite.model.config import config_record
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
 from t5lite.programs import metrics_writer as mw
@@ -186,14 +186,10 @@ def _check_start_checkpoint(
         check_against_metadata(init_checkpoint, trainer.state_abstract, params_only=True)
 
 
-def _network_record(cfg: Any) -> dict[str, Any]:
-    return {"type": type(cfg).__name__, **asdict(cfg)}
-
-
 def _run_info(seed: int, model: Any) -> dict[str, Any]:
     # The token ids are what `t5lite convert` writes back as the HF pad / EOS / start ids.
     ids = {k: getattr(model, k) for k in ("pad_id", "eos_id", "decoder_start_token_id")}
-    return {"seed": seed, "network_config": _network_record(model.network_config), "token_ids": ids}
+    return {"seed": seed, "network_config": config_record(model.network_config), "token_ids": ids}
 
 
 def _done_line(ckpt: CheckpointManager, seconds: float) -> str:
