@@ -17,7 +17,7 @@ _DEF_RE = re.compile(
 )
 
 
-def _shapes(text: str) -> list[tuple[int, ...]]:
+def shapes(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY_RE.findall(text)]
 
 
@@ -50,8 +50,8 @@ def final_uses(hlo_text: str, name: str, defs: dict) -> list[tuple[str, tuple[in
         if op in ("get-tuple-element", "bitcast"):
             out += final_uses(hlo_text, u, defs)
         else:
-            shapes = _shapes(shape)
-            out.append((op, shapes[0] if shapes else ()))
+            found = shapes(shape)
+            out.append((op, found[0] if found else ()))
     return out
 
 

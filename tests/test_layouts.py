@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices
-from hlo_consumers import collective_names, definitions, final_uses
+from hlo_consumers import collective_names, definitions, final_uses, shapes
 from jax.sharding import PartitionSpec as P
 
 from t5lite.insight.hlo import parse_collectives
@@ -65,14 +65,8 @@ def _arrays(kind, axes, hlo, mesh):
     out = collections.Counter()
     for name, c in zip(names, colls, strict=True):
         if c.axes == axes:
-            out.update(_shapes_of(defs[name][1]))
+            out.update(shapes(defs[name][1]))
     return out
-
-
-def _shapes_of(shape_text):
-    from hlo_consumers import _shapes
-
-    return _shapes(shape_text)
 
 
 def test_sequence_parallel(dp_losses):
@@ -91,8 +85,8 @@ def test_sequence_parallel(dp_losses):
     names = collective_names(hlo, "all-reduce")
     colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
     for name, c in zip(names, colls, strict=True):
-        if c.axes == ("model",) and ACT in _shapes_of(defs[name][1]):
-            reduced += _shapes_of(defs[name][1]).count(ACT)
+        if c.axes == ("model",) and ACT in shapes(defs[name][1]):
+            reduced += shapes(defs[name][1]).count(ACT)
             uses = final_uses(hlo, name, defs)
             # Every use is at most one device's shard [B/d, L/m, D] (in any shape; XLA may
             # flatten batch and length), and some use is exactly that.
@@ -143,3 +137,45 @@ def test_tensor_2d_mlp_volume_matches_the_formula():
         ("all-gather", ("model",)): t * emb // d,  # the input, before the wi matmuls
         ("all-reduce", ("model",)): t * emb // d,  # wo's partial sums (reduce-scatter on TPU)
     }
+
+
+def test_fsdp_weight_gradients_are_reduce_scatters_in_cpu_spelling():
+    """ZeRO-3 on XLA:CPU: each weight gradient is summed over `data` and only this device's
+    1/data of the sum is used. XLA:CPU has no reduce-scatter creator, so the sum is an all-reduce
+    (twice a reduce-scatter's traffic); TPU fuses it (tests/test_layouts_tpu.py)."""
+    require_devices(8)
+    data, model = 4, 2
+    cfg = network.T5Config(vocab_size=128, emb_dim=64, num_heads=4, head_dim=32, mlp_dim=256,
+                           num_encoder_layers=1, num_decoder_layers=1)  # fmt: skip
+    part = Partitioner(create_mesh(model), logical_axis_rules=preset_rules("fsdp"))
+    tr = Trainer(EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-3)), part,
+                 batch_size=8, lengths={"inputs": 4, "targets": 4})  # fmt: skip
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_shardings[k])
+             for k, v in tr.batch_abstract.items()}  # fmt: skip
+    hlo = tr.train_step.lower(tr.abstract_state(), batch).compile().as_text()
+    placements = jax.tree_util.tree_leaves(
+        part.placements(tr.state_abstract.params, tr.params_axes),
+        is_leaf=lambda x: hasattr(x, "shard_shape"),
+    )
+    # The weight matrices split over `data` (the token embedding's gradient is a scatter-add of
+    # looked-up rows, computed from gathered lookups instead), as each model shard holds them.
+    kernels = [
+        tuple(n // model if e == "model" else n for n, e in zip(p.shape, p.spec))
+        for p in placements
+        if len(p.shape) >= 2 and "data" in p.spec and not p.path.startswith("token_embedder")
+    ]
+    assert len(kernels) == 19
+    defs = definitions(hlo)
+    colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
+    summed = []
+    for name, c in zip(collective_names(hlo, "all-reduce"), colls, strict=True):
+        # Weight-sized results only: the smallest kernel has 64 x 64 elements, the largest
+        # activation here 2 x 4 x 64.
+        big = [s for s in shapes(defs[name][1]) if math.prod(s) >= 64 * 64]
+        if c.axes != ("data",) or not big:
+            continue
+        summed += big
+        uses = final_uses(hlo, name, defs)
+        assert uses and max(math.prod(s) for _, s in uses) <= max(map(math.prod, big)) // data
+    # Every weight gradient exactly once (XLA may lay a kernel out transposed).
+    assert sorted(tuple(sorted(s)) for s in summed) == sorted(tuple(sorted(k)) for k in kernels)
