@@ -21,6 +21,7 @@ from t5lite.insight.sharding import sharding_report
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.model.network import DecoderOnlyConfig
 from t5lite.partitioning import (
+    PRESETS,
     Partitioner,
     create_mesh,
     data_parallel_logical_axis_rules,
@@ -216,7 +217,8 @@ def test_enumerate_layouts_dedupes_and_validates():
     names = {(x.preset, x.data, x.model) for x in layouts}
     assert ("data_parallel", 8, 1) in names and ("data_parallel", 4, 2) not in names
     assert ("fsdp", 8, 1) in names and ("megatron", 8, 1) not in names
-    assert len(layouts) == 1 + 3 + 4 + 3 + 3
+    # data_parallel once, fsdp on model = 1, 2, 4, 8, every other preset on model = 2, 4, 8.
+    assert len(layouts) == 1 + 4 + 3 * (len(PRESETS) - 2)
     with pytest.raises(ValueError, match="unknown preset 'zero'"):
         plan_lib.enumerate_layouts(8, presets=["zero"])
 

@@ -71,6 +71,11 @@ EXPECTED = {
         "mlp/wi": P(D, M), "mlp/wo": P(M, D),
     },
 }  # fmt: skip
+# Sequence and context parallelism move activations only: their weights are Megatron's and data
+# parallelism's; tensor_2d is the 2/2 table under its 2D tensor-parallel name.
+EXPECTED["sequence_parallel"] = EXPECTED["megatron"]
+EXPECTED["context_parallel"] = EXPECTED["data_parallel"]
+EXPECTED["tensor_2d"] = EXPECTED["fully_sharded"]
 
 
 def toy_init(rng):

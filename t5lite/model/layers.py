@@ -454,8 +454,10 @@ class MultiHeadAttention(nn.Module):
         if self.scale_logits:
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
-        k = nn.with_logical_constraint(k, ("batch", "length", kv_axis, "kv"))
-        v = nn.with_logical_constraint(v, ("batch", "length", kv_axis, "kv"))
+        # Key/value positions have a name of their own: context parallelism shards the queries'
+        # `length` and keeps every key and value position on each device (all-gathered).
+        k = nn.with_logical_constraint(k, ("batch", "kv_length", kv_axis, "kv"))
+        v = nn.with_logical_constraint(v, ("batch", "kv_length", kv_axis, "kv"))
         if decode:
             k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
 

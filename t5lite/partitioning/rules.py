@@ -31,12 +31,13 @@ PyTree = Any
 
 
 # Names that are never sharded by the standard tables (explicit `None`, so the rule exists and a
-# missing rule can be told apart from a deliberately replicated name). Besides t5lite's own, the
+# missing rule can be told apart from a deliberately replicated name): t5lite's own (`kv_length`
+# is the key/value positions inside attention, which context parallelism keeps whole) and the
 # rest of t5x's vocabulary, so t5x-style modules partition unchanged: `abspos_buckets` (learned
 # absolute positions), `stack` (stacked, unscanned layers), `mlp_activations` (the gated MLP's
 # activation index), and from t5x's MoE tables `expert_group` and `unmodeled`.
 _REPLICATED_NAMES = (
-    "length", "kv", "relpos_buckets", "layers",
+    "length", "kv_length", "kv", "relpos_buckets", "layers",
     "abspos_buckets", "stack", "mlp_activations", "expert_group", "unmodeled",
 )  # fmt: skip
 
@@ -112,14 +113,54 @@ def data_parallel_logical_axis_rules(
 
 
 # The named layouts: one table that the gin presets (configs/partitioning/*.gin), `t5lite plan`
-# and the tests all read. name -> (activation_partitioning_dims, parameter_partitioning_dims);
-# None: pure data parallelism.
+# and the tests all read. name -> (activation_partitioning_dims, parameter_partitioning_dims) of
+# the t5x table it starts from; None: pure data parallelism. Presets in `_SEQUENCE_LAYOUTS` then
+# move `length` (see there).
 PRESETS: dict[str, tuple[int, int] | None] = {
     "data_parallel": None,
     "megatron": (1, 1),
     "fsdp": (1, 2),
     "activations_2d": (2, 1),
     "fully_sharded": (2, 2),
+    "sequence_parallel": (1, 1),
+    "context_parallel": (1, 1),
+    # GSPMD's 2D sharding (weights [embed -> data, mlp/heads -> model], activations [batch ->
+    # data, embed -> model]) is t5x's 2/2 table: the rules-only form of 2D tensor parallelism
+    # (Optimus splits each weight's input dim over rows and its output dim over columns, which
+    # one rule per name cannot say for both MLP matrices; see README "2D tensor parallelism").
+    "tensor_2d": (2, 2),
+}
+
+
+def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
+    """Megatron-3 (Korthikanti et al. 2022): `length` -> model *after* mlp/heads/vocab.
+
+    Between the blocks the residual stream [batch, length, embed] takes `model` on `length`
+    (layer norms, dropout and the residual adds work on 1/model of the tokens); inside a block
+    `heads` / `mlp` / `vocab` come first and take `model`, so `length` falls back to whole
+    there. The partitioner turns each block's all-reduce into a reduce-scatter (to the
+    length-sharded residual) and an all-gather (before the next block's column-parallel matmul).
+    """
+    return [(n, MODEL if n == "length" else a) for n, a in rules]
+
+
+def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
+    """`model` becomes the context axis: every activation's `length` -> model, first.
+
+    Queries, the MLP, norms and logits work on 1/model of the positions; keys and values
+    (`kv_length`, replicated) are all-gathered inside attention and their gradients
+    reduce-scattered back. Weights are replicated over `model` (their gradients are summed over
+    data and context, as in Megatron's context parallelism); with the length rule first, no
+    activation dimension other than `length` can take `model`.
+    """
+    front = [("length", MODEL)]
+    rest = [(n, None if a == MODEL else a) for n, a in rules if n != "length"]
+    return front + rest
+
+
+_SEQUENCE_LAYOUTS = {
+    "sequence_parallel": _sequence_parallel,
+    "context_parallel": _context_parallel,
 }
 
 
@@ -143,7 +184,10 @@ def preset_rules(
     dims = PRESETS[name]
     if dims is None:
         return data_parallel_logical_axis_rules(additional_rules)
-    return standard_logical_axis_rules(*dims, additional_rules, data_axis=data_axis)
+    rules = list(standard_logical_axis_rules(*dims, data_axis=data_axis))
+    if name in _SEQUENCE_LAYOUTS:
+        rules = _SEQUENCE_LAYOUTS[name](rules)
+    return tuple(rules + list(additional_rules or ()))
 
 
 @dataclasses.dataclass(frozen=True)

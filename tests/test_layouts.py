@@ -1,0 +1,181 @@
+"""Sequence parallel, context parallel and 2D tensor parallel presets: losses and compiled HLO.
+
+Each preset trains a tiny T5 on 8 fake CPU devices (data=2 x model=4) with the losses of pure
+data parallelism; the compiled train step shows the collectives the layout implies. XLA:CPU has
+no reduce-scatter creator, so a reduce-scatter appears as an all-reduce whose every use is a
+slice to this device's shard (tests/hlo_consumers.py); tests/test_layouts_tpu.py checks the TPU
+compiler's spelling.
+"""
+
+import collections
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices
+from hlo_consumers import collective_names, definitions, final_uses, shapes
+from jax.sharding import PartitionSpec as P
+
+from t5lite.insight.hlo import parse_collectives
+from t5lite.model import layers, network, optimizers
+from t5lite.model.models import EncoderDecoderModel
+from t5lite.partitioning import Partitioner, create_mesh, preset_rules
+from t5lite.trainer import Trainer, summarize
+
+B, L, D, MODEL = 8, 8, 16, 4  # batch, length, emb_dim, size of the `model` axis
+CFG = network.T5Config(vocab_size=32, emb_dim=D, num_heads=4, num_encoder_layers=1,
+                       num_decoder_layers=1, head_dim=4, mlp_dim=32)  # fmt: skip
+ACT = (B // 2, L, D)  # a residual-stream activation on one data shard, all positions
+
+
+def _batch():
+    tokens = np.random.default_rng(0).integers(2, 32, size=(B, L)).astype(np.int32)
+    return {"encoder_input_tokens": tokens, "decoder_target_tokens": tokens[:, ::-1].copy(),
+            "decoder_input_tokens": np.pad(tokens[:, ::-1], ((0, 0), (1, 0)))[:, :-1]}  # fmt: skip
+
+
+def _train(preset, steps=3, hlo=False):
+    """Losses of `steps` steps under `preset`, and the compiled train step's HLO if asked."""
+    part = Partitioner(create_mesh(MODEL), logical_axis_rules=preset_rules(preset))
+    model = EncoderDecoderModel(CFG, optimizer=optimizers.AdamW(1e-2))
+    tr = Trainer(model, part, batch_size=B, lengths={"inputs": L, "targets": L})
+    batch, state = tr.global_batch(_batch()), tr.init_state()
+    step = tr.train_step.lower(state, batch).compile() if hlo else None
+    losses = []
+    for _ in range(steps):
+        with part.context():
+            state, metrics = (step or tr.train_step)(state, batch)
+        losses.append(summarize(metrics)["loss"])
+    return losses, (step.as_text() if hlo else None), part, batch
+
+
+@pytest.fixture(scope="module")
+def dp_losses():
+    require_devices(8)
+    return _train("data_parallel")[0]
+
+
+def _arrays(kind, axes, hlo, mesh):
+    """Counter of result shapes of the collectives of `kind` over mesh `axes`."""
+    names = collective_names(hlo, kind)
+    colls = [c for c in parse_collectives(hlo, mesh) if c.kind == kind]
+    defs = definitions(hlo)
+    out = collections.Counter()
+    for name, c in zip(names, colls, strict=True):
+        if c.axes == axes:
+            out.update(shapes(defs[name][1]))
+    return out
+
+
+def test_sequence_parallel(dp_losses):
+    losses, hlo, part, batch = _train("sequence_parallel", hlo=True)
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
+    # Batches follow the rules: positions split over `model` like the residual stream.
+    assert batch["decoder_target_tokens"].sharding.spec == P("data", "model")
+    # The residual stream is gathered whole before each block's column-parallel matmuls: 5
+    # blocks (encoder attention and MLP; decoder self-, cross-attention and MLP) forward and
+    # backward, plus the encoder output that cross-attention reads (forward and backward).
+    assert _arrays("all-gather", ("model",), hlo, part.mesh)[ACT] == 12
+    # Each block's partial sums over `model` are reduced and only their own 1/model of the
+    # positions is used: no use of such an all-reduce materialises a full-length activation
+    # (the reduce-scatter, spelled all-reduce + slice by XLA:CPU).
+    defs, reduced = definitions(hlo), 0
+    names = collective_names(hlo, "all-reduce")
+    colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
+    for name, c in zip(names, colls, strict=True):
+        if c.axes == ("model",) and ACT in shapes(defs[name][1]):
+            reduced += shapes(defs[name][1]).count(ACT)
+            uses = final_uses(hlo, name, defs)
+            # Every use is at most one device's shard [B/d, L/m, D] (in any shape; XLA may
+            # flatten batch and length), and some use is exactly that.
+            sizes = {math.prod(shape) for _, shape in uses}
+            assert uses and max(sizes) == math.prod(ACT) // MODEL, (name, uses)
+    assert reduced == 19  # measured (Megatron: 21 such all-reduces, each used whole)
+
+
+def test_context_parallel(dp_losses):
+    losses, hlo, part, batch = _train("context_parallel", hlo=True)
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
+    assert batch["encoder_input_tokens"].sharding.spec == P("data", "model")
+    # Keys and values need every position: each attention layer (encoder self, decoder self,
+    # decoder cross) all-gathers the input its key and value projections share, once.
+    gathered = _arrays("all-gather", ("model",), hlo, part.mesh)
+    assert gathered[ACT] == 3
+    # Nothing else of the activations is gathered over the context axis: queries, the MLP and
+    # the logits stay split by position.
+    assert not [s for s in gathered if len(s) >= 3 and s != ACT], gathered
+
+
+def test_tensor_2d(dp_losses):
+    losses, hlo, part, _ = _train("tensor_2d", hlo=True)
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
+    # Weights are split over both axes and gathered over `data` only (never over `model`).
+    assert sum(_arrays("all-gather", ("data",), hlo, part.mesh).values()) > 0
+
+
+def test_tensor_2d_mlp_volume_matches_the_formula():
+    """Per MLP block forward on a d x m mesh: the weights gathered over `data` (D·F/m elements
+    each), the input gathered over `model` and the output reduced over `model` (T·D/d each)."""
+    require_devices(8)
+    d, m, t, emb, f = 2, 4, 8 * 4, 32, 64
+    part = Partitioner(create_mesh(m), logical_axis_rules=preset_rules("tensor_2d"))
+    mlp = layers.MlpBlock(intermediate_dim=f, activations=("gelu", "linear"))
+    x = jax.ShapeDtypeStruct((8, 4, emb), jnp.float32)
+    variables, axes = part.abstract_initialize(lambda r: mlp.init(r, jnp.zeros(x.shape)),
+                                               jax.random.PRNGKey(0))  # fmt: skip
+    p_sh = part.shardings(variables["params"], axes["params"])
+    x_sh = part.logical_to_sharding(P("batch", "length", "embed"))
+    fn = part.partition(lambda p, x: mlp.apply({"params": p}, x), (p_sh, x_sh), x_sh)
+    hlo = part.compile(fn, variables["params"], x).as_text()
+    volume = collections.Counter()
+    for c in parse_collectives(hlo, part.mesh):
+        volume[(c.kind, c.axes)] += c.bytes // 4  # f32 elements of each result
+    assert dict(volume) == {
+        ("all-gather", ("data",)): 3 * emb * f // m,  # wi_0, wi_1, wo: gathered to 1/m each
+        ("all-gather", ("model",)): t * emb // d,  # the input, before the wi matmuls
+        ("all-reduce", ("model",)): t * emb // d,  # wo's partial sums (reduce-scatter on TPU)
+    }
+
+
+def test_fsdp_weight_gradients_are_reduce_scatters_in_cpu_spelling():
+    """ZeRO-3 on XLA:CPU: each weight gradient is summed over `data` and only this device's
+    1/data of the sum is used. XLA:CPU has no reduce-scatter creator, so the sum is an all-reduce
+    (twice a reduce-scatter's traffic); TPU fuses it (tests/test_layouts_tpu.py)."""
+    require_devices(8)
+    data, model = 4, 2
+    cfg = network.T5Config(vocab_size=128, emb_dim=64, num_heads=4, head_dim=32, mlp_dim=256,
+                           num_encoder_layers=1, num_decoder_layers=1)  # fmt: skip
+    part = Partitioner(create_mesh(model), logical_axis_rules=preset_rules("fsdp"))
+    tr = Trainer(EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-3)), part,
+                 batch_size=8, lengths={"inputs": 4, "targets": 4})  # fmt: skip
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_shardings[k])
+             for k, v in tr.batch_abstract.items()}  # fmt: skip
+    hlo = tr.train_step.lower(tr.abstract_state(), batch).compile().as_text()
+    placements = jax.tree_util.tree_leaves(
+        part.placements(tr.state_abstract.params, tr.params_axes),
+        is_leaf=lambda x: hasattr(x, "shard_shape"),
+    )
+    # The weight matrices split over `data` (the token embedding's gradient is a scatter-add of
+    # looked-up rows, computed from gathered lookups instead), as each model shard holds them.
+    kernels = [
+        tuple(n // model if e == "model" else n for n, e in zip(p.shape, p.spec))
+        for p in placements
+        if len(p.shape) >= 2 and "data" in p.spec and not p.path.startswith("token_embedder")
+    ]
+    assert len(kernels) == 19
+    defs = definitions(hlo)
+    colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
+    summed = []
+    for name, c in zip(collective_names(hlo, "all-reduce"), colls, strict=True):
+        # Weight-sized results only: the smallest kernel has 64 x 64 elements, the largest
+        # activation here 2 x 4 x 64.
+        big = [s for s in shapes(defs[name][1]) if math.prod(s) >= 64 * 64]
+        if c.axes != ("data",) or not big:
+            continue
+        summed += big
+        uses = final_uses(hlo, name, defs)
+        assert uses and max(math.prod(s) for _, s in uses) <= max(map(math.prod, big)) // data
+    # Every weight gradient exactly once (XLA may lay a kernel out transposed).
+    assert sorted(tuple(sorted(s)) for s in summed) == sorted(tuple(sorted(k)) for k in kernels)
