@@ -142,13 +142,12 @@ def train(
         run_info = _run_info(seed, model)
 
         start = int(state.step)
-        last, eval_metrics = {}, {}  # the latest train and eval metrics
-        watchdog = None
+        last, eval_metrics, watchdog = {}, {}, None  # the latest train and eval metrics
         t0 = time.time()
         writer.info(_start_line(model_dir, start, num_steps))
         for step in range(start + 1, num_steps + 1):
-            local_batch = next(dataset)
-            state, metrics = trainer.train_step(state, trainer.global_batch(local_batch))
+            batch = next(dataset)  # numpy, this process's rows: throughput counts its tokens
+            state, metrics = trainer.train_step(state, trainer.global_batch(batch))
             raw = jax.device_get(metrics)
             m = summarize(raw)
             if watchdog is None:  # armed after the first step: compilation time is unbounded
@@ -158,7 +157,7 @@ def train(
             if not (raw["params_finite"] and all(math.isfinite(v) for v in m.values())):
                 _stop_non_finite(ckpt, state, step, m)
             stall.check(step, m)
-            last = {**m, **throughput.measure(local_batch)}
+            last = {**m, **throughput.measure(batch)}
             writer.write(step, last)
             is_final = step == num_steps
             stop_now = stop_after_steps is not None and step - start >= stop_after_steps
