@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of
+from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
 
@@ -61,15 +61,64 @@ def _tree_bytes_per_device(tree: Any) -> int:
     return total
 
 
+# --- the analytic model ---------------------------------------------------------------------
+
+
+def _bytes_per_device(
+    partitioner: Partitioner, axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int
+) -> int:
+    """Bytes one device holds of an array with these logical axes under the rules table."""
+    spec, _ = resolve_logical_axes(axes, partitioner.rules)
+    mesh = partitioner.mesh.shape
+    split = math.prod(mesh[t] for e in spec for t in mesh_axes_of(e) if t in mesh)
+    return math.prod(shape) * itemsize // max(split, 1)
+
+
+def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int]):
+    """Per-device bytes of one layer's activations: {name: bytes} by logical layout."""
+    act = np.dtype(cfg.dtype).itemsize
+    h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
+        return _bytes_per_device(partitioner, axes, shape, itemsize)
+
+    return {
+        "x": of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim)),
+        "q": of(("batch", "length", "heads", "kv"), (b, q_len, h, k)),
+        "kv": sum(2 * of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens),
+        # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
+        "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens),
+        "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
+        "attentions": len(kv_lens),
+        "mlp_in": len(cfg.mlp_activations),
+    }
+
+
+def _saved(a: dict[str, int], remat: str) -> int:
+    """What one layer keeps for its backward pass under a remat policy."""
+    if remat == "full":
+        return a["x"]  # the layer input; everything else is recomputed
+    projections = a["attentions"] * (a["q"] + a["x"]) + a["kv"] + a["mlp_in"] * a["h"] + a["x"]
+    if remat == "minimal":  # outputs of dots without batch dims: the projections, + the input
+        return a["x"] + projections
+    # Everything: + each norm's input and output, the context, the scores and probabilities,
+    # the MLP's activation and gated product.
+    n = a["attentions"]
+    return projections + (2 * n + 3) * a["x"] + n * a["q"] + 2 * a["scores"] + 2 * a["h"]
+
+
 @dataclasses.dataclass(frozen=True)
 class PredictedMemory:
-    """An analytic estimate of the train step's memory per device (no compilation).
+    """An analytic estimate of the train step's peak memory per device (no compilation).
 
-    `state` and `batch` are exact (from the shardings). `gradients` are whole over the batch's
-    mesh axes until they are reduced (for 2D parameters, before the reduce-scatter); `update`
-    is the optimizer's parameter-sized update; `activations` counts what each layer saves for
-    the backward pass under the remat policy (a model of it, not XLA's buffer assignment, so
-    expect it to drift for large batches).
+    The peak is the larger of two moments, each a sum of buffers live at once:
+      backward: state + batch + gradients (whole over the batch axes until reduced, all layers:
+        the scan carries them) + saved activations (all layers, the remat policy) + the larger
+        of the loss's temporaries ([B, L, V] fp32 logits, probabilities and their cotangent) and
+        one layer's backward working set (its recomputed activations and their cotangents);
+      update: state + batch + gradients + the optimizer's parameter-sized update.
+    `activations` is what the backward moment adds to state and gradients (0 when the update
+    is the peak); `update` likewise. Exact for state and batch (from the shardings).
     """
 
     state: int
@@ -77,68 +126,52 @@ class PredictedMemory:
     gradients: int
     update: int
     activations: int
+    terms: tuple[tuple[str, int], ...] = ()  # every modelled buffer group, for reports
 
     @property
     def total(self) -> int:
         return self.state + self.batch + self.gradients + self.update + self.activations
 
 
-def _activations_saved_per_token(
-    cfg: Any, remat: str, self_len: int, cross_len: int | None
-) -> tuple[int, int]:
-    """(values split over `model`, values kept whole) per token that one layer saves for its
-    backward pass under a remat policy."""
-    d, f, h, hk = cfg.emb_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_heads * cfg.head_dim
-    n_in = len(cfg.mlp_activations)
-    if remat == "full":
-        return 0, d  # the layer input only; everything else is recomputed
-    # Per attention: q, k, v, context (split by heads) and the logits and probabilities
-    # [H, L_kv] per query; per MLP: the input projections and the gated hidden (split by mlp).
-    attns = [self_len] + ([cross_len] if cross_len else [])
-    if remat == "minimal":  # matmul outputs without batch dims: projections only
-        split = sum(3 * hk for _ in attns) + n_in * f
-        return split, d * (len(attns) + 1)
-    split = sum(4 * hk + 2 * h * kv for kv in attns) + n_in * f + f
-    return split, 2 * d * (len(attns) + 1)
+_LOSS_BUFFERS = 3  # logits, their exponentials (softmax), the cotangent: all [B, L, V] fp32
+_WORK_FACTOR = 2  # a layer's backward: its activations (recomputed if remat) and cotangents
 
 
 def predict_memory(trainer: Trainer) -> PredictedMemory:
-    """Memory per device of `trainer.train_step`, from shapes and shardings alone."""
-    state = trainer.abstract_state()
+    """Peak memory per device of `trainer.train_step`, from shapes and shardings alone."""
+    part = trainer.partitioner
     cfg = trainer.model.network_config
-    act_bytes = np.dtype(cfg.dtype).itemsize
-    data_size = trainer.partitioner.data_parallel_size
-    b = trainer.batch_size // data_size
-    # The model axis splits MLP and heads; activations' embed stays whole (1D activations).
-    model_size = math.prod(
-        trainer.partitioner.mesh.shape[t] for t in mesh_axes_of(rule_of(trainer.partitioner, "mlp"))
-    )
-    acts = 0
+    b = trainer.batch_size // trainer.num_microbatches
+    lt = trainer.lengths["targets"]
     if hasattr(cfg, "num_encoder_layers"):
-        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
-        per = [(cfg.num_encoder_layers, li, None), (cfg.num_decoder_layers, lt, li)]
+        li = trainer.lengths["inputs"]
+        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
     else:
-        lt = trainer.lengths["targets"]
-        per = [(cfg.num_layers, lt, None)]
-    for n_layers, length, cross_len in per:
-        split, whole = _activations_saved_per_token(cfg, cfg.remat_policy, length, cross_len)
-        acts += int(n_layers * b * length * (split / model_size + whole) * act_bytes)
-    # Logits [B, L, V] in fp32 and their gradient, vocab-sharded over `model`.
-    v_shard = cfg.vocab_size // max(model_size, 1)
-    acts += 2 * b * trainer.lengths["targets"] * v_shard * 4
-    return PredictedMemory(
-        state=_tree_bytes_per_device(state),
-        batch=_tree_bytes_per_device(
-            jax.tree_util.tree_map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                trainer.batch_abstract,
-                trainer.batch_shardings,
-            )
-        ),
-        gradients=_unreduced_gradient_bytes(trainer),
-        update=_tree_bytes_per_device(state.params),
-        activations=acts,
+        lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
+        stacks = [(cfg.num_layers, lt, [lt])]
+    layers = [(n, _layer_bytes(part, cfg, b, q, kv)) for n, q, kv in stacks]
+    saved = sum(n * _saved(a, cfg.remat_policy) for n, a in layers)
+    work = _WORK_FACTOR * max(_saved(a, "none") for _, a in layers)
+    logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
+    loss = _LOSS_BUFFERS * logits
+    state = _tree_bytes_per_device(trainer.abstract_state())
+    batch = _tree_bytes_per_device(
+        jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            trainer.batch_abstract,
+            trainer.batch_shardings,
+        )
     )
+    grads = _unreduced_gradient_bytes(trainer)
+    update = _tree_bytes_per_device(trainer.abstract_state().params)
+    backward = saved + max(loss, work)
+    terms = (
+        ("saved activations", saved), ("layer working set", work), ("loss temporaries", loss),
+        ("optimizer update", update),
+    )  # fmt: skip
+    if backward >= update:
+        return PredictedMemory(state, batch, grads, 0, backward, terms)
+    return PredictedMemory(state, batch, grads, update, 0, terms)
 
 
 def _unreduced_gradient_bytes(trainer: Trainer) -> int:
