@@ -189,13 +189,12 @@ def _activation_collectives(
         # backward, the gradient of the encoder output its keys and values read.
         stacks = [(2 * n_enc, li), (3 * n_dec, lt), (n_dec / 2, li)]
         lookups = [li, lt]  # one vocab-parallel embedding lookup per stack
-        # q, k, v (2 extra) and a gated MLP's inputs read one tensor: Megatron sums their
-        # input gradients before one all-reduce; a compiler may all-reduce each.
-        unfused = n_enc * (2 + gated) * li + n_dec * ((2 + gated) * lt + li)
+        # extra reductions if unfused: q, k, v (2), a gated MLP (1), cross-attention k, v (1)
+        extra_tokens = n_enc * (2 + gated) * li + n_dec * ((2 + gated) * lt + li)
     else:
         lt = trainer.lengths["targets"] + trainer.lengths.get("inputs", 0)
         stacks, lookups = [(2 * cfg.num_layers, lt)], [lt]
-        unfused = cfg.num_layers * (2 + gated) * lt
+        extra_tokens = cfg.num_layers * (2 + gated) * lt
     size = _split(mesh_shape, model_axes)
     act_spec, _ = resolve_logical_axes(("batch", "length", "embed"), part.rules)
     split_acts = bool(set(model_axes) & {t for e in act_spec for t in mesh_axes_of(e)})
@@ -207,24 +206,33 @@ def _activation_collectives(
     if vocab_split:
         fwd_bwd += sum(length * x_bytes for length in lookups) + lt * x_bytes
         count += len(lookups) + 1
-    if split_acts:
-        why = "activations split over model: all-gather before, reduce-scatter after a block"
-        return [
-            ExpectedCollective("all-gather", model_axes, count, fwd_bwd, size, why),
-            ExpectedCollective("reduce-scatter", model_axes, count, fwd_bwd // size, size, why),
-        ], []
-    why = "Megatron: one all-reduce per split block forward and one backward"
     if cfg.remat_policy == "full":  # the backward pass recomputes each block's forward
         fwd_bwd, count = fwd_bwd * 3 // 2, count * 3 // 2
-        why += ", and again where the backward pass recomputes the forward (remat)"
-    ar = ExpectedCollective("all-reduce", model_axes, count, fwd_bwd, size, why)
-    per_x = ar.link_bytes / max(fwd_bwd, 1)
-    choice = CompilerChoice(
-        "the input gradients of q, k, v (and of a gated MLP's inputs) all-reduced one by one "
+    # q, k, v and a gated MLP's inputs read one tensor: Megatron sums their input gradients
+    # before one reduction; a compiler may reduce each (link bytes of an all-reduce).
+    unfused = CompilerChoice(
+        "the input gradients of q, k, v (and of a gated MLP's inputs) reduced one by one "
         "instead of summed first",
-        model_axes, unfused * x_bytes * per_x,
+        model_axes, extra_tokens * x_bytes * 2 * (size - 1) / size,
     )  # fmt: skip
-    return [ar], [choice]
+    if split_acts:
+        why = "activations split over model: all-gather before, reduce-scatter after a block"
+        ag = ExpectedCollective("all-gather", model_axes, count, fwd_bwd, size, why)
+        rs = ExpectedCollective("reduce-scatter", model_axes, count, fwd_bwd // size, size, why)
+        return [ag, rs], [
+            unfused,
+            CompilerChoice(
+                "block outputs all-reduced and sliced instead of reduce-scattered",
+                model_axes, rs.link_bytes,
+            ),
+            CompilerChoice(
+                "activations gathered again for the backward pass", model_axes, ag.link_bytes
+            ),
+        ]  # fmt: skip
+    why = "Megatron: one all-reduce per split block forward and one backward"
+    if cfg.remat_policy == "full":
+        why += ", and again where the backward pass recomputes the forward (remat)"
+    return [ExpectedCollective("all-reduce", model_axes, count, fwd_bwd, size, why)], [unfused]
 
 
 def analytic_communication(trainer: Trainer, report: ShardingReport) -> AnalyticCommunication:
