@@ -84,6 +84,8 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
 
     return {
         "x": of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim)),
+        # a block's matmul input, gathered over whatever splits activations' length or embed
+        "x_gathered": of(("batch", None, None), (b, q_len, cfg.emb_dim)),
         "q": of(("batch", "length", "heads", "kv"), (b, q_len, h, k)),
         "kv": sum(2 * of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens),
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
@@ -172,7 +174,11 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
         stacks = [(cfg.num_layers, lt, [lt])]
     layers = [(n, _layer_bytes(part, cfg, b, q, kv)) for n, q, kv in stacks]
     saved = sum(n * _saved(a, cfg.remat_policy) for n, a in layers)
-    work = max(_saved(a, "none") for _, a in layers)  # one layer's backward, all of it
+    # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
+    # inputs are gathered over the axes that split activations (2D activations, sequence
+    # parallelism), so its [B, L, D] buffers are counted at their gathered size.
+    gathered = cfg.remat_policy != "none"
+    work = max(_saved({**a, "x": a["x_gathered"]} if gathered else a, "none") for _, a in layers)
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     loss = _LOSS_BUFFERS * logits
     state = _tree_bytes_per_device(trainer.abstract_state())
@@ -185,7 +191,9 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     )
     grads = _unreduced_gradient_bytes(trainer)
     update = _tree_bytes_per_device(trainer.abstract_state().params)
-    backward = saved + max(loss, work)
+    # Under remat the compiler recomputes the last layer's forward (half its working set: the
+    # values, not yet their cotangents) while the loss's [B, L, V] buffers are still live.
+    backward = saved + max(loss + (work // 2 if gathered else 0), work)
     terms = (
         ("saved activations", saved), ("layer working set", work), ("loss temporaries", loss),
         ("optimizer update", update),
