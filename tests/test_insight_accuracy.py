@@ -107,7 +107,10 @@ def _check_memory(family, preset, remat):
     tr = _trainer(family, preset, remat)
     compiled = memory.memory_report(compile_train_step(tr))
     predicted = memory.predict_memory(tr)
-    assert predicted.state + predicted.batch == compiled.arguments  # exact
+    # The train state: exact (the donated arguments its outputs alias). The batch: at most the
+    # predicted bytes (XLA drops features a model does not read, e.g. T5's positions).
+    assert predicted.state == compiled.aliased
+    assert predicted.state < compiled.arguments <= predicted.state + predicted.batch
     ratio = predicted.total / compiled.total
     assert abs(ratio - 1) < 0.10, (family, preset, remat, predicted, compiled.total)
 
