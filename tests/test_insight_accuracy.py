@@ -197,3 +197,27 @@ def test_collectives_attributed_and_explained(preset):
         assert any("q, k, v" in d for d in by_axes[("model",)].differences)
     if preset == "fsdp":
         assert any("reduce-scattered" in d for d in by_axes[("data",)].differences)
+
+
+def test_axis_attribution_of_partial_groups_and_permutes():
+    """HLO lines on data=2 x model=4 (position = 4 * data + model): no collective is `?`."""
+    require_devices(8)
+    mesh = create_mesh(4)
+    hlo = "\n".join([
+        "%a = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "%b = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1},{2,3},{4,5},{6,7}}",
+        "%c = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups=[1,8]<=[8]",
+        "%d = f32[8]{0} all-gather(f32[2]{0} %x), replica_groups=[4,2]<=[2,4]T(1,0)",
+        "%e = f32[8]{0} collective-permute(f32[8]{0} %x), "
+        "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}",
+        "%f = f32[8]{0} collective-permute(f32[8]{0} %x), source_target_pairs={{0,5},{5,0}}",
+    ])  # fmt: skip
+    axes = [c.axes for c in parse_collectives(hlo, mesh)]
+    assert axes == [
+        ("model",),  # a whole mesh axis
+        ("model/2",),  # half of `model`: XLA split the axis
+        ("data", "model"),  # every device
+        ("data",),  # iota groups, transposed: {0,4}, {1,5}, ...
+        ("model",),  # a ring along `model`
+        ("data", "model"),  # a peer that differs on both axes
+    ]
