@@ -85,8 +85,9 @@ def test_analytic_communication_hand_computed():
     assert a.data_axes == ("data",)
     # (norm scales are replicated, so this is the bytes per device, not a quarter of the total)
     assert a.data_axes_bytes == report.bytes_per_device < report.bytes_total // 2
-    # 2 layers x 2 blocks x (forward + backward) x [B/2, L, D] fp32.
-    assert a.model_axis_bytes == 2 * 2 * 2 * (B // 2) * L * D * 4
+    # 2 layers x 2 blocks x (forward + backward), + the vocab-parallel embedding lookup
+    # (forward) and the logits' input gradient (backward), each one [B/2, L, D] fp32.
+    assert a.model_axis_bytes == (2 * 2 * 2 + 1 + 1) * (B // 2) * L * D * 4
 
 
 # --- compiled steps ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -14,8 +15,8 @@ import numpy as np
 
 from t5lite.insight.hlo import KINDS, Collective
 from t5lite.insight.memory import rule_of
-from t5lite.insight.sharding import ShardingReport
-from t5lite.partitioning import mesh_axes_of
+from t5lite.insight.sharding import ShardingReport, format_bytes
+from t5lite.partitioning import mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
 
@@ -66,22 +67,172 @@ def communication_seconds(collectives: Sequence[Collective], link_bytes_per_s: f
 
 
 @dataclasses.dataclass(frozen=True)
-class AnalyticCommunication:
-    """Mesh-TensorFlow Table 1 for one layout: bytes per device per training step.
+class ExpectedCollective:
+    """Collectives the layout implies, before any compiler gets to them (per device, per step)."""
 
-    data_axes_bytes: gradients reduced over the batch's mesh axes, i.e. the parameter bytes of
-      one model-parallel shard (plus, for 2D parameters, the weights gathered back forward and
-      backward).
-    model_axis_bytes: activations [B/data, L, D] of every split block, all-reduced over `model`
-      once forward and once backward (Megatron: one per attention or MLP block).
+    kind: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: int  # sum of their result sizes, as `CollectiveRow.bytes`
+    group_size: int
+    why: str
+
+    @property
+    def link_bytes(self) -> float:
+        """Ring-algorithm bytes each device sends (as `CollectiveRow.link_bytes`)."""
+        per = Collective(self.kind, self.bytes, self.axes, (tuple(range(self.group_size)),))
+        return _link_bytes(per)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilerChoice:
+    """A legitimate departure of a compiler from the analytic schedule, and what it costs."""
+
+    name: str
+    axes: tuple[str, ...]
+    link_bytes: float  # change of the bytes each device sends when the compiler makes it
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticCommunication:
+    """The layout's communication per device per training step, by mesh axis.
+
+    Parameters (Mesh-TensorFlow Table 1, ZeRO-3): 1D parameters' gradients are all-reduced over
+    the batch axes (≈ the parameter bytes of one model shard); 2D parameters (FSDP) are
+    all-gathered over their batch axis forward and again backward, and their gradients
+    reduce-scattered. Activations (Megatron): a block split over `model` (attention, MLP, and
+    the vocab-parallel embedding lookup and logits) all-reduces its [B/data, L, D] output once
+    forward and once backward; when activations themselves are split over `model` (2D
+    activations, sequence parallelism) each all-reduce becomes an all-gather + reduce-scatter.
+
+    data_axes_bytes / model_axis_bytes: result bytes over the batch axes and over the other
+      (model) axes, comparable with the compiled rows' `bytes`.
     """
 
     data_axes: tuple[str, ...]
     data_axes_bytes: int
     model_axis_bytes: int
+    expected: tuple[ExpectedCollective, ...] = ()
+    choices: tuple[CompilerChoice, ...] = ()
+
+    def link_bytes_over(self, axes: Sequence[str]) -> float:
+        return sum(e.link_bytes for e in self.expected if set(e.axes) == set(axes))
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            "data_axes": list(self.data_axes),
+            "data_axes_bytes": self.data_axes_bytes,
+            "model_axis_bytes": self.model_axis_bytes,
+            "expected": [dataclasses.asdict(e) for e in self.expected],
+            "compiler_choices": [dataclasses.asdict(c) for c in self.choices],
+        }
+
+
+def _split(mesh_shape: dict[str, int], axes: Sequence[str]) -> int:
+    return math.prod(mesh_shape[t] for t in axes)
+
+
+def _parameter_collectives(
+    report: ShardingReport, mesh_shape: dict[str, int], batch_axes: tuple[str, ...]
+) -> tuple[list[ExpectedCollective], list[CompilerChoice]]:
+    """Gradient reductions (1D parameters) and ZeRO-3 gathers and scatters (2D parameters)."""
+    reduce: dict[tuple[str, ...], list[int]] = collections.defaultdict(lambda: [0, 0])
+    fsdp: dict[tuple[str, ...], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for p in report.placements:
+        used = [t for e in p.spec for t in mesh_axes_of(e) if mesh_shape.get(t, 1) > 1]
+        gathered = p.bytes_total // _split(mesh_shape, [t for t in used if t not in batch_axes])
+        split_over = tuple(t for t in batch_axes if t in used)
+        rest = tuple(t for t in batch_axes if t not in used)
+        if split_over:  # gathered over split_over, gradients reduce-scattered back over it
+            fsdp[split_over][0] += 1
+            fsdp[split_over][1] += gathered
+            gathered //= _split(mesh_shape, split_over)
+        if rest:
+            reduce[rest][0] += 1
+            reduce[rest][1] += gathered
+    out, choices = [], []
+    for axes, (n, b) in fsdp.items():
+        size = _split(mesh_shape, axes)
+        rs_link = (size - 1) / size * b
+        choices += [
+            CompilerChoice(
+                "2D parameters' gradients all-reduced instead of reduce-scattered (each device "
+                "then keeps its slice)", axes, rs_link,
+            ),
+            CompilerChoice(
+                "2D parameters gathered once and kept for the backward pass (memory traded "
+                "for communication)", axes, -rs_link,
+            ),
+        ]  # fmt: skip
+        out.append(ExpectedCollective("all-gather", axes, 2 * n, 2 * b, size,
+                                      "2D parameters gathered forward and backward"))  # fmt: skip
+        out.append(ExpectedCollective("reduce-scatter", axes, n, b // size, size,
+                                      "2D parameters' gradients scattered back"))  # fmt: skip
+    for axes, (n, b) in reduce.items():
+        out.append(ExpectedCollective("all-reduce", axes, n, b, _split(mesh_shape, axes),
+                                      "gradients summed over the batch"))  # fmt: skip
+    return out, choices
+
+
+def _activation_collectives(
+    trainer: Trainer, mesh_shape: dict[str, int], model_axes: tuple[str, ...]
+) -> tuple[list[ExpectedCollective], list[CompilerChoice]]:
+    """Megatron's all-reduce per split block, forward and backward (or AG + RS pairs)."""
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    b = trainer.batch_size // part.data_parallel_size
+    x_bytes = np.dtype(cfg.dtype).itemsize * cfg.emb_dim * b
+    gated = len(cfg.mlp_activations) - 1
+    if hasattr(cfg, "num_encoder_layers"):
+        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+        n_enc, n_dec = cfg.num_encoder_layers, cfg.num_decoder_layers
+        # Per stack: (blocks of all its layers, length). The decoder's cross-attention adds,
+        # backward, the gradient of the encoder output its keys and values read.
+        stacks = [(2 * n_enc, li), (3 * n_dec, lt), (n_dec / 2, li)]
+        lookups = [li, lt]  # one vocab-parallel embedding lookup per stack
+        # extra reductions if unfused: q, k, v (2), a gated MLP (1), cross-attention k, v (1)
+        extra_tokens = n_enc * (2 + gated) * li + n_dec * ((2 + gated) * lt + li)
+    else:
+        lt = trainer.lengths["targets"] + trainer.lengths.get("inputs", 0)
+        stacks, lookups = [(2 * cfg.num_layers, lt)], [lt]
+        extra_tokens = cfg.num_layers * (2 + gated) * lt
+    size = _split(mesh_shape, model_axes)
+    act_spec, _ = resolve_logical_axes(("batch", "length", "embed"), part.rules)
+    split_acts = bool(set(model_axes) & {t for e in act_spec for t in mesh_axes_of(e)})
+    vocab_split = bool(set(model_axes) & set(mesh_axes_of(rule_of(part, "vocab"))))
+    # Blocks' outputs forward and backward; the embedding lookup forward and the logits'
+    # input gradient backward when the vocabulary is split.
+    fwd_bwd = int(sum(2 * n * length * x_bytes for n, length in stacks))
+    count = int(sum(2 * n for n, _ in stacks))
+    if vocab_split:
+        fwd_bwd += sum(length * x_bytes for length in lookups) + lt * x_bytes
+        count += len(lookups) + 1
+    if cfg.remat_policy == "full":  # the backward pass recomputes each block's forward
+        fwd_bwd, count = fwd_bwd * 3 // 2, count * 3 // 2
+    # q, k, v and a gated MLP's inputs read one tensor: Megatron sums their input gradients
+    # before one reduction; a compiler may reduce each (link bytes of an all-reduce).
+    unfused = CompilerChoice(
+        "the input gradients of q, k, v (and of a gated MLP's inputs) reduced one by one "
+        "instead of summed first",
+        model_axes, extra_tokens * x_bytes * 2 * (size - 1) / size,
+    )  # fmt: skip
+    if split_acts:
+        why = "activations split over model: all-gather before, reduce-scatter after a block"
+        ag = ExpectedCollective("all-gather", model_axes, count, fwd_bwd, size, why)
+        rs = ExpectedCollective("reduce-scatter", model_axes, count, fwd_bwd // size, size, why)
+        return [ag, rs], [
+            unfused,
+            CompilerChoice(
+                "block outputs all-reduced and sliced instead of reduce-scattered",
+                model_axes, rs.link_bytes,
+            ),
+            CompilerChoice(
+                "activations gathered again for the backward pass", model_axes, ag.link_bytes
+            ),
+        ]  # fmt: skip
+    why = "Megatron: one all-reduce per split block forward and one backward"
+    if cfg.remat_policy == "full":
+        why += ", and again where the backward pass recomputes the forward (remat)"
+    return [ExpectedCollective("all-reduce", model_axes, count, fwd_bwd, size, why)], [unfused]
 
 
 def analytic_communication(trainer: Trainer, report: ShardingReport) -> AnalyticCommunication:
@@ -89,28 +240,105 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     part = trainer.partitioner
     mesh_shape = dict(part.mesh.shape)
     batch_axes = tuple(t for t in mesh_axes_of(part.data_partition_spec[0]) if mesh_shape[t] > 1)
-    data_bytes = 0
+    expected, choices = [], []
     if batch_axes:
-        for p in report.placements:
-            used = {t for e in p.spec for t in mesh_axes_of(e)}
-            # The gradient of the part of p one batch group shares: sharded over model axes only.
-            model_split = math.prod(mesh_shape[t] for t in used if t not in batch_axes)
-            grad = p.bytes_total // model_split
-            data_bytes += grad
-            if used & set(batch_axes):  # 2D parameters: gathered for forward and backward
-                data_bytes += 2 * grad
+        expected, choices = _parameter_collectives(report, mesh_shape, batch_axes)
+    split_names = ("heads", "mlp", "vocab")
     model_axes = tuple(
-        t for t in mesh_axes_of(rule_of(part, "mlp")) if mesh_shape[t] > 1 and t not in batch_axes
+        dict.fromkeys(
+            t
+            for n in split_names
+            for t in mesh_axes_of(rule_of(part, n))
+            if mesh_shape.get(t, 1) > 1 and t not in batch_axes
+        )
     )
-    model_bytes = 0
     if model_axes:
-        cfg = trainer.model.network_config
-        b = trainer.batch_size // part.data_parallel_size
-        act = np.dtype(cfg.dtype).itemsize * cfg.emb_dim * b
-        if hasattr(cfg, "num_encoder_layers"):
-            blocks = cfg.num_encoder_layers * 2 * trainer.lengths["inputs"]
-            blocks += cfg.num_decoder_layers * 3 * trainer.lengths["targets"]
-        else:
-            blocks = cfg.num_layers * 2 * trainer.lengths["targets"]
-        model_bytes = 2 * blocks * act  # forward and backward
-    return AnalyticCommunication(batch_axes, data_bytes, model_bytes)
+        more, more_choices = _activation_collectives(trainer, mesh_shape, model_axes)
+        expected, choices = expected + more, choices + more_choices
+    data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
+    model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
+    return AnalyticCommunication(
+        batch_axes, data_bytes, model_bytes, tuple(expected), tuple(choices)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisComparison:
+    """Compiled against analytic link bytes over one set of mesh axes, and why they differ.
+
+    `explained` is the analytic figure after the compiler choices named in `differences`
+    (those of `AnalyticCommunication.choices` that bring it closest to the compiled figure);
+    any remaining gap is named kind by kind.
+    """
+
+    axes: tuple[str, ...]
+    compiled: float
+    analytic: float
+    explained: float
+    differences: tuple[str, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.compiled / self.explained if self.explained else math.inf
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.ratio - 1) <= 0.10 if self.explained else self.compiled == 0
+
+
+def compare_communication(
+    rows: Sequence[CollectiveRow], analytic: AnalyticCommunication
+) -> list[AxisComparison]:
+    """Per mesh axes: compiled vs analytic link bytes, each difference named."""
+    axes_sets = dict.fromkeys(
+        [tuple(e.axes) for e in analytic.expected]
+        + [r.axes for r in rows if r.axes and r.link_bytes > 0]
+    )
+    out = []
+    for axes in axes_sets:
+        mine = [r for r in rows if r.axes is not None and set(r.axes) == set(axes)]
+        exp = [e for e in analytic.expected if set(e.axes) == set(axes)]
+        compiled = sum(r.link_bytes for r in mine)
+        expected = sum(e.link_bytes for e in exp)
+        choices = [c for c in analytic.choices if set(c.axes) == set(axes)]
+        best: tuple[float, list[CompilerChoice]] = (expected, [])
+        for k in range(1, len(choices) + 1):
+            for subset in itertools.combinations(choices, k):
+                v = expected + sum(c.link_bytes for c in subset)
+                if abs(v - compiled) < abs(best[0] - compiled) - 0.01 * max(expected, 1):
+                    best = (v, list(subset))
+        names = [c.name for c in best[1]]
+        if abs(compiled - best[0]) > 0.10 * max(best[0], 1):
+            names += _kind_deltas(mine, exp)
+        out.append(AxisComparison(axes, compiled, expected, best[0], tuple(names)))
+    return out
+
+
+def _kind_deltas(rows: Sequence[CollectiveRow], expected: Sequence[ExpectedCollective]):
+    """What remains unexplained, kind by kind: compiled count and bytes against expected."""
+    by_kind = {k: [0, 0.0, 0, 0.0] for k in KINDS}
+    for r in rows:
+        by_kind[r.kind][0] += r.count
+        by_kind[r.kind][1] += r.link_bytes
+    for e in expected:
+        by_kind[e.kind][2] += e.count
+        by_kind[e.kind][3] += e.link_bytes
+    return [
+        f"{kind}: {n} compiled ({format_bytes(link)} sent) vs {m} expected ({format_bytes(want)})"
+        for kind, (n, link, m, want) in by_kind.items()
+        if (n or m) and abs(link - want) > 0.10 * max(want, 1)
+    ]
+
+
+def format_comparison(comparisons: Sequence[AxisComparison]) -> list[str]:
+    """Lines for a report: per mesh axes, compiled vs analytic bytes sent and why they differ."""
+    lines = ["  mesh axes      compiled     analytic    explained  ratio"]
+    for c in comparisons:
+        verdict = "agrees" if c.agrees else "differs"
+        lines.append(
+            f"  {'+'.join(c.axes) or '-':<12}{format_bytes(c.compiled):>11}"
+            f"{format_bytes(c.analytic):>13}{format_bytes(c.explained):>13}"
+            f"  {c.ratio:5.2f}  {verdict}"
+        )
+        lines += [f"      - {d}" for d in c.differences]
+    return lines

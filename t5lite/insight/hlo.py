@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import re
 
@@ -121,21 +120,47 @@ def _axis_groups(mesh_shape: dict[str, int], axes: tuple[str, ...]) -> frozenset
     return frozenset(frozenset(int(i) for i in row) for row in moved)
 
 
+def _coords(mesh_shape: dict[str, int]) -> np.ndarray:
+    """[device position, mesh axis] -> coordinate of that device along that axis."""
+    return np.stack(
+        np.unravel_index(np.arange(math.prod(mesh_shape.values())), tuple(mesh_shape.values())),
+        axis=1,
+    )
+
+
 def _identify_axes(
-    groups: tuple[tuple[int, ...], ...], mesh: Mesh | None
+    groups: tuple[tuple[int, ...], ...], mesh: Mesh | None, pairs: bool = False
 ) -> tuple[str, ...] | None:
+    """The mesh axes a collective's groups span, e.g. ('model',) or ('data', 'model').
+
+    Groups that are exactly a product of mesh axes get those axes' names. Groups that vary over
+    an axis but hold only part of it (XLA splitting an axis, e.g. 2 of model=4) get the name with
+    the part, e.g. 'model/2'. A collective-permute's source-target pairs get the axes along which
+    a device and its peer differ. None only without a mesh (or with ids outside it).
+    """
     if mesh is None or not groups:
         return None
     if all(len(g) == 1 for g in groups):
         return ()  # every device alone: nothing crosses a link
     shape = {k: v for k, v in mesh.shape.items()}
+    coords = _coords(shape)
+    if any(i >= len(coords) for g in groups for i in g):
+        return None
     want = frozenset(frozenset(g) for g in groups)
-    names = [n for n in shape if shape[n] > 1]
-    for r in range(1, len(names) + 1):
-        for axes in itertools.combinations(names, r):
-            if _axis_groups(shape, axes) == want:
-                return axes
-    return None
+    names = list(shape)
+    varying = [
+        n for j, n in enumerate(names) if any(len({coords[i][j] for i in g}) > 1 for g in groups)
+    ]
+    if pairs or _axis_groups(shape, tuple(varying)) == want:
+        return tuple(varying)  # a permute's pairs: the axes a device and its peer differ on
+    # Part of an axis (or of several): name each varying axis with how many of its devices a
+    # group spans along it.
+    out = []
+    for n in varying:
+        j = names.index(n)
+        span = max(len({coords[i][j] for i in g}) for g in groups)
+        out.append(n if span == shape[n] else f"{n}/{span}")
+    return tuple(out)
 
 
 def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
@@ -165,7 +190,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
                 )
         if not groups and mesh is not None and kind != "collective-permute":
             groups = (tuple(range(mesh.devices.size)),)  # `replica_groups={}`: all devices
-        axes = _identify_axes(groups, mesh) if kind != "collective-permute" else None
+        axes = _identify_axes(groups, mesh, pairs=kind == "collective-permute")
         out.append(Collective(kind, _result_bytes(m.group("shape"), kind), axes, groups))
     return out
 

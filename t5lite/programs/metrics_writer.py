@@ -11,8 +11,12 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
+
+from t5lite.insight.flops import batch_train_flops, real_tokens
 
 
 def _duration(secs: float) -> str:
@@ -89,8 +93,8 @@ class MetricsWriter:
         shown = " ".join(
             f"{k}={_fmt(v)}"
             for k, v in metrics.items()
-            if k in ("loss", "accuracy", "learning_rate", "tokens_per_s", "seqs_per_s",
-                     "step_time_s", "mfu") or prefix != "train"
+            if k in ("loss", "accuracy", "learning_rate", "tokens_per_s", "padded_tokens_per_s",
+                     "seqs_per_s", "step_time_s", "mfu") or prefix != "train"
         )  # fmt: skip
         eta = self.eta_seconds(step) if prefix == "train" else None
         eta_text = f" ETA {_duration(eta)}" if eta is not None else ""
@@ -127,6 +131,60 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class Throughput:
+    """Step time, sequences and tokens per second and MFU, between consecutive `measure` calls.
+
+    `tokens_per_s` counts real (non-padding) tokens, `padded_tokens_per_s` every position of
+    every row; `mfu` is model FLOPs of the real tokens (`t5lite.insight.flops`) per second over
+    the peak of all devices. Each process counts the rows it fed, times the process count (the
+    processes' batches have the same shape and, with shuffled data, about the same padding).
+
+    Args:
+      config: the network config (`T5Config` / `DecoderOnlyConfig`).
+      batch_size: global rows per step.
+      peak_flops: dense peak FLOP/s of all devices together, or None (unknown: MFU is "n/a").
+      process_count: processes feeding the step.
+      clock: seconds, monotone (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        batch_size: int,
+        peak_flops: float | None,
+        *,
+        process_count: int = 1,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.config = config
+        self.batch_size = batch_size
+        self.peak = peak_flops
+        self.process_count = process_count
+        self.clock = clock
+        self.t_prev = clock()
+
+    def measure(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Rates for the step that fed `local_batch` (this process's numpy rows)."""
+        now = self.clock()
+        dt, self.t_prev = max(now - self.t_prev, 1e-9), now
+        n = self.process_count
+        real = n * sum(real_tokens(local_batch).values())
+        padded = n * sum(
+            int(np.size(local_batch[k]))
+            for k in ("decoder_target_tokens", "encoder_input_tokens")
+            if k in local_batch
+        )
+        flops = n * batch_train_flops(self.config, local_batch)
+        return {
+            "step_time_s": dt,
+            "seqs_per_s": self.batch_size / dt,
+            "tokens_per_s": real / dt,
+            "padded_tokens_per_s": padded / dt,
+            "model_flops_per_s": flops / dt,
+            "mfu": flops / dt / self.peak if self.peak else "n/a (peak unknown)",
+        }
 
 
 def _num(v: Any) -> Any:

@@ -22,7 +22,6 @@ from seqio_lite import cache_tasks
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.checkpoint.checks import check_against_metadata
 from t5lite.distributed import ProgressWatchdog
-from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import peak_flops
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import config_record
@@ -137,18 +136,18 @@ def train(
         if is_chief:  # config.gin and the vocabulary files: the model directory stands alone
             _write_run_files(model_dir, operative_config, data.task)
         evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
-        throughput = _Throughput(model, dict(data.task_feature_lengths), data.batch_size)
+        throughput = _throughput(model, data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
         run_info = _run_info(seed, model)
 
         start = int(state.step)
-        last, eval_metrics = {}, {}  # the latest train and eval metrics
-        watchdog = None
+        last, eval_metrics, watchdog = {}, {}, None  # the latest train and eval metrics
         t0 = time.time()
         writer.info(_start_line(model_dir, start, num_steps))
         for step in range(start + 1, num_steps + 1):
-            state, metrics = trainer.train_step(state, trainer.global_batch(next(dataset)))
+            batch = next(dataset)  # numpy, this process's rows: throughput counts its tokens
+            state, metrics = trainer.train_step(state, trainer.global_batch(batch))
             raw = jax.device_get(metrics)
             m = summarize(raw)
             if watchdog is None:  # armed after the first step: compilation time is unbounded
@@ -158,7 +157,7 @@ def train(
             if not (raw["params_finite"] and all(math.isfinite(v) for v in m.values())):
                 _stop_non_finite(ckpt, state, step, m)
             stall.check(step, m)
-            last = {**m, **throughput.measure()}
+            last = {**m, **throughput.measure(batch)}
             writer.write(step, last)
             is_final = step == num_steps
             stop_now = stop_after_steps is not None and step - start >= stop_after_steps
@@ -366,28 +365,13 @@ def _periodic_evaluation(
     return evaluate
 
 
-class _Throughput:
-    """Step time, sequences and tokens per second and MFU, between consecutive calls."""
-
-    def __init__(self, model: BaseModel, lengths: dict[str, int], batch_size: int):
-        self.batch_size = batch_size
-        self.tokens = batch_size * sum(lengths.values())
-        self.flops = batch_size * transformer_train_flops(
-            model.network_config, lengths.get("inputs", 0), lengths["targets"]
-        )
-        peak = peak_flops(jax.devices()[0].device_kind)
-        self.peak = peak * jax.device_count() if peak else None
-        self.t_prev = time.time()
-
-    def measure(self) -> dict[str, Any]:
-        now = time.time()
-        dt, self.t_prev = now - self.t_prev, now
-        return {
-            "step_time_s": dt,
-            "seqs_per_s": self.batch_size / dt,
-            "tokens_per_s": self.tokens / dt,
-            "mfu": self.flops / dt / self.peak if self.peak else "n/a (CPU)",
-        }
+def _throughput(model: BaseModel, batch_size: int) -> mw.Throughput:
+    """Rates and MFU against the peak of every device of the run (hardware.py's table)."""
+    peak = peak_flops(jax.devices()[0].device_kind)
+    return mw.Throughput(
+        model.network_config, batch_size, peak * jax.device_count() if peak else None,
+        process_count=jax.process_count(),
+    )  # fmt: skip
 
 
 def _write_run_files(model_dir: str, operative_config: Callable[[], str] | None, task: str) -> None:

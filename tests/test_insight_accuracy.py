@@ -1,0 +1,223 @@
+"""Predictions you can trust: MFU's model FLOPs, memory and communication against hand-computed
+values and the compiler's own figures."""
+
+import numpy as np
+import pytest
+from conftest import require_devices
+
+from t5lite.insight import communication, flops, memory
+from t5lite.insight.hlo import parse_collectives
+from t5lite.insight.report import compile_train_step
+from t5lite.insight.sharding import sharding_report
+from t5lite.model.config import REMAT_POLICIES
+from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
+from t5lite.model.network import DecoderOnlyConfig, T5Config
+from t5lite.partitioning import PRESETS, Partitioner, create_mesh, preset_rules
+from t5lite.programs.metrics_writer import Throughput
+from t5lite.trainer import Trainer
+
+# --- MFU: model FLOPs per real token ------------------------------------------------------------
+
+LM = DecoderOnlyConfig(
+    vocab_size=16, emb_dim=4, num_heads=2, num_kv_heads=1, head_dim=3, mlp_dim=8, num_layers=2
+)
+
+
+def test_decoder_only_flops_per_token_hand_computed():
+    # PaLM appendix B: 6N + 12·L·H·K·T, here with the causal half. Layer matmul weights:
+    # q 4x2x3=24, k and v 4x1x3=12 each (one kv head), out 2x3x4=24; SwiGLU 2x(4x8) + 8x4 = 96.
+    n_layer = 24 + 12 + 12 + 24 + 96
+    t = 10
+    dense = 6 * n_layer * 2 + 6 * 4 * 16  # two layers, plus the logits (no input embedding)
+    attention = 12 * 2 * (2 * 3) * t / 2  # QKᵀ and AV, causal: half the score matrix
+    assert flops.flops_per_token(LM, {"decoder": t}) == {"decoder": dense + attention}
+    assert (dense, attention) == (2400, 720)
+
+
+def test_encoder_decoder_flops_per_token_hand_computed():
+    cfg = T5Config(
+        vocab_size=16, emb_dim=4, num_heads=2, head_dim=3, mlp_dim=8,
+        num_encoder_layers=1, num_decoder_layers=2,
+    )  # fmt: skip
+    s, t = 6, 4
+    attn = 4 * 6 + 2 * 4 * 6 + 6 * 4  # q, k+v, out (H*K = 6)
+    mlp = 2 * 4 * 8 + 8 * 4  # gated GELU
+    # Encoder token: its layer, full attention over S, and each decoder layer's cross k/v.
+    enc = 1 * (6 * (attn + mlp) + 12 * 6 * s) + 2 * 6 * (2 * 4 * 6)
+    # Decoder token: self-attention (causal), cross q/out, MLP, cross-attention over S, logits.
+    dec = 2 * (6 * (attn + 2 * 4 * 6 + mlp) + 12 * 6 * t / 2 + 12 * 6 * s) + 6 * 4 * 16
+    assert flops.flops_per_token(cfg, {"encoder": s, "decoder": t}) == {
+        "encoder": enc, "decoder": dec,
+    }  # fmt: skip
+    assert flops.transformer_train_flops(cfg, s, t) == s * enc + t * dec
+
+
+def test_throughput_counts_real_tokens_and_mfu():
+    """Two packed rows of 10 with 7 and 4 real tokens; a fake clock ticks 2 s per step."""
+    seg = np.array([[1, 1, 1, 2, 2, 2, 2, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]])
+    batch = {
+        "decoder_target_tokens": np.where(seg > 0, 5, 0),
+        "decoder_input_tokens": np.where(seg > 0, 5, 0),
+        "decoder_segment_ids": seg,
+    }
+    ticks = iter([100.0, 102.0])
+    tp = Throughput(LM, batch_size=2, peak_flops=1e4, clock=lambda: next(ticks))
+    m = tp.measure(batch)
+    per_token = 2400 + 720  # the hand-computed figure above, for rows of T = 10
+    assert m["tokens_per_s"] == 11 / 2
+    assert m["padded_tokens_per_s"] == 20 / 2
+    assert m["model_flops_per_s"] == 11 * per_token / 2
+    assert m["mfu"] == pytest.approx(11 * per_token / 2 / 1e4)
+    # A decoder-only batch never counts `inputs` separately: a prefix-LM's are in its row.
+    assert flops.real_tokens(batch) == {"decoder": 11}
+
+
+def test_throughput_without_peak_says_so():
+    tp = Throughput(LM, batch_size=1, peak_flops=None)
+    m = tp.measure({"decoder_target_tokens": np.ones((1, 4), np.int32)})
+    assert m["mfu"].startswith("n/a") and m["padded_tokens_per_s"] > 0
+
+
+# --- memory: analytic prediction against XLA's compiled figure ----------------------------------
+
+
+def _family(name, remat):
+    """Small-but-not-tiny models: shapes dominate XLA's fixed overheads; scanned layers."""
+    if name == "t5":
+        cfg = T5Config(
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
+            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=True,
+        )  # fmt: skip
+        return EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
+    cfg = DecoderOnlyConfig(
+        vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
+        remat_policy=remat, scan_layers=True,
+    )  # fmt: skip
+    return DecoderOnlyModel(network_config=cfg), {"targets": 128}
+
+
+def _trainer(family, preset, remat, batch_size=16):
+    model, lengths = _family(family, remat)
+    model_parallel = 1 if PRESETS[preset] is None else 4
+    part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
+    return Trainer(model, part, batch_size=batch_size, lengths=lengths)
+
+
+def _check_memory(family, preset, remat):
+    tr = _trainer(family, preset, remat)
+    compiled = memory.memory_report(compile_train_step(tr))
+    predicted = memory.predict_memory(tr)
+    # The train state: exact (the donated arguments its outputs alias). The batch: at most the
+    # predicted bytes (XLA drops features a model does not read, e.g. T5's positions).
+    assert predicted.state == compiled.aliased
+    assert predicted.state < compiled.arguments <= predicted.state + predicted.batch
+    ratio = predicted.total / compiled.total
+    assert abs(ratio - 1) < 0.10, (family, preset, remat, predicted, compiled.total)
+
+
+@pytest.mark.parametrize(
+    "family,preset,remat", [("lm", "fsdp", "full"), ("t5", "megatron", "none")]
+)
+def test_predicted_memory_within_ten_percent(family, preset, remat):
+    require_devices(8)
+    _check_memory(family, preset, remat)
+
+
+@pytest.mark.slow  # 30 compilations of ~10-60 s each on 2 cores
+@pytest.mark.parametrize("remat", REMAT_POLICIES)
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("family", ["t5", "lm"])
+def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat):
+    require_devices(8)
+    _check_memory(family, preset, remat)
+
+
+def test_predicted_memory_sizes_activations_from_the_rules():
+    """Megatron and 2D activations differ only in `embed` -> model for activations: the
+    [B, L, D] buffers shrink 4x, the split ones (heads, mlp) do not."""
+    require_devices(8)
+    meg = _trainer("lm", "megatron", "none")
+    act2d = _trainer("lm", "activations_2d", "none")
+    x = dict(memory.predict_memory(meg).terms)["saved activations"]
+    y = dict(memory.predict_memory(act2d).terms)["saved activations"]
+    b, length, d = 16 // 2, 128, 256
+    x_bytes = b * length * d * 4  # one [B/data, L, D] fp32 buffer per device
+    per_layer_x = memory._X_PER_BLOCK * 2  # two blocks a layer
+    assert x - y == 2 * per_layer_x * (x_bytes - x_bytes // 4)
+
+
+# --- communication: every collective named, compiled volume explained ----------------------------
+
+
+def _tiny_lm_step(preset):
+    cfg = DecoderOnlyConfig(
+        vocab_size=256, emb_dim=64, num_heads=4, head_dim=16, mlp_dim=128, num_layers=2
+    )
+    model = DecoderOnlyModel(network_config=cfg)
+    model_parallel = 1 if PRESETS[preset] is None else 4
+    part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
+    tr = Trainer(model, part, batch_size=16, lengths={"targets": 32})
+    collectives = parse_collectives(compile_train_step(tr).as_text(), part.mesh)
+    report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
+    analytic = communication.analytic_communication(tr, report)
+    rows = communication.collective_rows(collectives)
+    by_axes = {c.axes: c for c in communication.compare_communication(rows, analytic)}
+    return collectives, analytic, by_axes
+
+
+_X = (16 // 2) * 32 * 64 * 4  # one [B/data, L, D] fp32 activation on data=2 x model=4
+
+
+@pytest.mark.parametrize("preset", ["data_parallel", "megatron", "fsdp", "fully_sharded"])
+def test_collectives_attributed_and_explained(preset):
+    require_devices(8)
+    collectives, analytic, by_axes = _tiny_lm_step(preset)
+    # Every collective has its mesh axes (parts of an axis and permutes included): no `?`.
+    assert all(c.axes is not None for c in collectives)
+    main = [analytic.data_axes] + ([("model",)] if preset != "data_parallel" else [])
+    for axes in main:
+        cmp = by_axes[tuple(axes)]
+        assert cmp.agrees, (axes, cmp)
+    # Whatever else the compiler sent (a few KiB of permutes and partial-axis reductions of
+    # the loss) is named kind by kind.
+    for axes, cmp in by_axes.items():
+        assert cmp.agrees or cmp.differences, (axes, cmp)
+    if preset == "data_parallel":  # one all-reduce of the gradients: exactly the parameters
+        assert by_axes[("data",)].differences == ()
+    if preset == "megatron":
+        # Megatron: (2 layers x 2 blocks x fwd + bwd) + lookup + logits gradient = 10 [B, L, D]
+        # all-reduces; XLA on CPU reduces q, k, v and the SwiGLU inputs' gradients one by one:
+        # 2 layers x 3 more.
+        (ar,) = [e for e in analytic.expected if e.axes == ("model",)]
+        assert (ar.kind, ar.count, ar.bytes) == ("all-reduce", 10, 10 * _X)
+        compiled_ar = sum(
+            c.bytes for c in collectives if c.kind == "all-reduce" and c.axes == ("model",)
+        )
+        assert 16 * _X <= compiled_ar < 16 * _X * 1.01  # + the loss's [B, L] max and sums
+        assert any("q, k, v" in d for d in by_axes[("model",)].differences)
+    if preset == "fsdp":
+        assert any("reduce-scattered" in d for d in by_axes[("data",)].differences)
+
+
+def test_axis_attribution_of_partial_groups_and_permutes():
+    """HLO lines on data=2 x model=4 (position = 4 * data + model): no collective is `?`."""
+    require_devices(8)
+    mesh = create_mesh(4)
+    hlo = "\n".join([
+        "%a = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "%b = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1},{2,3},{4,5},{6,7}}",
+        "%c = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups=[1,8]<=[8]",
+        "%d = f32[8]{0} all-gather(f32[2]{0} %x), replica_groups=[4,2]<=[2,4]T(1,0)",
+        "%e = f32[8]{0} collective-permute(f32[8]{0} %x), "
+        "source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}",
+        "%f = f32[8]{0} collective-permute(f32[8]{0} %x), source_target_pairs={{0,5},{5,0}}",
+    ])  # fmt: skip
+    axes = [c.axes for c in parse_collectives(hlo, mesh)]
+    assert axes == [
+        ("model",),  # a whole mesh axis
+        ("model/2",),  # half of `model`: XLA split the axis
+        ("data", "model"),  # every device
+        ("data",),  # iota groups, transposed: {0,4}, {1,5}, ...
+        ("model",),  # a ring along `model`
+        ("data", "model"),  # a peer that differs on both axes
+    ]
