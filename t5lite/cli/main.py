@@ -38,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host_device_count", type=int, default=None,
                    help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")  # fmt: skip
     p.add_argument("--topology", help="inspect/plan: compile for a TPU slice, e.g. v5e:16x16")
+    p.add_argument("--device", help="inspect/plan: judge fit and speed by this accelerator's "
+                   "figures (v5p, v5e, v6e, v4, h100, h200, a100, ...)")  # fmt: skip
+    p.add_argument("--wide", action="store_true",
+                   help="inspect/plan: every array on its own row, no width limit")  # fmt: skip
+    p.add_argument("--plot", metavar="FILE.png|svg",
+                   help="inspect/plan: chart memory by category and communication by mesh axis "
+                   "(the [plot] extra)")  # fmt: skip
     p.add_argument("--coordinator_address", help="HOST:PORT of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int)
     p.add_argument("--process_id", type=int)
@@ -60,6 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args([a for a in argv if not a.startswith("--gin.")])
     if unknown and args.command != "cache":  # `cache` hands other flags to Apache Beam
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    insight_flags = {"device": args.device, "wide": args.wide or None, "plot": args.plot}
+    insight_flags = {k: v for k, v in insight_flags.items() if v}
+    if insight_flags and args.command not in ("inspect", "plan"):
+        parser.error(f"--{next(iter(insight_flags))} is for inspect and plan only")
+    try:  # a misspelt device or plot file fails here, before JAX starts
+        _check_insight_flags(args.device, args.plot)
+    except ValueError as e:
+        print(f"t5lite {args.command}: error: {e}", file=sys.stderr)
+        return 1
     if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
         from t5lite.insight.topology import num_devices
 
@@ -113,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kwargs.update(data=reg.DataConfig(), pipeline_args=unknown)
         if args.topology and args.command in ("inspect", "plan"):
             kwargs["topology"] = args.topology
+        kwargs.update(insight_flags)
         if args.command == "train":  # config.gin: what this run used, written once it is set up
             kwargs["operative_config"] = gin_utils.operative_config
         fn(**kwargs)
@@ -129,6 +146,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         distributed.exit_on_peer_failure(args.command, e)
         raise
     return 0
+
+
+def _check_insight_flags(device: str | None, plot: str | None) -> None:
+    """ValueError naming the flag when --device names no known chip or --plot cannot be drawn."""
+    if device:
+        from t5lite.insight.hardware import chip_named
+
+        chip_named(device)
+    if plot:
+        from t5lite.insight.plot import check_plot_path
+
+        check_plot_path(plot)
 
 
 def _start_backends_quietly() -> None:
