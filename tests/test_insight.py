@@ -182,7 +182,11 @@ def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path):
     )
     by_name = {(c.layout.preset, c.layout.model): c for c in ranked}
     dp = by_name[("data_parallel", 1)]
-    assert dp.status == "does not fit"
+    # Screened out analytically, or compiled and found too large.
+    assert dp.status == "does not fit" or dp.status.startswith("screened: predicted > 330.00 KiB")
+    # Only candidates the analytic screen kept were compiled, the fastest first.
+    compiled = [c for c in ranked if c.step is not None]
+    assert compiled and all(c.predicted.total <= 1.1 * 300 * 1024 for c in compiled)
     best = ranked[0]
     assert best.fits and best.layout.preset != "data_parallel"
     assert ranked.index(dp) > max(ranked.index(c) for c in ranked if c.fits)
@@ -191,7 +195,9 @@ def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path):
     assert "dimension 1 of size 4 is not divisible by mesh axes 'model' of size 8" in (
         by_name[("megatron", 8)].status
     )
-    assert "invalid:" in out.getvalue() and "best:" in out.getvalue()
+    assert "invalid" in out.getvalue() and "best:" in out.getvalue()
+    table = [x for x in out.getvalue().splitlines() if not x.startswith("best:")]
+    assert max(map(len, table)) <= 100
     text = gin_path.read_text()
     assert f"NUM_PARTITIONS = {best.layout.model}" in text
     assert "network.DecoderOnlyConfig.remat_policy = %REMAT_POLICY" in text

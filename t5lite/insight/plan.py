@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -327,7 +328,9 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
         f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
     ]
     if notes:
-        lines += ["invalid or failed:", *notes]
+        lines += ["invalid or failed:"]
+        lines += [w for n in notes for w in (textwrap.wrap(n, width, subsequent_indent="     ")
+                                             if width else [n])]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -460,8 +463,11 @@ def _with_overrides(
 
 
 def _progress(out: TextIO) -> Callable[[str], None]:
+    """A printer of progress lines, each stamped with the seconds since the search began."""
+    t0 = time.perf_counter()
+
     def say(line: str) -> None:
-        out.write(line + "\n")
+        out.write(f"{time.perf_counter() - t0:5.0f}s {line}\n")
         out.flush()
 
     return say
