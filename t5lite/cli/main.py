@@ -67,25 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args([a for a in argv if not a.startswith("--gin.")])
     if unknown and args.command != "cache":  # `cache` hands other flags to Apache Beam
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    insight_flags = {"device": args.device, "wide": args.wide or None, "plot": args.plot}
-    insight_flags = {k: v for k, v in insight_flags.items() if v}
-    if insight_flags and args.command not in ("inspect", "plan"):
-        parser.error(f"--{next(iter(insight_flags))} is for inspect and plan only")
     try:  # a misspelt device or plot file fails here, before JAX starts
-        _check_insight_flags(args.device, args.plot)
+        insight_flags = _insight_flags(parser, args)
     except ValueError as e:
         print(f"t5lite {args.command}: error: {e}", file=sys.stderr)
         return 1
-    if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
-        from t5lite.insight.topology import num_devices
-
-        args.host_device_count = num_devices(args.topology)
-    if args.host_device_count:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
-        )
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _fake_host_devices(args)
     from t5lite import distributed  # imports JAX: only after XLA_FLAGS is set
     from t5lite.checkpoint import CheckpointError
     from t5lite.cli import gin_config as gin_utils
@@ -148,16 +135,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _check_insight_flags(device: str | None, plot: str | None) -> None:
-    """ValueError naming the flag when --device names no known chip or --plot cannot be drawn."""
-    if device:
+def _fake_host_devices(args: argparse.Namespace) -> None:
+    """Sets XLA_FLAGS for --host_device_count (or a --topology's device count) before JAX."""
+    if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
+        from t5lite.insight.topology import num_devices
+
+        args.host_device_count = num_devices(args.topology)
+    if args.host_device_count:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
+        )
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _insight_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """inspect/plan keyword arguments from --device, --wide and --plot; ValueError naming the
+    flag when --device names no known chip or --plot cannot be drawn."""
+    flags = {"device": args.device, "wide": args.wide or None, "plot": args.plot}
+    flags = {k: v for k, v in flags.items() if v}
+    if flags and args.command not in ("inspect", "plan"):
+        parser.error(f"--{next(iter(flags))} is for inspect and plan only")
+    if args.device:
         from t5lite.insight.hardware import chip_named
 
-        chip_named(device)
-    if plot:
+        chip_named(args.device)
+    if args.plot:
         from t5lite.insight.plot import check_plot_path
 
-        check_plot_path(plot)
+        check_plot_path(args.plot)
+    return flags
 
 
 def _start_backends_quietly() -> None:

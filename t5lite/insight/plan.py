@@ -276,7 +276,7 @@ def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
         est = (c.estimate.step_s if c.estimate else None) or 0.0
         if c.fits:
             return (0, c.step_seconds if c.step_seconds is not None else 0.0, c.memory or 0)
-        if c.step is None and c.predicted is not None and c.status.startswith("screened: est"):
+        if c.step is None and c.predicted is not None and c.status.startswith("screened: slow"):
             return (1, est, c.predicted.total)
         if c.memory is not None:
             return (2, c.memory, 0)
@@ -296,13 +296,13 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
     the reasons of invalid or failed layouts."""
     rows = [("#", "preset", "mesh", "remat", "predicted", "compiled", "est ms", "XLA ms",
              "MFU", "status")]  # fmt: skip
-    notes = []
+    notes: dict[str, list[str]] = {}  # reason -> rows
     for i, c in enumerate(ranked, 1):
         e = c.estimate
         mfu = e.mfu(device.peak_flops) if e else None
         status = c.status
         if status.startswith(("invalid:", "failed:")):
-            notes.append(f"  {i}: {status}")
+            notes.setdefault(status, []).append(str(i))
             status = status.split(":")[0]
         rows.append(
             (
@@ -329,8 +329,9 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
     ]
     if notes:
         lines += ["invalid or failed:"]
-        lines += [w for n in notes for w in (textwrap.wrap(n, width, subsequent_indent="     ")
-                                             if width else [n])]  # fmt: skip
+        for reason, rows_of in notes.items():
+            note = f"  {', '.join(rows_of)}: {reason}"
+            lines += textwrap.wrap(note, width, subsequent_indent="      ") if width else [note]
     return "\n".join(lines)
 
 
@@ -508,12 +509,9 @@ def _compile_winners(
             out.append(done[c.layout])
         elif c.predicted is None:
             out.append(c)
-        elif c in order:
-            est = c.estimate.step_s if c.estimate else None
-            out.append(dataclasses.replace(
-                c, status=f"screened: est {_ms(est)} ms vs {_ms(best_est)} ms best"))  # fmt: skip
+        elif c in order:  # the `est ms` column says by how much
+            out.append(dataclasses.replace(c, status=f"screened: slower than {_ms(best_est)} ms"))
         else:
             limit = format_bytes((1 + FIT_MARGIN) * budget) if budget else "?"
-            out.append(dataclasses.replace(
-                c, status=f"screened: predicted > {limit}"))  # fmt: skip
+            out.append(dataclasses.replace(c, status=f"screened: memory > {limit}"))
     return out

@@ -307,6 +307,28 @@ def partitioner_on(partitioner: Partitioner, devices: Sequence[Any]) -> Partitio
     )
 
 
+def _resolve_device(
+    partitioner: Partitioner,
+    topology: str | None,
+    named: DeviceSpec | None,
+    memory_gib: float | None,
+    link_gbps: float | None,
+    say: Callable[[str], None],
+) -> tuple[Partitioner, DeviceSpec]:
+    """The partitioner over the topology's devices (if any) and the figures to judge it by."""
+    if topology:
+        say(f"building compile-only devices of {topology} (libtpu)...")
+        topo = get_topology(topology)
+        partitioner = partitioner_on(partitioner, topo.devices)
+    spec = named or (topo.spec if topology else device_spec(partitioner.mesh.devices.flat[0]))
+    spec = dataclasses.replace(
+        spec,
+        memory_bytes=int(memory_gib * GiB) if memory_gib else spec.memory_bytes,
+        link_bytes_per_s=link_gbps * 1e9 if link_gbps else spec.link_bytes_per_s,
+    )
+    return partitioner, spec
+
+
 def inspect(
     *,
     model: BaseModel,
@@ -366,18 +388,9 @@ def inspect(
         progress.write(f"inspect: {line}\n")
         progress.flush()
 
-    partitioner = partitioner or Partitioner()
-    spec = None
-    if topology:
-        say(f"building compile-only devices of {topology} (libtpu)...")
-        topo = get_topology(topology)
-        partitioner = partitioner_on(partitioner, topo.devices)
-        spec = topo.spec
-    spec = named or spec or device_spec(partitioner.mesh.devices.flat[0])
-    if device_memory_gib is not None:
-        spec = dataclasses.replace(spec, memory_bytes=int(device_memory_gib * GiB))
-    if link_bandwidth_gbps is not None:
-        spec = dataclasses.replace(spec, link_bytes_per_s=link_bandwidth_gbps * 1e9)
+    partitioner, spec = _resolve_device(
+        partitioner or Partitioner(), topology, named, device_memory_gib, link_bandwidth_gbps, say
+    )
     say("tracing the model's abstract train state...")
     trainer = Trainer(
         model,
