@@ -189,7 +189,7 @@ def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path):
     by_name = {(c.layout.preset, c.layout.model): c for c in ranked}
     dp = by_name[("data_parallel", 1)]
     # Screened out analytically, or compiled and found too large.
-    assert dp.status == "does not fit" or dp.status.startswith("screened: memory > 330.00 KiB")
+    assert dp.status == "does not fit" or dp.status == "screened: memory"
     # Only candidates the analytic screen kept were compiled, the fastest first.
     compiled = [c for c in ranked if c.step is not None]
     assert compiled and all(c.predicted.total <= 1.1 * 300 * 1024 for c in compiled)

@@ -323,7 +323,10 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
     hbm = f"{device.hbm_bytes_per_s / 1e9:.0f} GB/s" if device.hbm_bytes_per_s else "unknown"
     lines += [
         "predicted: analytic memory/device; compiled: XLA's; est ms: analytic step (FLOPs, HBM",
-        "bytes, collectives); XLA ms: compiled FLOPs and collectives; MFU: from the analytic step",
+        "bytes, collectives); XLA ms: compiled FLOPs and collectives; MFU: from the analytic step;",
+        f"screened: not compiled, for memory (predicted > {100 + 100 * FIT_MARGIN:.0f}% of the "
+        "device)",
+        "or as slower than the compiled candidates (est ms)",
         f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} TFLOP/s,"
         f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
     ]
@@ -490,10 +493,9 @@ def _compile_winners(
     """Compiles the candidates that could win; every other layout keeps its analytic figures
     with the reason it was not compiled."""
     order, n_first = select_for_compile(screened, spec.memory_bytes, top_k)
-    budget = spec.memory_bytes
     done: dict[Layout, Candidate] = {}
-    say(f"plan: compiling the {n_first} analytically fastest of {len(order)} layouts "
-        "predicted to fit")  # fmt: skip
+    say(f"plan: compiling the {n_first} analytically fastest of the {len(order)} layouts "
+        "that could fit")  # fmt: skip
     for j, c in enumerate(order):
         if j >= n_first and any(d.fits for d in done.values()):
             break
@@ -502,7 +504,6 @@ def _compile_winners(
         mem = f", {format_bytes(d.memory)} compiled" if d.memory is not None else ""
         say(f"    {d.status}{mem} ({d.compile_seconds:.0f} s)")
         done[c.layout] = d
-    best_est = min((c.estimate.step_s or 0.0 for c in order), default=0.0)  # type: ignore[union-attr]
     out = []
     for c in screened:
         if c.layout in done:
@@ -510,8 +511,7 @@ def _compile_winners(
         elif c.predicted is None:
             out.append(c)
         elif c in order:  # the `est ms` column says by how much
-            out.append(dataclasses.replace(c, status=f"screened: slower than {_ms(best_est)} ms"))
+            out.append(dataclasses.replace(c, status="screened: slower"))
         else:
-            limit = format_bytes((1 + FIT_MARGIN) * budget) if budget else "?"
-            out.append(dataclasses.replace(c, status=f"screened: memory > {limit}"))
+            out.append(dataclasses.replace(c, status="screened: memory"))
     return out
