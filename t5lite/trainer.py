@@ -7,6 +7,8 @@ into three jitted functions with explicit shardings: `init` (state born sharded)
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +27,28 @@ from t5lite.partitioning import Partitioner, logical_axes_of
 
 PyTree = Any
 Array = jax.Array
+
+
+def _abstract_init(model: BaseModel, batch: tuple, seed: int) -> Any:
+    """`eval_shape` of `model.init` (boxed with logical axes), traced once per model and batch.
+
+    Tracing a full-size model's init takes seconds, and `t5lite plan` builds one trainer per
+    layout: the remat policy changes no parameter, so it is left out of the key.
+    """
+    cfg = getattr(model, "network_config", None)
+    if dataclasses.is_dataclass(cfg) and getattr(cfg, "remat_policy", "none") != "none":
+        model = dataclasses.replace(
+            model, network_config=dataclasses.replace(cfg, remat_policy="none")
+        )
+    try:
+        return _abstract_init_cached(model, batch, seed)
+    except TypeError:  # an unhashable model (e.g. a field holding a list): no cache
+        return _abstract_init_cached.__wrapped__(model, batch, seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_init_cached(model: BaseModel, batch: tuple, seed: int) -> Any:
+    return jax.eval_shape(model.init, jax.random.PRNGKey(seed), dict(batch))
 
 
 @flax.struct.dataclass
@@ -85,8 +109,7 @@ class Trainer:
 
         dummy = model.dummy_batch(batch_size, self.lengths)
         self.batch_abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.items()}
-        rng = jax.random.PRNGKey(seed)
-        boxed = jax.eval_shape(model.init, rng, self.batch_abstract)
+        boxed = _abstract_init(model, tuple(sorted(self.batch_abstract.items())), seed)
         self.params_axes = logical_axes_of(boxed)["params"]
         partitioner.check_rule_names(_logical_names(self.params_axes))
         params_abstract = meta.unbox(boxed)["params"]
@@ -97,7 +120,12 @@ class Trainer:
         self.state_axes = TrainState(
             step=PartitionSpec(), params=self.params_axes, opt_state=opt_axes
         )
-        self.state_abstract = jax.eval_shape(self._init_state, rng)
+        # What `_init_state` would give, without tracing the model a second time.
+        self.state_abstract = TrainState(
+            jax.ShapeDtypeStruct((), jnp.int32),
+            params_abstract,
+            jax.eval_shape(self.tx.init, params_abstract),
+        )
         self.state_shardings = partitioner.shardings(self.state_abstract, self.state_axes)
         self.batch_shardings = partitioner.shardings(
             self.batch_abstract, {k: PartitionSpec(*FEATURE_AXES) for k in self.batch_abstract}

@@ -80,6 +80,10 @@ def test_inspect_and_plan_commands(quickstart):
     out = _run(_blocks("bash")[1], timeout=1200)
     assert out.stdout.count("train step per device") == 2  # inspect on CPU, then on v5e:4x4
     assert "TPU v5 lite" in out.stdout
+    # Summaries first, judged as a v5p chip (the first) and a v5e (the topology's).
+    assert out.stdout.count("  verdict: ") == 2 and " on TPU v5: " in out.stdout
+    assert "[16/16]" in out.stderr and ": compiling..." in out.stderr  # plan's progress
+    assert "best: " in out.stdout
 
 
 def test_eval_and_infer_commands(quickstart):

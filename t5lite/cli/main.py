@@ -38,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host_device_count", type=int, default=None,
                    help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")  # fmt: skip
     p.add_argument("--topology", help="inspect/plan: compile for a TPU slice, e.g. v5e:16x16")
+    p.add_argument("--device", help="inspect/plan: judge fit and speed by this accelerator's "
+                   "figures (v5p, v5e, v6e, v4, h100, h200, a100, ...)")  # fmt: skip
+    p.add_argument("--wide", action="store_true",
+                   help="inspect/plan: every array on its own row, no width limit")  # fmt: skip
+    p.add_argument("--plot", metavar="FILE.png|svg",
+                   help="inspect/plan: chart memory by category and communication by mesh axis "
+                   "(the [plot] extra)")  # fmt: skip
     p.add_argument("--coordinator_address", help="HOST:PORT of process 0 (multi-process runs)")
     p.add_argument("--num_processes", type=int)
     p.add_argument("--process_id", type=int)
@@ -60,16 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args([a for a in argv if not a.startswith("--gin.")])
     if unknown and args.command != "cache":  # `cache` hands other flags to Apache Beam
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
-        from t5lite.insight.topology import num_devices
-
-        args.host_device_count = num_devices(args.topology)
-    if args.host_device_count:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
-        )
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:  # a misspelt device or plot file fails here, before JAX starts
+        insight_flags = _insight_flags(parser, args)
+    except ValueError as e:
+        print(f"t5lite {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    _fake_host_devices(args)
     from t5lite import distributed  # imports JAX: only after XLA_FLAGS is set
     from t5lite.checkpoint import CheckpointError
     from t5lite.cli import gin_config as gin_utils
@@ -113,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kwargs.update(data=reg.DataConfig(), pipeline_args=unknown)
         if args.topology and args.command in ("inspect", "plan"):
             kwargs["topology"] = args.topology
+        kwargs.update(insight_flags)
         if args.command == "train":  # config.gin: what this run used, written once it is set up
             kwargs["operative_config"] = gin_utils.operative_config
         fn(**kwargs)
@@ -129,6 +133,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         distributed.exit_on_peer_failure(args.command, e)
         raise
     return 0
+
+
+def _fake_host_devices(args: argparse.Namespace) -> None:
+    """Sets XLA_FLAGS for --host_device_count (or a --topology's device count) before JAX."""
+    if args.topology and not args.host_device_count:  # the gin-built mesh needs as many devices
+        from t5lite.insight.topology import num_devices
+
+        args.host_device_count = num_devices(args.topology)
+    if args.host_device_count:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
+        )
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _insight_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """inspect/plan keyword arguments from --device, --wide and --plot; ValueError naming the
+    flag when --device names no known chip or --plot cannot be drawn."""
+    flags = {"device": args.device, "wide": args.wide or None, "plot": args.plot}
+    flags = {k: v for k, v in flags.items() if v}
+    if flags and args.command not in ("inspect", "plan"):
+        parser.error(f"--{next(iter(flags))} is for inspect and plan only")
+    if args.device:
+        from t5lite.insight.hardware import chip_named
+
+        chip_named(args.device)
+    if args.plot:
+        from t5lite.insight.plot import check_plot_path
+
+        check_plot_path(args.plot)
+    return flags
 
 
 def _start_backends_quietly() -> None:

@@ -1,14 +1,18 @@
-"""`t5lite plan`: automatic layout search, compiled ahead of time on abstract devices.
+"""`t5lite plan`: automatic layout search: analytic screening, then compiled on abstract devices.
 
 For a model, a batch and a set of devices (fake CPU devices or a TPU topology's compile-only
 devices) the planner enumerates
   * mesh shapes `data × model` (every factorisation of the device count),
   * rules presets: data parallel, and 1D/2D activations × 1D/2D parameters (t5x's table),
   * remat policies (`none | minimal | full`),
-validates each layout (divisibility of heads, batch, ...), compiles its train step abstractly,
-drops what does not fit in device memory and ranks the rest by an estimated step time: compiled
-FLOPs over peak FLOP/s plus collective bytes over link bandwidth, without overlap. The winner is
-written as a gin file to pass to `t5lite train` after the model and run configs.
+validates each layout (divisibility of heads, batch, ...) and screens it analytically (predicted
+memory, and a step time from FLOPs, bytes and communication: `estimate.py`), which costs
+milliseconds. Only the candidates that could win are compiled (a compile costs a minute on a
+laptop): the `top_k` fastest that the prediction says could fit (within 10%), plus any within
+`within` of the fastest; if none of those fits once compiled, the next ones are. Compiled
+layouts that fit are ranked by the compiled step time: FLOPs over peak FLOP/s plus collective
+bytes over link bandwidth, without overlap. The winner is written as a gin file to pass to
+`t5lite train` after the model and run configs.
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import textwrap
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import jax
 
+from t5lite.insight.communication import analytic_communication
+from t5lite.insight.estimate import StepEstimate, estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
+from t5lite.insight.memory import PredictedMemory, predict_memory
 from t5lite.insight.report import StepReport, mesh_over, step_report
-from t5lite.insight.sharding import _fmt_bytes
+from t5lite.insight.sharding import format_bytes, sharding_report
+from t5lite.insight.tables import format_table as _table
 from t5lite.insight.topology import get_topology
 from t5lite.model.config import REMAT_POLICIES
 from t5lite.model.models import BaseModel
@@ -35,6 +44,10 @@ from t5lite.trainer import Trainer
 # depends on their ratio, not on these values.
 _ASSUMED_PEAK_FLOPS = 100e12
 _ASSUMED_LINK_BYTES_PER_S = 100e9
+_ASSUMED_HBM_BYTES_PER_S = 1e12
+# The analytic memory is a model of XLA's buffer assignment, good to about this fraction: a
+# layout is screened out only when its prediction exceeds the device by more.
+FIT_MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +61,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return f"{self.data}x{self.model} {self.preset} remat={self.remat}"
+        return f"{self.preset} data={self.data} model={self.model} remat={self.remat}"
 
     def rules(self) -> tuple[tuple[str, Any], ...]:
         return preset_rules(self.preset)
@@ -76,12 +89,18 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A layout and what compiling it showed."""
+    """A layout, its analytic figures and, if it was compiled, what compiling showed.
+
+    status: "fits" | "does not fit" (compiled), "screened: ..." (analytic only, with the
+    reason), "invalid: ..." (the layout cannot be built), "failed: ..." (the compiler refused).
+    """
 
     layout: Layout
-    status: str  # "fits" | "does not fit" | "invalid: ..." | "failed: ..."
+    status: str
     step: StepReport | None = None
     compile_seconds: float = 0.0
+    predicted: PredictedMemory | None = None
+    estimate: StepEstimate | None = None
 
     @property
     def fits(self) -> bool:
@@ -89,10 +108,12 @@ class Candidate:
 
     @property
     def memory(self) -> int | None:
+        """Compiled memory per device (None if not compiled)."""
         return self.step.memory.total if self.step and self.step.memory else None
 
     @property
     def step_seconds(self) -> float | None:
+        """Compiled step estimate (None if not compiled)."""
         return self.step.step_seconds if self.step else None
 
 
@@ -128,9 +149,68 @@ def enumerate_layouts(
     return out
 
 
-def _with_remat(model: BaseModel, remat: str) -> BaseModel:
+def with_remat(model: BaseModel, remat: str) -> BaseModel:
+    """`model` with another remat policy."""
     cfg = dataclasses.replace(model.network_config, remat_policy=remat)
     return dataclasses.replace(model, network_config=cfg)
+
+
+def build_trainer(
+    layout: Layout,
+    model: BaseModel,
+    devices: Sequence[Any],
+    batch_size: int,
+    lengths: Mapping[str, int],
+    num_microbatches: int = 1,
+) -> Trainer:
+    """The trainer of one layout (PartitioningError/ValueError if the layout is invalid)."""
+    mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
+    part = Partitioner(mesh, logical_axis_rules=layout.rules())
+    return Trainer(
+        with_remat(model, layout.remat),
+        part,
+        batch_size=batch_size,
+        lengths=lengths,
+        num_microbatches=num_microbatches,
+    )
+
+
+def screen_layout(
+    layout: Layout,
+    model: BaseModel,
+    devices: Sequence[Any],
+    device: DeviceSpec,
+    batch_size: int,
+    lengths: Mapping[str, int],
+    num_microbatches: int = 1,
+) -> tuple[Candidate, Trainer | None]:
+    """Builds a layout and gives its analytic figures (no compilation)."""
+    try:
+        trainer = build_trainer(layout, model, devices, batch_size, lengths, num_microbatches)
+    except (PartitioningError, ValueError, NotImplementedError) as e:
+        # Indivisible heads or batch, or a mesh the topology cannot be cut into.
+        return Candidate(layout, f"invalid: {_first_line(e)}"), None
+    report = sharding_report(trainer.partitioner, trainer.abstract_state().params,
+                             trainer.params_axes)  # fmt: skip
+    predicted = predict_memory(trainer)
+    analytic = analytic_communication(trainer, report)
+    est = estimate_step(trainer, predicted, analytic, report, device)
+    return Candidate(layout, "screened", predicted=predicted, estimate=est), trainer
+
+
+def compile_candidate(c: Candidate, trainer: Trainer, device: DeviceSpec) -> Candidate:
+    """Compiles and measures a screened candidate (a compiler's refusal becomes its status)."""
+    t0 = time.perf_counter()
+    try:
+        step = step_report(trainer, device=device)
+    except Exception as e:  # a compiler's refusal is a result of the search, not a crash
+        status = f"failed: {_first_line(e)}"
+        return dataclasses.replace(c, status=status, compile_seconds=time.perf_counter() - t0)
+    assert step.memory is not None
+    status = "does not fit" if step.memory.fits is False else "fits"
+    return dataclasses.replace(
+        c, status=status, step=step, compile_seconds=time.perf_counter() - t0
+    )
 
 
 def evaluate_layout(
@@ -142,29 +222,11 @@ def evaluate_layout(
     lengths: Mapping[str, int],
     num_microbatches: int = 1,
 ) -> Candidate:
-    """Validates, compiles and measures one layout (exceptions become the candidate's status)."""
-    try:
-        mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
-        part = Partitioner(mesh, logical_axis_rules=layout.rules())
-        trainer = Trainer(
-            _with_remat(model, layout.remat),
-            part,
-            batch_size=batch_size,
-            lengths=lengths,
-            num_microbatches=num_microbatches,
-        )
-    except (PartitioningError, ValueError, NotImplementedError) as e:
-        # Indivisible heads or batch, or a mesh the topology cannot be cut into.
-        return Candidate(layout, f"invalid: {_first_line(e)}")
-    t0 = time.perf_counter()
-    try:
-        step = step_report(trainer, device=device)
-    except Exception as e:  # a compiler's refusal is a result of the search, not a crash
-        return Candidate(layout, f"failed: {_first_line(e)}", None, time.perf_counter() - t0)
-    seconds = time.perf_counter() - t0
-    assert step.memory is not None
-    status = "does not fit" if step.memory.fits is False else "fits"
-    return Candidate(layout, status, step, seconds)
+    """Screens, then compiles and measures one layout."""
+    c, trainer = screen_layout(
+        layout, model, devices, device, batch_size, lengths, num_microbatches
+    )
+    return c if trainer is None else compile_candidate(c, trainer, device)
 
 
 def _first_line(e: BaseException) -> str:
@@ -177,49 +239,124 @@ def _first_line(e: BaseException) -> str:
     return text[:200]
 
 
+def predicted_fits(c: Candidate, memory_bytes: int | None) -> bool:
+    """Whether the prediction could fit, within `FIT_MARGIN` (True if memory unknown)."""
+    if c.predicted is None:
+        return False
+    return memory_bytes is None or c.predicted.total <= (1 + FIT_MARGIN) * memory_bytes
+
+
+def select_for_compile(
+    screened: Sequence[Candidate],
+    memory_bytes: int | None,
+    top_k: int = 3,
+    within: float = 0.10,
+) -> tuple[list[Candidate], int]:
+    """The screened candidates worth compiling, fastest first, and how many to compile before
+    looking for a fit: the first `top_k` and any within `within` of the fastest. The rest are
+    compiled only while none of those fits."""
+
+    def seconds(c: Candidate) -> float:
+        return (c.estimate.step_s if c.estimate else None) or 0.0
+
+    ok = [c for c in screened if predicted_fits(c, memory_bytes)]
+    ok.sort(key=lambda c: (seconds(c), c.predicted.total if c.predicted else 0))
+    if not ok:
+        return [], 0
+    close = sum(1 for c in ok if seconds(c) <= seconds(ok[0]) * (1 + within))
+    return ok, max(min(top_k, len(ok)), close)
+
+
 def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Fitting layouts by estimated step time (then memory); then the rest by memory; invalid
-    and failed layouts last."""
+    """Compiled layouts that fit by compiled step time; then the uncompiled ones that the
+    prediction says fit, by estimated step time; then compiled ones that do not fit and those
+    screened out for memory, by memory; invalid and failed layouts last."""
 
     def key(c: Candidate) -> tuple:
+        est = (c.estimate.step_s if c.estimate else None) or 0.0
         if c.fits:
             return (0, c.step_seconds if c.step_seconds is not None else 0.0, c.memory or 0)
+        if c.step is None and c.predicted is not None and c.status.startswith("screened: slow"):
+            return (1, est, c.predicted.total)
         if c.memory is not None:
-            return (1, c.memory, 0)
-        return (2, 0, 0)
+            return (2, c.memory, 0)
+        if c.predicted is not None:
+            return (3, c.predicted.total, 0)
+        return (4, 0, 0)
 
     return sorted(candidates, key=key)
 
 
-def format_table(ranked: Sequence[Candidate], device: DeviceSpec) -> str:
-    """The ranked table, one row per layout."""
-    rows = [("#", "mesh", "preset", "remat", "memory/dev", "GFLOP/dev", "comm/dev", "step ms",
-             "status")]  # fmt: skip
+def _ms(seconds: float | None) -> str:
+    return f"{1e3 * seconds:.3g}" if seconds is not None else "-"
+
+
+def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | None = 100) -> str:
+    """The ranked table, one row per layout (analytic and compiled figures side by side), then
+    the reasons of invalid or failed layouts."""
+    rows = [("#", "preset", "mesh", "remat", "predicted", "compiled", "est ms", "XLA ms",
+             "MFU", "status")]  # fmt: skip
+    notes: dict[str, list[str]] = {}  # reason -> rows
     for i, c in enumerate(ranked, 1):
-        s = c.step
-        comm = sum(r.link_bytes for r in s.collectives) if s else None
+        e = c.estimate
+        mfu = e.mfu(device.peak_flops) if e else None
+        status = c.status
+        if status.startswith(("invalid:", "failed:")):
+            notes.setdefault(status, []).append(str(i))
+            status = status.split(":")[0]
         rows.append(
             (
                 str(i),
-                f"{c.layout.data}x{c.layout.model}",
                 c.layout.preset,
+                f"{c.layout.data}x{c.layout.model}",
                 c.layout.remat,
-                _fmt_bytes(c.memory) if c.memory is not None else "-",
-                f"{s.flops / 1e9:,.3g}" if s and s.flops is not None else "-",
-                _fmt_bytes(comm) if comm is not None else "-",
-                f"{1e3 * c.step_seconds:.3g}" if c.step_seconds is not None else "-",
-                c.status,
+                format_bytes(c.predicted.total) if c.predicted else "-",
+                format_bytes(c.memory) if c.memory is not None else "-",
+                _ms(e.step_s if e else None),
+                _ms(c.step_seconds),
+                f"{100 * mfu:.0f}%" if mfu is not None else "-",
+                status,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    mem = _fmt_bytes(device.memory_bytes) if device.memory_bytes else "unknown"
-    lines.append(
-        f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} "
-        f"TFLOP/s, links {device.link_bytes_per_s / 1e9:.0f} GB/s"
-    )
+    lines = _table(rows, max_width=width, shrink=(9,))
+    mem = format_bytes(device.memory_bytes) if device.memory_bytes else "unknown"
+    hbm = f"{device.hbm_bytes_per_s / 1e9:.0f} GB/s" if device.hbm_bytes_per_s else "unknown"
+    lines += [
+        "predicted: analytic memory/device; compiled: XLA's; est ms: analytic step (FLOPs, HBM",
+        "bytes, collectives); XLA ms: compiled FLOPs and collectives; MFU: from the analytic step;",
+        f"screened: not compiled, for memory (predicted > {100 + 100 * FIT_MARGIN:.0f}% of the "
+        "device)",
+        "or as slower than the compiled candidates (est ms)",
+        f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} TFLOP/s,"
+        f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
+    ]
+    if notes:
+        lines += ["invalid or failed:"]
+        for reason, rows_of in notes.items():
+            note = f"  {', '.join(rows_of)}: {reason}"
+            lines += textwrap.wrap(note, width, subsequent_indent="      ") if width else [note]
     return "\n".join(lines)
+
+
+def _resolve_devices(
+    num_devices: int | None, topology: str | None, device_name: str | None
+) -> tuple[Sequence[Any], DeviceSpec]:
+    """The devices to lay meshes over and the per-device figures to judge them by."""
+    from t5lite.insight.hardware import device_spec_named
+
+    named = device_spec_named(device_name) if device_name else None  # fails before any work
+    if topology:
+        topo = get_topology(topology)
+        return topo.devices, named or topo.spec
+    all_devices = jax.devices()
+    n = num_devices or len(all_devices)
+    if n > len(all_devices):
+        raise ValueError(
+            f"plan: num_devices={n} but only {len(all_devices)} devices exist "
+            "(fake more with --host_device_count, or plan for a --topology)"
+        )
+    devices = all_devices[:n]
+    return devices, named or device_spec(devices[0])
 
 
 def plan(
@@ -229,6 +366,7 @@ def plan(
     batch_size: int,
     num_devices: int | None = None,
     topology: str | None = None,
+    device: str | None = None,
     device_memory_gib: float | None = None,
     link_bandwidth_gbps: float | None = None,
     peak_tflops: float | None = None,
@@ -236,8 +374,12 @@ def plan(
     remat_policies: Sequence[str] = REMAT_POLICIES,
     model_sizes: Sequence[int] | None = None,
     num_microbatches: int = 1,
+    top_k: int = 3,
     output_gin: str | None = None,
+    wide: bool = False,
+    plot: str | None = None,
     stream: TextIO | None = None,
+    progress: TextIO | None = None,
 ) -> list[Candidate]:
     """Searches layouts, prints the ranked table and writes the best fitting one as gin.
 
@@ -247,52 +389,44 @@ def plan(
         `--host_device_count`).
       topology: a TPU topology name ('v5e:16x16'): plan for its compile-only devices with the
         real TPU compiler and its chip's memory, FLOP/s and link bandwidth.
+      device: a name of the hardware table ('v5p', 'h100', ...): judge fit and speed by its
+        figures (compiling still happens on the devices at hand).
       device_memory_gib, link_bandwidth_gbps, peak_tflops: per-device figures; override the
         device's (required to drop layouts when the device's memory is unknown, e.g. CPU).
       presets, remat_policies, model_sizes: restrict the search space.
+      top_k: how many of the analytically fastest fitting layouts to compile (more when their
+        estimates are within 10% of the fastest, or when none of them fits once compiled).
       output_gin: where to write the winner's gin bindings.
-      stream: where to print (default stdout).
+      wide: print tables at full width (default: at most 100 columns).
+      plot: also draw memory and communication per layout to this .png or .svg file.
+      stream: where to print the result (default stdout); progress: where to say what is
+        being done (default stderr).
 
     Returns:
       Every candidate, best first.
     """
-    stream = stream or sys.stdout
-    if topology:
-        topo = get_topology(topology)
-        devices: Sequence[Any] = topo.devices
-        device = topo.spec
-    else:
-        all_devices = jax.devices()
-        n = num_devices or len(all_devices)
-        if n > len(all_devices):
-            raise ValueError(
-                f"plan: num_devices={n} but only {len(all_devices)} devices exist "
-                "(fake more with --host_device_count, or plan for a --topology)"
-            )
-        devices = all_devices[:n]
-        device = device_spec(devices[0])
-    device = dataclasses.replace(
-        device,
-        memory_bytes=int(device_memory_gib * GiB) if device_memory_gib else device.memory_bytes,
-        peak_flops=peak_tflops * 1e12 if peak_tflops else device.peak_flops or _ASSUMED_PEAK_FLOPS,
-        link_bytes_per_s=(
-            link_bandwidth_gbps * 1e9
-            if link_bandwidth_gbps
-            else device.link_bytes_per_s or _ASSUMED_LINK_BYTES_PER_S
-        ),
-    )
+    stream, progress = stream or sys.stdout, progress or sys.stderr
+    if plot:
+        from t5lite.insight.plot import check_plot_path
+
+        check_plot_path(plot)  # before anything slow
+    devices, spec = _resolve_devices(num_devices, topology, device)
+    spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
     layouts = enumerate_layouts(len(devices), presets, remat_policies, model_sizes)
-    stream.write(f"planning {len(layouts)} layouts on {len(devices)} devices\n")
-    candidates = []
-    for layout in layouts:
-        c = evaluate_layout(
-            layout, model, devices, device, batch_size, task_feature_lengths, num_microbatches
+    say = _progress(progress)
+    say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")
+    screened, trainers = [], {}
+    for i, layout in enumerate(layouts, 1):
+        c, trainer = screen_layout(
+            layout, model, devices, spec, batch_size, task_feature_lengths, num_microbatches
         )
-        stream.write(f"  {layout.name}: {c.status} ({c.compile_seconds:.1f} s)\n")
-        stream.flush()
-        candidates.append(c)
-    ranked = rank(candidates)
-    stream.write("\n" + format_table(ranked, device) + "\n")
+        say(f"[{i}/{len(layouts)}] {layout.name}: {_screen_line(c)}")
+        screened.append(c)
+        if trainer is not None:
+            trainers[layout] = trainer
+    results = _compile_winners(screened, trainers, spec, top_k, say)
+    ranked = rank(results)
+    stream.write(format_table(ranked, spec, width=None if wide else _width()) + "\n")
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:
         stream.write("no layout fits: use more devices, a smaller batch or microbatches\n")
@@ -303,4 +437,81 @@ def plan(
         stream.write(f"best: {best.layout.name}; written to {output_gin}\n")
     else:
         stream.write(f"best: {best.layout.name}\n")
+    if plot:
+        from t5lite.insight.plot import plot_layouts
+
+        plot_layouts([c for c in ranked if c.predicted is not None], plot)
+        stream.write(f"plot: {plot}\n")
     return ranked
+
+
+def _width() -> int:
+    from t5lite.insight.tables import terminal_width
+
+    return terminal_width()
+
+
+def _with_overrides(
+    spec: DeviceSpec, memory_gib: float | None, link_gbps: float | None, tflops: float | None
+) -> DeviceSpec:
+    """The device's figures with the user's overrides, and assumed rates where unknown (CPU)."""
+    return dataclasses.replace(
+        spec,
+        memory_bytes=int(memory_gib * GiB) if memory_gib else spec.memory_bytes,
+        peak_flops=tflops * 1e12 if tflops else spec.peak_flops or _ASSUMED_PEAK_FLOPS,
+        link_bytes_per_s=(
+            link_gbps * 1e9 if link_gbps else spec.link_bytes_per_s or _ASSUMED_LINK_BYTES_PER_S
+        ),
+        hbm_bytes_per_s=spec.hbm_bytes_per_s or _ASSUMED_HBM_BYTES_PER_S,
+    )
+
+
+def _progress(out: TextIO) -> Callable[[str], None]:
+    """A printer of progress lines, each stamped with the seconds since the search began."""
+    t0 = time.perf_counter()
+
+    def say(line: str) -> None:
+        out.write(f"{time.perf_counter() - t0:5.0f}s {line}\n")
+        out.flush()
+
+    return say
+
+
+def _screen_line(c: Candidate) -> str:
+    if c.predicted is None or c.estimate is None:
+        return c.status
+    return f"predicted {format_bytes(c.predicted.total)}, est {_ms(c.estimate.step_s)} ms"
+
+
+def _compile_winners(
+    screened: Sequence[Candidate],
+    trainers: Mapping[Layout, Trainer],
+    spec: DeviceSpec,
+    top_k: int,
+    say: Callable[[str], None],
+) -> list[Candidate]:
+    """Compiles the candidates that could win; every other layout keeps its analytic figures
+    with the reason it was not compiled."""
+    order, n_first = select_for_compile(screened, spec.memory_bytes, top_k)
+    done: dict[Layout, Candidate] = {}
+    say(f"plan: compiling the {n_first} analytically fastest of the {len(order)} layouts "
+        "that could fit")  # fmt: skip
+    for j, c in enumerate(order):
+        if j >= n_first and any(d.fits for d in done.values()):
+            break
+        say(f"[{j + 1}/{max(n_first, j + 1)}] {c.layout.name}: compiling...")
+        d = compile_candidate(c, trainers[c.layout], spec)
+        mem = f", {format_bytes(d.memory)} compiled" if d.memory is not None else ""
+        say(f"    {d.status}{mem} ({d.compile_seconds:.0f} s)")
+        done[c.layout] = d
+    out = []
+    for c in screened:
+        if c.layout in done:
+            out.append(done[c.layout])
+        elif c.predicted is None:
+            out.append(c)
+        elif c in order:  # the `est ms` column says by how much
+            out.append(dataclasses.replace(c, status="screened: slower"))
+        else:
+            out.append(dataclasses.replace(c, status="screened: memory"))
+    return out

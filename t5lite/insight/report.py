@@ -19,7 +19,9 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+import textwrap
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from jax.sharding import Mesh
@@ -31,6 +33,7 @@ from t5lite.insight.communication import (
     collective_rows,
     communication_seconds,
 )
+from t5lite.insight.estimate import StepEstimate, estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
 from t5lite.insight.hlo import KINDS, parse_collectives
 from t5lite.insight.memory import (
@@ -69,6 +72,7 @@ class StepReport:
     flops: float | None  # per device, from the compiled cost analysis
     compute_seconds: float | None
     communication_seconds: float | None
+    estimate: StepEstimate | None = None  # analytic step time on `device`
 
     @property
     def step_seconds(self) -> float | None:
@@ -109,10 +113,16 @@ class StepReport:
             "analytic_communication": self.analytic.to_json(),
             "flops": self.flops,
             "step_seconds": self.step_seconds,
+            "estimate": (
+                {**dataclasses.asdict(self.estimate), "step_s": self.estimate.step_s}
+                if self.estimate
+                else None
+            ),
         }
 
-    def format(self) -> str:
-        """Plain-text tables: memory, collectives, analytic vs compiled communication."""
+    def format(self, width: int | None = None) -> str:
+        """Plain-text tables: memory, collectives, analytic vs compiled communication (long
+        lines wrapped at `width`)."""
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         dev_mem = self.device.memory_bytes
         lines = [f"train step per device ({self.device.device_kind}, mesh {mesh}):"]
@@ -133,10 +143,13 @@ class StepReport:
                 verdict = "fits" if m.total <= dev_mem else "DOES NOT FIT"
                 of = f" of {format_bytes(dev_mem)} ({100 * m.total / dev_mem:.1f}%): {verdict}"
             lines.append(f"  {'total':<12}{format_bytes(m.total):>12}{of}")
-        lines.append(
+        predicted = (
             f"  predicted (analytic): {format_bytes(p.total)} = state {format_bytes(p.state)} + "
             f"batch {format_bytes(p.batch)} + gradients {format_bytes(p.gradients)} + "
             f"update {format_bytes(p.update)} + activations {format_bytes(p.activations)}"
+        )
+        lines += (
+            textwrap.wrap(predicted, width, subsequent_indent=" " * 4) if width else [predicted]
         )
         if self.memory is None and dev_mem:
             verdict = "fits" if p.total <= dev_mem else "DOES NOT FIT"
@@ -147,12 +160,14 @@ class StepReport:
         data = "+".join(a.data_axes) or DATA
         lines += [
             "",
-            "communication per device per step   compiled (collective bytes)   analytic (Mesh-TF)",
-            f"  over the batch axes ({data}):".ljust(37)
-            + f"{format_bytes(self.bytes_over(a.data_axes)) if self.memory else '-':<30}"
+            "communication per device per step".ljust(31)
+            + "compiled".ljust(16)
+            + "analytic (Mesh-TF)",
+            f"  over the batch axes ({data}):".ljust(31)
+            + f"{format_bytes(self.bytes_over(a.data_axes)) if self.memory else '-':<16}"
             + f"{format_bytes(a.data_axes_bytes)}   (≈ parameters)",
-            f"  over {MODEL}:".ljust(37)
-            + f"{format_bytes(self.bytes_over((MODEL,))) if self.memory else '-':<30}"
+            f"  over {MODEL}:".ljust(31)
+            + f"{format_bytes(self.bytes_over((MODEL,))) if self.memory else '-':<16}"
             + f"{format_bytes(a.model_axis_bytes)}   (≈ activations of split layers)",
         ]
         if self.flops is not None:
@@ -184,11 +199,23 @@ class StepReport:
         return ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
 
 
-def compile_train_step(trainer: Trainer) -> CompiledFunction:
-    """Lowers and compiles `trainer.train_step` ahead of time on abstract state and batch."""
-    return trainer.partitioner.compile(
-        trainer.train_step, trainer.abstract_state(), trainer.batch_abstract
-    )
+def compile_train_step(
+    trainer: Trainer, progress: Callable[[str], None] | None = None
+) -> CompiledFunction:
+    """Lowers and compiles `trainer.train_step` ahead of time on abstract state and batch,
+    saying which stage it is in through `progress` (large models take minutes)."""
+    say = progress or (lambda _: None)
+    part = trainer.partitioner
+    t0 = time.perf_counter()
+    say("lowering the train step to StableHLO...")
+    with part.context():
+        lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.batch_abstract)
+    t1 = time.perf_counter()
+    say(f"lowered in {t1 - t0:.0f} s; compiling with XLA (SPMD partitioning, buffer assignment)...")
+    with part.context():
+        compiled = lowered.compile()
+    say(f"compiled in {time.perf_counter() - t1:.0f} s")
+    return CompiledFunction(compiled, part)
 
 
 def step_report(
@@ -198,6 +225,7 @@ def step_report(
     compiled: CompiledFunction | None = None,
     compile: bool = True,
     report: ShardingReport | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> StepReport:
     """Compiles (unless `compile=False`) and measures the train step of `trainer`.
 
@@ -207,13 +235,14 @@ def step_report(
       compiled: an already compiled train step (skips compilation).
       compile: False gives only the analytic figures (for models too large to compile here).
       report: the parameters' sharding report, if already built.
+      progress: called with a line at each compilation stage.
     """
     part = trainer.partitioner
     device = device or device_spec(part.mesh.devices.flat[0])
     report = report or sharding_report(part, trainer.abstract_state().params, trainer.params_axes)
     mem, rows, flops, comp_s, comm_s = None, (), None, None, None
     if compiled is None and compile:
-        compiled = compile_train_step(trainer)
+        compiled = compile_train_step(trainer, progress)
     if compiled is not None:
         mem = memory_report(compiled, device.memory_bytes)
         collectives = parse_collectives(compiled.as_text(), part.mesh)
@@ -223,16 +252,19 @@ def step_report(
             comp_s = flops / device.peak_flops
         if device.link_bytes_per_s:
             comm_s = communication_seconds(collectives, device.link_bytes_per_s)
+    predicted = predict_memory(trainer)
+    analytic = analytic_communication(trainer, report)
     return StepReport(
         mesh_shape=dict(part.mesh.shape),
         device=device,
         memory=mem,
-        predicted=predict_memory(trainer),
+        predicted=predicted,
         collectives=rows,
-        analytic=analytic_communication(trainer, report),
+        analytic=analytic,
         flops=flops,
         compute_seconds=comp_s,
         communication_seconds=comm_s,
+        estimate=estimate_step(trainer, predicted, analytic, report, device),
     )
 
 
@@ -275,6 +307,28 @@ def partitioner_on(partitioner: Partitioner, devices: Sequence[Any]) -> Partitio
     )
 
 
+def _resolve_device(
+    partitioner: Partitioner,
+    topology: str | None,
+    named: DeviceSpec | None,
+    memory_gib: float | None,
+    link_gbps: float | None,
+    say: Callable[[str], None],
+) -> tuple[Partitioner, DeviceSpec]:
+    """The partitioner over the topology's devices (if any) and the figures to judge it by."""
+    if topology:
+        say(f"building compile-only devices of {topology} (libtpu)...")
+        topo = get_topology(topology)
+        partitioner = partitioner_on(partitioner, topo.devices)
+    spec = named or (topo.spec if topology else device_spec(partitioner.mesh.devices.flat[0]))
+    spec = dataclasses.replace(
+        spec,
+        memory_bytes=int(memory_gib * GiB) if memory_gib else spec.memory_bytes,
+        link_bytes_per_s=link_gbps * 1e9 if link_gbps else spec.link_bytes_per_s,
+    )
+    return partitioner, spec
+
+
 def inspect(
     *,
     model: BaseModel,
@@ -283,41 +337,61 @@ def inspect(
     partitioner: Partitioner | None = None,
     num_microbatches: int = 1,
     topology: str | None = None,
+    device: str | None = None,
     device_memory_gib: float | None = None,
     link_bandwidth_gbps: float | None = None,
     compile: bool = True,
+    wide: bool = False,
+    plot: str | None = None,
     output_json: str | None = None,
     stream: TextIO | None = None,
+    progress: TextIO | None = None,
 ) -> tuple[ShardingReport, StepReport]:
-    """Prints the sharding report, then the train step's memory and communication per device.
+    """Prints a summary (verdict, memory, step time, largest collectives), then the detail: the
+    sharding report, the train step's memory and communication per device, and what would make
+    a layout that does not fit fit.
 
     Args:
       model, task_feature_lengths, batch_size, num_microbatches: what is trained.
       partitioner: mesh + rules (default: `Partitioner()` on every device).
       topology: a TPU topology name (e.g. 'v5e:16x16'): the mesh is laid over its compile-only
         devices, keeping every mesh axis but `data`, and the real TPU compiler runs.
-      device_memory_gib: per-device memory to compare against (default: the device's own, or
-        the topology chip's HBM).
+      device: a name of the hardware table ('v5p', 'h100', ...) to judge memory and speed by
+        (default: the mesh's device, or the topology's chip).
+      device_memory_gib: per-device memory to compare against (overrides the device's).
       link_bandwidth_gbps: per-device link bandwidth in GB/s for the time estimate.
       compile: False reports only the analytic figures (no XLA compilation).
+      wide: every array on its own row and no width limit (default: identical layers folded,
+        at most 100 columns).
+      plot: also draw memory by category and communication by mesh axis to this .png/.svg.
       output_json: also write every figure there.
-      stream: where to print (default stdout).
+      stream: where to print (default stdout); progress: where to say what is being done
+        while compiling (default stderr).
 
     Returns:
       The sharding report and the step report.
     """
-    stream = stream or sys.stdout
-    partitioner = partitioner or Partitioner()
-    device = None
-    if topology:
-        topo = get_topology(topology)
-        partitioner = partitioner_on(partitioner, topo.devices)
-        device = topo.spec
-    device = device or device_spec(partitioner.mesh.devices.flat[0])
-    if device_memory_gib is not None:
-        device = dataclasses.replace(device, memory_bytes=int(device_memory_gib * GiB))
-    if link_bandwidth_gbps is not None:
-        device = dataclasses.replace(device, link_bytes_per_s=link_bandwidth_gbps * 1e9)
+    from t5lite.insight.explain import explain_oom
+    from t5lite.insight.hardware import device_spec_named
+    from t5lite.insight.summary import format_summary, memory_verdict
+    from t5lite.insight.tables import terminal_width
+
+    stream, progress = stream or sys.stdout, progress or sys.stderr
+    named = device_spec_named(device) if device else None  # an unknown name fails first
+    if plot:
+        from t5lite.insight.plot import check_plot_path
+
+        check_plot_path(plot)
+    width = None if wide else terminal_width()
+
+    def say(line: str) -> None:
+        progress.write(f"inspect: {line}\n")
+        progress.flush()
+
+    partitioner, spec = _resolve_device(
+        partitioner or Partitioner(), topology, named, device_memory_gib, link_bandwidth_gbps, say
+    )
+    say("tracing the model's abstract train state...")
     trainer = Trainer(
         model,
         partitioner,
@@ -328,16 +402,25 @@ def inspect(
     state = trainer.abstract_state()
     report = sharding_report(partitioner, state.params, trainer.params_axes)
     opt = sharding_report(partitioner, state.opt_state, trainer.state_axes.opt_state)
-    rules = ", ".join(f"{n}->{a}" for n, a in partitioner.rules)
-    stream.write(f"rules: {rules}\n\n{report.format()}\n")
+    step = step_report(trainer, device=spec, compile=compile, report=report, progress=say)
+    stream.write(format_summary(step, width) + "\n\ndetail:\n")
+    rules = "rules: " + ", ".join(f"{n}->{a}" for n, a in partitioner.rules)
+    rules_lines = textwrap.wrap(rules, width, subsequent_indent="  ") if width else [rules]
+    stream.write("\n".join(rules_lines) + f"\n\n{report.format(width, fold=not wide)}\n")
     stream.write(
         f"optimizer state ({type(model.optimizer).__name__}): {format_bytes(opt.bytes_total)} in "
         f"all, {format_bytes(opt.bytes_per_device)} per device\n"
         f"train state per device: {format_bytes(report.bytes_per_device + opt.bytes_per_device)} "
         f"on {partitioner.mesh.devices.size} devices\n\n"
     )
-    step = step_report(trainer, device=device, compile=compile, report=report)
-    stream.write(step.format() + "\n")
+    stream.write(step.format(width) + "\n")
+    if memory_verdict(step)[0] is False:
+        stream.write("\n" + explain_oom(trainer, step, report, opt, width) + "\n")
+    if plot:
+        from t5lite.insight.plot import plot_steps
+
+        plot_steps([("inspect", step)], plot)
+        stream.write(f"plot: {plot}\n")
     if output_json:
         with open(output_json, "w") as f:
             json.dump({**report.to_json(), "train_step": step.to_json()}, f, indent=1)

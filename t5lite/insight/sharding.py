@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from t5lite.insight.tables import elide, fold_indices, format_table, layer_pattern, natural_key
 from t5lite.partitioning import Partitioner, Placement
 
 
@@ -69,37 +70,62 @@ class ShardingReport:
             "bytes_per_device": self.bytes_per_device,
         }
 
-    def format(self) -> str:
-        """A plain-text table, one row per array, flagged rows marked with `!`."""
-        header = (
-            "",
-            "path",
-            "shape",
-            "dtype",
-            "logical axes",
-            "PartitionSpec",
-            "shard",
-            "bytes/dev",
-        )
-        rows = [header]
+    def format(self, width: int | None = None, fold: bool = False) -> str:
+        """A plain-text table, one row per array in natural order (layers_2 before layers_10),
+        flagged rows marked with `!`.
+
+        Args:
+          width: at most this many columns (long paths and axes are cut in their middle);
+            None: no limit.
+          fold: arrays of identical layers share one row, `layers_0..23` with a count `×24`.
+        """
+        groups: dict[tuple, list[tuple[int | None, Placement]]] = {}
         for p in self.placements:
+            pattern, index = layer_pattern(p.path) if fold else (p.path, None)
+            key = (pattern, p.shape, str(p.dtype), p.logical_axes, p.spec, p.shard_shape,
+                   bool(p.replicated_despite_rule))  # fmt: skip
+            groups.setdefault(key, []).append((index, p))
+        dtypes = {str(p.dtype) for p in self.placements}
+        flags = any(p.replicated_despite_rule for p in self.placements)
+        # Columns that say nothing here are left out when the width is limited.
+        show_dtype, show_flag = width is None or len(dtypes) > 1, width is None or flags
+        # Limited width: one "logical:mesh" column instead of logical axes and PartitionSpec.
+        joined = width is not None
+        header = ("", "path", "n", "shape", "dtype", "logical axes", "PartitionSpec",
+                  "logical:mesh axes", "shard", "bytes/dev")  # fmt: skip
+        rows = []
+        for key, members in groups.items():
+            pattern, p = key[0], members[0][1]
+            indices = [i for i, _ in members if i is not None]
+            path = pattern.format(fold_indices(indices)) if indices else pattern
             axes = "-" if p.logical_axes is None else ",".join(str(a) for a in p.logical_axes)
-            spec = ",".join("+".join(e) if isinstance(e, tuple) else str(e) for e in p.spec)
-            rows.append(
-                (
-                    "!" if p.replicated_despite_rule else "",
-                    p.path,
-                    "x".join(map(str, p.shape)) or "()",
-                    str(p.dtype),
-                    axes,
-                    f"({spec})",
-                    "x".join(map(str, p.shard_shape)) or "()",
-                    format_bytes(p.bytes_per_device),
-                )
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "-" * len(lines[0]))
+            parts = ["+".join(e) if isinstance(e, tuple) else str(e) for e in p.spec]
+            names = p.logical_axes or ("?",) * len(parts)
+            mapping = ",".join(f"{a}:{m}" if m != "None" else str(a) for a, m in zip(names, parts))
+            rows.append(("!" if p.replicated_despite_rule else "", path, f"×{len(members)}",
+                         "x".join(map(str, p.shape)) or "()", str(p.dtype), axes,
+                         f"({','.join(parts)})", mapping or "-",
+                         "x".join(map(str, p.shard_shape)) or "()",
+                         format_bytes(p.bytes_per_device * len(members))))  # fmt: skip
+        rows.sort(key=lambda r: natural_key(r[1]))
+        shown = (
+            show_flag,
+            True,
+            fold,
+            True,
+            show_dtype,
+            not joined,
+            not joined,
+            joined,
+            True,
+            True,
+        )
+        keep = [i for i, k in enumerate(shown) if k]
+        table = [tuple(r[i] for i in keep) for r in [header, *rows]]
+        shrink = tuple(keep.index(i) for i in (1, 5, 6, 7) if i in keep)
+        lines = format_table(table, max_width=width, shrink=shrink, paths=(keep.index(1),))
+        if not show_dtype:
+            lines.insert(0, f"parameters (every one {dtypes.pop()}):")
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         lines += [
             "",
@@ -107,13 +133,18 @@ class ShardingReport:
             f"bytes in all: {format_bytes(self.bytes_total)}   "
             f"bytes per device: {format_bytes(self.bytes_per_device)}",
         ]
+        if fold and len(rows) < len(self.placements):
+            lines.append("n: arrays sharing the row (identical layers); bytes/dev: of all n")
         if self.flagged:
             lines.append(
                 f"! {len(self.flagged)} array(s) left replicated in a dimension despite a "
                 "sharding rule (its mesh axis was taken by another dimension):"
             )
-            for p in self.flagged:
-                lines.append(f"    {p.path}: {', '.join(p.replicated_despite_rule)} -> {p.spec}")
+            for p in self.flagged[: 5 if width else None]:
+                line = f"    {p.path}: {', '.join(p.replicated_despite_rule)} -> {p.spec}"
+                lines.append(elide(line, width) if width else line)
+            if width and len(self.flagged) > 5:
+                lines.append(f"    ... and {len(self.flagged) - 5} more (--wide lists them)")
         return "\n".join(lines)
 
 
