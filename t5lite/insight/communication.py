@@ -106,7 +106,7 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     if model_axes:
         cfg = trainer.model.network_config
         b = trainer.batch_size // part.data_parallel_size
-        act = np.dtype(cfg.dtype).itemsize * cfg.emb_dim * b
+        act = np.dtype(cfg.policy.compute).itemsize * cfg.emb_dim * b
         if hasattr(cfg, "num_encoder_layers"):
             blocks = cfg.num_encoder_layers * 2 * trainer.lengths["inputs"]
             blocks += cfg.num_decoder_layers * 3 * trainer.lengths["targets"]

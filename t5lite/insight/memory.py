@@ -106,7 +106,7 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     """Memory per device of `trainer.train_step`, from shapes and shardings alone."""
     state = trainer.abstract_state()
     cfg = trainer.model.network_config
-    act_bytes = np.dtype(cfg.dtype).itemsize
+    act_bytes = np.dtype(cfg.policy.compute).itemsize
     data_size = trainer.partitioner.data_parallel_size
     b = trainer.batch_size // data_size
     # The model axis splits MLP and heads; activations' embed stays whole (1D activations).

@@ -106,11 +106,16 @@ class BaseModel(abc.ABC):
         """Teacher-forced fp32 logits [B, L, V]; dropout on when `dropout_rng` is given."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
         return self.module().apply(
-            {"params": params},
+            {"params": self.forward_params(params)},
             **self._inputs(batch),
             enable_dropout=dropout_rng is not None,
             rngs=rngs,
         )
+
+    def forward_params(self, params: PyTree) -> PyTree:
+        """The stored (master) parameters as the network computes with them: cast to the
+        precision policy's params dtype. Every loss, score and decode goes through here."""
+        return self.network_config.policy.cast_params(params)
 
     @abc.abstractmethod
     def dummy_batch(self, batch_size: int, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
@@ -353,6 +358,7 @@ class EncoderDecoderModel(BaseModel):
         `max_decode_length` defaults to the batch's decoder length (the targets length).
         """
         module = self.module()
+        params = self.forward_params(params)
         enc_BS = batch["encoder_input_tokens"]
         b = enc_BS.shape[0]
         length = max_decode_length or batch["decoder_input_tokens"].shape[1]
@@ -454,6 +460,7 @@ class DecoderOnlyModel(BaseModel):
         `max_decode_length` tokens (default: the row length) or at the end of the row.
         """
         module = self.module()
+        params = self.forward_params(params)
         tokens_BL = batch["decoder_input_tokens"]
         b, length = tokens_BL.shape
         causal_BL = batch.get("decoder_causal_attention")
