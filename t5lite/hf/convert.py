@@ -17,7 +17,7 @@ from pathlib import Path
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.hf import tokens
 from t5lite.hf import weights as hf_convert
-from t5lite.model import network
+from t5lite.model import lora, network
 
 _CONFIG_TYPES = {"T5Config": network.T5Config, "DecoderOnlyConfig": network.DecoderOnlyConfig}
 _MODEL_OF = {"T5Config": "EncoderDecoderModel", "DecoderOnlyConfig": "DecoderOnlyModel"}
@@ -99,5 +99,8 @@ def t5lite_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> P
         )
     # Checkpoints from before the ids were recorded decode with t5lite's defaults.
     ids = tokens.ModelIds(**extra.get("token_ids", {}))
-    hf_convert.export_hf(config_from_json(extra["network_config"]), state["params"], out, ids)
+    params = state["params"]
+    if "lora" in extra:  # a LoRA fine-tune: its adapters are folded into the kernels
+        params = lora.merge(lora.LoRA(**extra["lora"]), params)
+    hf_convert.export_hf(config_from_json(extra["network_config"]), params, out, ids)
     return out

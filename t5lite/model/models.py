@@ -18,7 +18,8 @@ import numpy as np
 from flax.core import meta
 
 from t5lite.model import decoding, losses, network
-from t5lite.model.optimizers import AdamW, Optimizer
+from t5lite.model.lora import BASE_PATTERN, LoRA, add_adapters, merge
+from t5lite.model.optimizers import AdamW, FrozenParams, Optimizer
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -68,8 +69,18 @@ class BaseModel(abc.ABC):
     """The model's padding id: written after EOS; "no token" in prompts (t5x/T5: 0)."""
     decoder_start_token_id: int = decoding.DECODER_START_ID
     """The first token fed to the decoder (BOS; t5x/T5: 0, the same as padding)."""
+    lora: LoRA | None = None
+    """Low-rank adapters (see lora.py): only the adapters train; the base is frozen by
+    wrapping `optimizer` in `FrozenParams`, so it gets no optimizer state."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            opt = self.optimizer
+            if not isinstance(opt, FrozenParams):
+                opt = FrozenParams(opt, ())
+            if BASE_PATTERN not in opt.patterns:
+                opt = FrozenParams(opt.optimizer, (*opt.patterns, BASE_PATTERN))
+            object.__setattr__(self, "optimizer", opt)
         # Canonical form up front, so a typo fails at configuration time, not in the jit.
         object.__setattr__(
             self, "loss_normalization", losses.canonical_normalization(self.loss_normalization)
@@ -114,7 +125,10 @@ class BaseModel(abc.ABC):
 
     def forward_params(self, params: PyTree) -> PyTree:
         """The stored (master) parameters as the network computes with them: cast to the
-        precision policy's params dtype. Every loss, score and decode goes through here."""
+        precision policy's params dtype, with LoRA factors merged into their kernels. Every
+        loss, score and decode goes through here."""
+        if self.lora is not None:
+            params = merge(self.lora, params)
         return self.network_config.policy.cast_params(params)
 
     @abc.abstractmethod
@@ -125,9 +139,13 @@ class BaseModel(abc.ABC):
 
     def init(self, rng: Array, batch: Batch) -> PyTree:
         """Flax variables (boxed with logical axes) for batches shaped like `batch`."""
-        return self.module().init(
+        variables = self.module().init(
             {"params": rng, "dropout": rng}, **self._inputs(batch), enable_dropout=False
         )
+        if self.lora is None:
+            return variables
+        lora_rng = jax.random.fold_in(rng, 0x10A)
+        return {**variables, "params": add_adapters(self.lora, variables["params"], lora_rng)}
 
     def _inputs(self, batch: Batch) -> dict[str, Array]:
         return {k: batch[k] for k in self.FEATURES if k in batch and k in self._INPUT_NAMES}

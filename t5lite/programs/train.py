@@ -26,6 +26,7 @@ from t5lite.distributed import ProgressWatchdog
 from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import peak_flops
 from t5lite.insight.sharding import format_bytes
+from t5lite.model import lora
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
 from t5lite.programs import metrics_writer as mw
@@ -183,7 +184,9 @@ def _check_start_checkpoint(
     if latest is not None:
         check_against_metadata(ckpt.step_dir(latest), trainer.state_abstract)
     elif init_checkpoint:
-        check_against_metadata(init_checkpoint, trainer.state_abstract, params_only=True)
+        # A LoRA fine-tune starts from a checkpoint without adapters: they start fresh.
+        params = lora.without_factors(trainer.state_abstract.params)
+        check_against_metadata(init_checkpoint, {"params": params}, params_only=True)
 
 
 def _network_record(cfg: Any) -> dict[str, Any]:
@@ -193,7 +196,10 @@ def _network_record(cfg: Any) -> dict[str, Any]:
 def _run_info(seed: int, model: Any) -> dict[str, Any]:
     # The token ids are what `t5lite convert` writes back as the HF pad / EOS / start ids.
     ids = {k: getattr(model, k) for k in ("pad_id", "eos_id", "decoder_start_token_id")}
-    return {"seed": seed, "network_config": _network_record(model.network_config), "token_ids": ids}
+    info = {"seed": seed, "network_config": _network_record(model.network_config), "token_ids": ids}
+    if model.lora is not None:  # what `t5lite convert` needs to merge the adapters on export
+        info["lora"] = asdict(model.lora)
+    return info
 
 
 def _done_line(ckpt: CheckpointManager, seconds: float) -> str:
@@ -332,7 +338,10 @@ def _restore_or_init(
     state = trainer.init_state()
     if init_checkpoint:
         # Parameters from the checkpoint (cast and resharded); optimizer state stays fresh.
-        state, _ = restore_checkpoint(init_checkpoint, state, with_extra=False, params_only=True)
+        fresh = [(rf"params/{lora.FACTOR_PATTERN}", None)]  # adapters keep their init
+        state, _ = restore_checkpoint(
+            init_checkpoint, state, with_extra=False, params_only=True, assignment_map=fresh
+        )
         writer.info(f"initialised parameters from {init_checkpoint}")
     return state
 
