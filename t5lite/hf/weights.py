@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -489,6 +489,7 @@ def export_hf(
     params: Params,
     out_dir: str | Path,
     ids: tokens.ModelIds = tokens.ModelIds(),  # noqa: B008  (frozen)
+    hf_ids: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes `params` as a Hugging Face checkpoint (`config.json` + `model.safetensors`).
 
@@ -498,6 +499,8 @@ def export_hf(
       params: the `params` collection, scanned or unscanned (unboxed arrays).
       out_dir: created if needed; existing `config.json` / `model.safetensors` are replaced.
       ids: the model's pad / EOS / decoder-start (BOS) ids, written to `config.json`.
+      hf_ids: the HF ids the model was imported with, written back as they were (an unset
+        pad, a list of EOS ids) while `ids` still follow from them.
 
     Raises:
       ValueError: a config with no HF equivalent, or a missing or misshaped parameter.
@@ -510,7 +513,7 @@ def export_hf(
         hf_config, entries = _llama_config_to_hf(config), _llama_entries(config)
     else:
         raise ValueError(f"export_hf: unsupported config type {type(config).__name__}")
-    hf_config.update(tokens.hf_config_ids(ids, isinstance(config, network.T5Config)))
+    hf_config.update(tokens.hf_config_ids(ids, isinstance(config, network.T5Config), hf_ids))
     params = network.unscan_params(params)
     tensors: dict[str, np.ndarray] = {}
     for e in entries:

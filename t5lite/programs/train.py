@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pathlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -22,6 +23,7 @@ import seqio_lite
 from seqio_lite import cache_tasks
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.checkpoint.checks import check_against_metadata
+from t5lite.checkpoint.layout import read_extra
 from t5lite.distributed import ProgressWatchdog
 from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import peak_flops
@@ -141,7 +143,7 @@ def train(
         throughput = _Throughput(model, dict(data.task_feature_lengths), data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
-        run_info = _run_info(seed, model)
+        run_info = _run_info(seed, model, checkpoint.init_checkpoint)
 
         start = int(state.step)
         last, eval_metrics = {}, {}  # the latest train and eval metrics
@@ -193,12 +195,15 @@ def _network_record(cfg: Any) -> dict[str, Any]:
     return {"type": type(cfg).__name__, **asdict(cfg)}
 
 
-def _run_info(seed: int, model: Any) -> dict[str, Any]:
+def _run_info(seed: int, model: Any, init_checkpoint: str | None) -> dict[str, Any]:
     # The token ids are what `t5lite convert` writes back as the HF pad / EOS / start ids.
     ids = {k: getattr(model, k) for k in ("pad_id", "eos_id", "decoder_start_token_id")}
     info = {"seed": seed, "network_config": _network_record(model.network_config), "token_ids": ids}
     if model.lora is not None:  # what `t5lite convert` needs to merge the adapters on export
         info["lora"] = asdict(model.lora)
+    if init_checkpoint:  # an imported model's HF ids, written back as they were on export
+        hf_ids = read_extra(pathlib.Path(init_checkpoint)).get("hf_token_ids")
+        info.update({"hf_token_ids": hf_ids} if hf_ids is not None else {})
     return info
 
 
