@@ -1,5 +1,6 @@
 """`t5lite convert`: import a Hugging Face T5, fine-tune from it, export it back."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -147,7 +148,8 @@ def test_llama_import_keeps_ids_and_causal_prompts(tmp_path):
     exported = tmp_path / "exported"
     convert.t5lite_to_hf(out / "checkpoint_0", exported)
     cfg = json.loads((exported / "config.json").read_text())
-    assert (cfg["eos_token_id"], cfg["bos_token_id"], cfg["pad_token_id"]) == (2, 1, 0)
+    # As imported: the unset pad stays unset (t5lite pads with 0 inside, HF never learns it).
+    assert (cfg["eos_token_id"], cfg["bos_token_id"], cfg["pad_token_id"]) == (2, 1, None)
     reloaded = transformers.LlamaForCausalLM.from_pretrained(exported)
     assert reloaded.generation_config.eos_token_id == 2
 
@@ -209,3 +211,21 @@ def test_t5_import_copies_spiece_model_and_keeps_ids(tmp_path, monkeypatch):
     convert.t5lite_to_hf(out / "checkpoint_0", exported)
     cfg = json.loads((exported / "config.json").read_text())
     assert (cfg["eos_token_id"], cfg["pad_token_id"], cfg["decoder_start_token_id"]) == (3, 0, 0)
+
+
+def test_export_writes_the_imported_hf_ids_back_as_they_were():
+    """An unset pad and a list of EOS ids survive import -> export while the model's ids are
+    the imported ones; ids changed since (in gin) are written as the model has them."""
+    from t5lite.hf import tokens
+
+    llama3 = {"pad_token_id": None, "eos_token_id": [128001, 128009], "bos_token_id": 128000,
+              "decoder_start_token_id": None}  # fmt: skip
+    ids, _ = tokens.model_ids(llama3, encoder_decoder=False)
+    assert ids == tokens.ModelIds(pad_id=0, eos_id=128001, decoder_start_token_id=128000)
+    assert tokens.hf_config_ids(ids, False, llama3) == {
+        "pad_token_id": None, "eos_token_id": [128001, 128009], "bos_token_id": 128000}  # fmt: skip
+    changed = dataclasses.replace(ids, eos_id=128009)
+    assert tokens.hf_config_ids(changed, False, llama3) == {
+        "pad_token_id": 0, "eos_token_id": 128009, "bos_token_id": 128000}  # fmt: skip
+    assert tokens.hf_config_ids(ids, False) == {
+        "pad_token_id": 0, "eos_token_id": 128001, "bos_token_id": 128000}  # fmt: skip

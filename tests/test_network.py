@@ -199,13 +199,17 @@ def test_logical_axes_of_every_parameter():
 
 
 def test_t5_1_0_variant_and_param_dtype():
-    cfg = dataclasses.replace(T5_TINY, variant="t5.1.0", param_dtype="bfloat16")
+    # Pure bf16 storage (no fp32 masters) initialises bf16 parameters.
+    cfg = dataclasses.replace(T5_TINY, variant="t5.1.0", precision="params=bf16,master=bf16")
     params = meta.unbox(_init(cfg, _t5_batch()))["params"]
     assert set(params["encoder"]["layers_0"]["mlp"]) == {"wi", "wo"}
     assert "logits_dense" not in params["decoder"]
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     logits = _model(cfg).apply({"params": params}, **_t5_batch(), enable_dropout=False)
     assert logits.dtype == jnp.float32
+    # The old `param_dtype` spelling now means bf16 parameters over fp32 masters.
+    old = dataclasses.replace(T5_TINY, param_dtype="bfloat16")
+    assert old.precision == "params=bfloat16,compute=float32,output=float32,master=float32"
     with pytest.raises(ValueError, match="variant"):
         network.T5Config(variant="t5.2")
     with pytest.raises(ValueError, match="remat_policy"):

@@ -56,7 +56,7 @@ def test_t5x_names_in_gin_build_the_t5lite_model():
     assert model.loss_normalization == 233472.0 and model.z_loss == 0.0
     cfg = model.network_config
     assert (cfg.emb_dim, cfg.num_heads, cfg.mlp_dim, cfg.num_encoder_layers) == (512, 6, 1024, 8)
-    assert cfg.vocab_size == 384 and cfg.dtype == "bfloat16" and cfg.variant == "t5.1.1"
+    assert cfg.vocab_size == 384 and cfg.policy.compute == "bfloat16" and cfg.variant == "t5.1.1"
     opt = model.optimizer
     assert isinstance(opt, optimizers.Adafactor) and opt.decay_rate == 0.8
     assert opt.factor_rules == optimizers.STANDARD_FACTOR_RULES

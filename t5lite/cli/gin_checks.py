@@ -65,11 +65,20 @@ def _referenced_macros() -> set[str]:
     return names
 
 
+# Macros the packaged gin files no longer read, and what replaced them.
+RENAMED_MACROS = {
+    "ACTIVATION_DTYPE": "PRECISION (e.g. \"'compute=bfloat16'\")",
+    "PARAM_DTYPE": "PRECISION (e.g. \"'params=bfloat16'\"; the masters stay fp32)",
+}
+
+
 def check_macros(bindings: Sequence[str]) -> None:
     """After parsing: every macro set by a flag is used by some loaded gin file."""
     used = _referenced_macros()
     for b in bindings:
         name = b.partition("=")[0].strip()
+        if name in RENAMED_MACROS and name not in used:
+            raise GinCheckError(f"--gin.{name}: renamed; set --gin.{RENAMED_MACROS[name]}")
         if "." in name or "/" in name or not _NAME.match(name) or name in used:
             continue
         close = difflib.get_close_matches(name, sorted(used), n=1)

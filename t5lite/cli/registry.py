@@ -15,7 +15,7 @@ from t5lite.compat import seqio as seqio_compat
 from t5lite.compat import t5x
 from t5lite.insight import plan as _plan
 from t5lite.insight import report
-from t5lite.model import decoding, network, optimizers
+from t5lite.model import decoding, lora, network, optimizers
 from t5lite.programs import cache as _cache
 from t5lite.programs import configs
 from t5lite.programs import evaluate as _evaluate
@@ -54,6 +54,7 @@ DecoderWrapper = _register(t5x.DecoderWrapper, "network")
 beam_search = _register(decoding.beam_search, "decoding")
 temperature_sample = _register(decoding.temperature_sample, "decoding")
 FrozenParams = _register(optimizers.FrozenParams)
+LoRA = _register(lora.LoRA)
 rsqrt_schedule = _register(optimizers.rsqrt_schedule)
 warmup_cosine_schedule = _register(optimizers.warmup_cosine_schedule)
 constant_schedule = _register(optimizers.constant_schedule)

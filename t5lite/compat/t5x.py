@@ -113,8 +113,18 @@ def _alias(
     Its signature and annotations are explicit, so gin still rejects a misspelt parameter and
     the CLI's type checks still see every field.
     """
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    hints = typing.get_type_hints(cls)
+    # Init-only fields too (`T5Config.dtype`, an InitVar folded into `precision`); dataclasses
+    # lists those only among its private pseudo-fields.
+    initvars = [
+        f
+        for f in cls.__dataclass_fields__.values()  # type: ignore[attr-defined]
+        if f._field_type is dataclasses._FIELD_INITVAR  # type: ignore[attr-defined]
+    ]
+    fields = [f for f in dataclasses.fields(cls) if f.init] + initvars
+    hints = {
+        n: t.type if isinstance(t, dataclasses.InitVar) else t
+        for n, t in typing.get_type_hints(cls).items()
+    }
     t5x_only = [n for n in t5x_params if n not in {f.name for f in fields}]
 
     def factory(**kwargs: Any) -> Any:

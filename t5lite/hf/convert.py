@@ -17,7 +17,7 @@ from pathlib import Path
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.hf import tokens
 from t5lite.hf import weights as hf_convert
-from t5lite.model import network
+from t5lite.model import lora, network
 from t5lite.model.config import config_from_record, config_record
 
 _MODEL_OF = {"T5Config": "EncoderDecoderModel", "DecoderOnlyConfig": "DecoderOnlyModel"}
@@ -59,10 +59,11 @@ def hf_to_t5lite(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise FileExistsError(f"convert: {gin_path} exists; refusing to overwrite it")
     config, params = hf_convert.import_hf(hf_dir, scan_layers=scan_layers)
     encoder_decoder = isinstance(config, network.T5Config)
-    ids, notes = tokens.model_ids(tokens.read_hf_ids(hf_dir), encoder_decoder)
+    hf_ids = tokens.read_hf_ids(hf_dir)
+    ids, notes = tokens.model_ids(hf_ids, encoder_decoder)
     mgr = CheckpointManager(out, async_save=False)
     extra = {"network_config": config_record(config), "token_ids": dataclasses.asdict(ids),
-             "source": str(hf_dir)}  # fmt: skip
+             "hf_token_ids": hf_ids, "source": str(hf_dir)}  # fmt: skip
     mgr.save(0, {"params": params}, extra=extra)
     mgr.close()
     copied = tokens.copy_tokenizer_files(hf_dir, out)
@@ -85,5 +86,9 @@ def t5lite_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> P
         )
     # Checkpoints from before the ids were recorded decode with t5lite's defaults.
     ids = tokens.ModelIds(**extra.get("token_ids", {}))
-    hf_convert.export_hf(config_from_record(extra["network_config"]), state["params"], out, ids)
+    params = state["params"]
+    if "lora" in extra:  # a LoRA fine-tune: its adapters are folded into the kernels
+        params = lora.merge(lora.LoRA(**extra["lora"]), params)
+    config = config_from_record(extra["network_config"])
+    hf_convert.export_hf(config, params, out, ids, extra.get("hf_token_ids"))
     return out

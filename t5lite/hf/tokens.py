@@ -69,12 +69,21 @@ def model_ids(hf_ids: Mapping[str, Any], encoder_decoder: bool) -> tuple[ModelId
     return ModelIds(int(pad), int(eos), int(start)), notes
 
 
-def hf_config_ids(ids: ModelIds, encoder_decoder: bool) -> dict[str, int | None]:
-    """The `config.json` id fields for a t5lite model's ids (inverse of `model_ids`)."""
-    out = {"pad_token_id": ids.pad_id, "eos_token_id": ids.eos_id}
-    if encoder_decoder:
-        return {**out, "decoder_start_token_id": ids.decoder_start_token_id}
-    return {**out, "bos_token_id": ids.decoder_start_token_id}
+def hf_config_ids(
+    ids: ModelIds, encoder_decoder: bool, original: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The `config.json` id fields for a t5lite model's ids (inverse of `model_ids`).
+
+    `original`: the HF ids the model was imported with (`read_hf_ids`). While the model's ids
+    are still the ones imported from them, they are written back as they were: an unset pad
+    stays unset (not 0) and a list of EOS ids stays a list (not its first).
+    """
+    out: dict[str, Any] = {"pad_token_id": ids.pad_id, "eos_token_id": ids.eos_id}
+    start = "decoder_start_token_id" if encoder_decoder else "bos_token_id"
+    out[start] = ids.decoder_start_token_id
+    if original is not None and model_ids(original, encoder_decoder)[0] == ids:
+        out = {k: original.get(k, v) for k, v in out.items()}
+    return out
 
 
 def copy_tokenizer_files(hf_dir: str | Path, out_dir: str | Path) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,7 @@ def _t5_config_to_hf(cfg: network.T5Config) -> dict[str, Any]:
         "tie_word_embeddings": cfg.logits_via_embedding,
         "scale_decoder_outputs": cfg.scale_tied_logits,
         "is_encoder_decoder": True,
-        "torch_dtype": cfg.param_dtype,
+        "torch_dtype": cfg.policy.params,
     }
 
 
@@ -322,7 +322,7 @@ def _llama_config_to_hf(cfg: network.DecoderOnlyConfig) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "max_position_embeddings": 4096,
-        "torch_dtype": cfg.param_dtype,
+        "torch_dtype": cfg.policy.params,
     }
 
 
@@ -427,16 +427,15 @@ def import_hf(
     hf_dir: str | Path,
     *,
     scan_layers: bool = False,
-    param_dtype: str = "float32",
-    dtype: str = "float32",
+    precision: str = "float32",
 ) -> tuple[network.T5Config | network.DecoderOnlyConfig, Params]:
     """Reads a local Hugging Face checkpoint directory into a t5lite config and parameter tree.
 
     Args:
       hf_dir: directory with `config.json` and `model.safetensors` (or a sharded index).
       scan_layers: return the stacked `layers` tree for a `scan_layers=True` network.
-      param_dtype: dtype of the returned parameters (and the config's `param_dtype`).
-      dtype: activation dtype set in the returned config.
+      precision: the returned config's precision policy; the parameters come back in its
+        `master` dtype (what a train state stores).
 
     Returns:
       `(config, params)`: `network.T5Config` or `network.DecoderOnlyConfig`, and the `params`
@@ -458,7 +457,7 @@ def import_hf(
         )
     config_from_hf, entries_of = _ARCHITECTURES[arch]
     cfg = config_from_hf(raw, str(cfg_path))
-    cfg = dataclasses.replace(cfg, scan_layers=scan_layers, param_dtype=param_dtype, dtype=dtype)
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers, precision=precision)
     get = _read_tensors(hf_dir)
     params: Params = {}
     for e in entries_of(cfg):
@@ -472,7 +471,7 @@ def import_hf(
                 f"{hf_dir}: tensor {e.hf_key!r} has shape {tuple(x.shape)}, config.json implies "
                 f"{_hf_shape(e)}"
             )
-        _set(params, e.path, jnp.asarray(_to_t5lite(x, e), dtype=param_dtype))
+        _set(params, e.path, jnp.asarray(_to_t5lite(x, e), dtype=cfg.policy.master))
     if arch == "T5ForConditionalGeneration":
         shared = np.asarray(params["token_embedder"]["embedding"])
         for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
@@ -490,6 +489,7 @@ def export_hf(
     params: Params,
     out_dir: str | Path,
     ids: tokens.ModelIds = tokens.ModelIds(),  # noqa: B008  (frozen)
+    hf_ids: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes `params` as a Hugging Face checkpoint (`config.json` + `model.safetensors`).
 
@@ -499,6 +499,8 @@ def export_hf(
       params: the `params` collection, scanned or unscanned (unboxed arrays).
       out_dir: created if needed; existing `config.json` / `model.safetensors` are replaced.
       ids: the model's pad / EOS / decoder-start (BOS) ids, written to `config.json`.
+      hf_ids: the HF ids the model was imported with, written back as they were (an unset
+        pad, a list of EOS ids) while `ids` still follow from them.
 
     Raises:
       ValueError: a config with no HF equivalent, or a missing or misshaped parameter.
@@ -511,7 +513,7 @@ def export_hf(
         hf_config, entries = _llama_config_to_hf(config), _llama_entries(config)
     else:
         raise ValueError(f"export_hf: unsupported config type {type(config).__name__}")
-    hf_config.update(tokens.hf_config_ids(ids, isinstance(config, network.T5Config)))
+    hf_config.update(tokens.hf_config_ids(ids, isinstance(config, network.T5Config), hf_ids))
     params = network.unscan_params(params)
     tensors: dict[str, np.ndarray] = {}
     for e in entries:

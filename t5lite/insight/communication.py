@@ -180,7 +180,7 @@ def _activation_collectives(
     """Megatron's all-reduce per split block, forward and backward (or AG + RS pairs)."""
     part, cfg = trainer.partitioner, trainer.model.network_config
     b = trainer.batch_size // part.data_parallel_size
-    x_bytes = np.dtype(cfg.dtype).itemsize * cfg.emb_dim * b
+    x_bytes = np.dtype(cfg.policy.compute).itemsize * cfg.emb_dim * b
     gated = len(cfg.mlp_activations) - 1
     if hasattr(cfg, "num_encoder_layers"):
         li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]

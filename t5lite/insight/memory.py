@@ -76,7 +76,7 @@ def _bytes_per_device(
 
 def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int]):
     """Per-device bytes of one layer's activations: {name: bytes} by logical layout."""
-    act = np.dtype(cfg.dtype).itemsize
+    act = np.dtype(cfg.policy.compute).itemsize
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:

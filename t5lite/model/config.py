@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from t5lite.model.precision import Precision
+
 RematPolicy = Literal["none", "minimal", "full"]
 RopeScaling = Literal["none", "linear", "llama3"]
 ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
@@ -40,10 +42,13 @@ class T5Config:
     relpos_num_buckets: int = 32
     relpos_max_distance: int = 128
     layer_norm_epsilon: float = 1e-6
-    dtype: str = "float32"
-    """Activation dtype ('bfloat16' on accelerators). Logits, softmax and norms are fp32."""
-    param_dtype: str = "float32"
-    """Parameter storage dtype."""
+    precision: str = "float32"
+    """Mixed precision policy, e.g. 'params=bfloat16,compute=bfloat16,output=float32' (see
+    precision.py; the masters default to fp32). Softmax, norms and the loss are fp32."""
+    dtype: dataclasses.InitVar[str | None] = None
+    """Deprecated spelling of `precision`'s compute dtype (t5x's `T5Config.dtype`)."""
+    param_dtype: dataclasses.InitVar[str | None] = None
+    """Deprecated spelling of `precision`'s params dtype (the masters stay fp32)."""
     one_hot_embedding: bool = False
     """Embed via one-hot matmul (vocab-parallel lookup when the table is vocab-sharded)."""
     scan_layers: bool = False
@@ -87,7 +92,12 @@ class T5Config:
     def scale_attn_logits(self) -> bool:
         return False  # T5 folds 1/sqrt(K) into the query initialisation
 
-    def __post_init__(self) -> None:
+    @property
+    def policy(self) -> Precision:
+        return Precision.parse(self.precision)
+
+    def __post_init__(self, dtype: str | None, param_dtype: str | None) -> None:
+        _set_precision(self, dtype, param_dtype)
         if self.variant not in ("t5.1.1", "t5.1.0"):
             raise ValueError(f"T5Config.variant must be 't5.1.1' or 't5.1.0', got {self.variant!r}")
         if self.scale_tied_logits and not self.logits_via_embedding:
@@ -132,13 +142,20 @@ class DecoderOnlyConfig:
     """Scale logits by 1/sqrt(K) (Llama). False folds it into the query init (T5)."""
     dropout_rate: float = 0.0
     layer_norm_epsilon: float = 1e-6
-    dtype: str = "float32"
-    param_dtype: str = "float32"
+    precision: str = "float32"
+    """Mixed precision policy (see T5Config.precision)."""
+    dtype: dataclasses.InitVar[str | None] = None
+    param_dtype: dataclasses.InitVar[str | None] = None
     one_hot_embedding: bool = False
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
 
-    def __post_init__(self) -> None:
+    @property
+    def policy(self) -> Precision:
+        return Precision.parse(self.precision)
+
+    def __post_init__(self, dtype: str | None, param_dtype: str | None) -> None:
+        _set_precision(self, dtype, param_dtype)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_heads % self.num_kv_heads:
@@ -191,3 +208,12 @@ def config_from_record(record: dict[str, Any]) -> AnyConfig:
     if kind not in types:
         raise ValueError(f"unknown network config type {kind!r}")
     return types[kind](**fields)
+
+
+def _set_precision(cfg: AnyConfig, dtype: str | None, param_dtype: str | None) -> None:
+    """Canonical `precision`, with the old `dtype` / `param_dtype` fields folded in."""
+    try:
+        policy = Precision.parse(cfg.precision).replace(compute=dtype, params=param_dtype)
+    except ValueError as e:
+        raise ValueError(f"{type(cfg).__name__}: {e}") from None
+    object.__setattr__(cfg, "precision", str(policy))

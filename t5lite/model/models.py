@@ -18,7 +18,8 @@ import numpy as np
 from flax.core import meta
 
 from t5lite.model import decoding, losses, network
-from t5lite.model.optimizers import AdamW, Optimizer
+from t5lite.model.lora import BASE_PATTERN, LoRA, add_adapters, merge
+from t5lite.model.optimizers import AdamW, FrozenParams, Optimizer
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -68,8 +69,18 @@ class BaseModel(abc.ABC):
     """The model's padding id: written after EOS; "no token" in prompts (t5x/T5: 0)."""
     decoder_start_token_id: int = decoding.DECODER_START_ID
     """The first token fed to the decoder (BOS; t5x/T5: 0, the same as padding)."""
+    lora: LoRA | None = None
+    """Low-rank adapters (see lora.py): only the adapters train; the base is frozen by
+    wrapping `optimizer` in `FrozenParams`, so it gets no optimizer state."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            opt = self.optimizer
+            if not isinstance(opt, FrozenParams):
+                opt = FrozenParams(opt, ())
+            if BASE_PATTERN not in opt.patterns:
+                opt = FrozenParams(opt.optimizer, (*opt.patterns, BASE_PATTERN))
+            object.__setattr__(self, "optimizer", opt)
         # Canonical form up front, so a typo fails at configuration time, not in the jit.
         object.__setattr__(
             self, "loss_normalization", losses.canonical_normalization(self.loss_normalization)
@@ -106,11 +117,19 @@ class BaseModel(abc.ABC):
         """Teacher-forced fp32 logits [B, L, V]; dropout on when `dropout_rng` is given."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
         return self.module().apply(
-            {"params": params},
+            {"params": self.forward_params(params)},
             **self._inputs(batch),
             enable_dropout=dropout_rng is not None,
             rngs=rngs,
         )
+
+    def forward_params(self, params: PyTree) -> PyTree:
+        """The stored (master) parameters as the network computes with them: cast to the
+        precision policy's params dtype, with LoRA factors merged into their kernels. Every
+        loss, score and decode goes through here."""
+        if self.lora is not None:
+            params = merge(self.lora, params)
+        return self.network_config.policy.cast_params(params)
 
     @abc.abstractmethod
     def dummy_batch(self, batch_size: int, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
@@ -120,9 +139,13 @@ class BaseModel(abc.ABC):
 
     def init(self, rng: Array, batch: Batch) -> PyTree:
         """Flax variables (boxed with logical axes) for batches shaped like `batch`."""
-        return self.module().init(
+        variables = self.module().init(
             {"params": rng, "dropout": rng}, **self._inputs(batch), enable_dropout=False
         )
+        if self.lora is None:
+            return variables
+        lora_rng = jax.random.fold_in(rng, 0x10A)
+        return {**variables, "params": add_adapters(self.lora, variables["params"], lora_rng)}
 
     def _inputs(self, batch: Batch) -> dict[str, Array]:
         return {k: batch[k] for k in self.FEATURES if k in batch and k in self._INPUT_NAMES}
@@ -353,6 +376,7 @@ class EncoderDecoderModel(BaseModel):
         `max_decode_length` defaults to the batch's decoder length (the targets length).
         """
         module = self.module()
+        params = self.forward_params(params)
         enc_BS = batch["encoder_input_tokens"]
         b = enc_BS.shape[0]
         length = max_decode_length or batch["decoder_input_tokens"].shape[1]
@@ -454,6 +478,7 @@ class DecoderOnlyModel(BaseModel):
         `max_decode_length` tokens (default: the row length) or at the end of the row.
         """
         module = self.module()
+        params = self.forward_params(params)
         tokens_BL = batch["decoder_input_tokens"]
         b, length = tokens_BL.shape
         causal_BL = batch.get("decoder_causal_attention")

@@ -41,7 +41,10 @@ def _dropout(cfg: AnyConfig, x: Array, deterministic: bool) -> Array:
 
 def _norm(cfg: AnyConfig, name: str) -> layers.RMSNorm:
     return layers.RMSNorm(
-        epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
+        epsilon=cfg.layer_norm_epsilon,
+        dtype=cfg.policy.compute,
+        param_dtype=cfg.policy.master,
+        name=name,
     )
 
 
@@ -50,8 +53,8 @@ def _attention(cfg: AnyConfig, name: str) -> layers.MultiHeadAttention:
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
+        dtype=cfg.policy.compute,
+        param_dtype=cfg.policy.master,
         dropout_rate=cfg.dropout_rate,
         scale_logits=cfg.scale_attn_logits,
         use_rope=cfg.use_rope,
@@ -78,8 +81,8 @@ def _mlp(cfg: AnyConfig) -> layers.MlpBlock:
         intermediate_dim=cfg.mlp_dim,
         activations=cfg.mlp_activations,
         dropout_rate=cfg.dropout_rate,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
+        dtype=cfg.policy.compute,
+        param_dtype=cfg.policy.master,
         name="mlp",
     )
 
@@ -140,8 +143,8 @@ class DecoderLayer(nn.Module):
                 num_heads=cfg.num_heads,
                 num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim,
-                dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype,
+                dtype=cfg.policy.compute,
+                param_dtype=cfg.policy.master,
                 dropout_rate=cfg.dropout_rate,
                 scale_logits=cfg.scale_attn_logits,
                 name="encoder_decoder_attention",
@@ -203,7 +206,7 @@ def _relpos_bias(
         max_distance=cfg.relpos_max_distance,
         num_heads=cfg.num_heads,
         bidirectional=bidirectional,
-        param_dtype=cfg.param_dtype,
+        param_dtype=cfg.policy.master,
         name="relpos_bias",
     )(q_len, k_len, query_positions_BL)
 
@@ -212,8 +215,8 @@ def _embedder(cfg: AnyConfig, init_std: float) -> layers.Embed:
     return layers.Embed(
         num_embeddings=cfg.vocab_size,
         features=cfg.emb_dim,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
+        dtype=cfg.policy.compute,
+        param_dtype=cfg.policy.master,
         one_hot=cfg.one_hot_embedding,
         embedding_init=nn.initializers.normal(stddev=init_std),
         name="token_embedder",
@@ -229,7 +232,7 @@ class Encoder(nn.Module):
     @nn.compact
     def __call__(self, tokens_BL: Array, mask_B1LL: Array | None, deterministic: bool) -> Array:
         cfg = self.config
-        x_BLD = self.shared_embedding(tokens_BL).astype(cfg.dtype)
+        x_BLD = self.shared_embedding(tokens_BL).astype(cfg.policy.compute)
         x_BLD = _constrain(_dropout(cfg, x_BLD, deterministic))
         length = tokens_BL.shape[1]
         bias_1HLL = _relpos_bias(cfg, True, length, length)
@@ -286,7 +289,7 @@ class Decoder(nn.Module):
                     f"the KV cache is created by a call with max_decode_length={max_decode_length}"
                     f" tokens, got {length}"
                 )
-        x_BLD = self.shared_embedding(tokens_BL).astype(cfg.dtype)
+        x_BLD = self.shared_embedding(tokens_BL).astype(cfg.policy.compute)
         if not self.is_initializing():
             # Zero unless a 'perturbations' collection is passed: lets tests take gradients with
             # respect to the embedded inputs (causality).
@@ -324,7 +327,8 @@ class Decoder(nn.Module):
 
 
 def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) -> Array:
-    """fp32 logits [B, L, V]: tied to the embedding, or a `logits_dense` projection."""
+    """Logits [B, L, V] in the policy's output dtype: tied to the embedding, or a
+    `logits_dense` projection (computed in fp32 either way, as t5x does)."""
     if cfg.logits_via_embedding:
         logits_BLV = shared_embedding.attend(x_BLD)
         if cfg.scale_tied_logits:
@@ -335,11 +339,12 @@ def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) ->
             cfg.vocab_size,
             ("embed", "vocab"),
             dtype=jnp.float32,
-            param_dtype=cfg.param_dtype,
+            param_dtype=cfg.policy.master,
             kernel_init=kernel_init,
             name="logits_dense",
         )(x_BLD.astype(jnp.float32))
-    return nn.with_logical_constraint(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+    logits_BLV = logits_BLV.astype(cfg.policy.output)
+    return nn.with_logical_constraint(logits_BLV, ("batch", "length", "vocab"))
 
 
 def _padding_or_segments(tokens_BL: Array | None, segment_ids_BL: Array | None) -> Array | None:

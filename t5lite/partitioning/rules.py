@@ -35,9 +35,10 @@ PyTree = Any
 # is the key/value positions inside attention, which context parallelism keeps whole) and the
 # rest of t5x's vocabulary, so t5x-style modules partition unchanged: `abspos_buckets` (learned
 # absolute positions), `stack` (stacked, unscanned layers), `mlp_activations` (the gated MLP's
-# activation index), and from t5x's MoE tables `expert_group` and `unmodeled`.
+# activation index), and from t5x's MoE tables `expert_group` and `unmodeled`. `lora_rank` is
+# the inner dimension of LoRA's factors (model/lora.py): a few columns, never worth splitting.
 _REPLICATED_NAMES = (
-    "length", "kv_length", "kv", "relpos_buckets", "layers",
+    "length", "kv_length", "kv", "relpos_buckets", "layers", "lora_rank",
     "abspos_buckets", "stack", "mlp_activations", "expert_group", "unmodeled",
 )  # fmt: skip
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pathlib
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import jax
@@ -21,9 +23,11 @@ import seqio_lite
 from seqio_lite import cache_tasks
 from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.checkpoint.checks import check_against_metadata
+from t5lite.checkpoint.layout import read_extra
 from t5lite.distributed import ProgressWatchdog
 from t5lite.insight.hardware import peak_flops
 from t5lite.insight.sharding import format_bytes
+from t5lite.model import lora
 from t5lite.model.config import config_record
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
@@ -139,7 +143,7 @@ def train(
         throughput = _throughput(model, data.batch_size)
         stall = _StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
-        run_info = _run_info(seed, model)
+        run_info = _run_info(seed, model, checkpoint.init_checkpoint)
 
         start = int(state.step)
         last, eval_metrics, watchdog = {}, {}, None  # the latest train and eval metrics
@@ -182,13 +186,21 @@ def _check_start_checkpoint(
     if latest is not None:
         check_against_metadata(ckpt.step_dir(latest), trainer.state_abstract)
     elif init_checkpoint:
-        check_against_metadata(init_checkpoint, trainer.state_abstract, params_only=True)
+        # A LoRA fine-tune starts from a checkpoint without adapters: they start fresh.
+        params = lora.without_factors(trainer.state_abstract.params)
+        check_against_metadata(init_checkpoint, {"params": params}, params_only=True)
 
 
-def _run_info(seed: int, model: Any) -> dict[str, Any]:
+def _run_info(seed: int, model: Any, init_checkpoint: str | None) -> dict[str, Any]:
     # The token ids are what `t5lite convert` writes back as the HF pad / EOS / start ids.
     ids = {k: getattr(model, k) for k in ("pad_id", "eos_id", "decoder_start_token_id")}
-    return {"seed": seed, "network_config": config_record(model.network_config), "token_ids": ids}
+    info = {"seed": seed, "network_config": config_record(model.network_config), "token_ids": ids}
+    if model.lora is not None:  # what `t5lite convert` needs to merge the adapters on export
+        info["lora"] = asdict(model.lora)
+    if init_checkpoint:  # an imported model's HF ids, written back as they were on export
+        hf_ids = read_extra(pathlib.Path(init_checkpoint)).get("hf_token_ids")
+        info.update({"hf_token_ids": hf_ids} if hf_ids is not None else {})
+    return info
 
 
 def _done_line(ckpt: CheckpointManager, seconds: float) -> str:
@@ -327,7 +339,10 @@ def _restore_or_init(
     state = trainer.init_state()
     if init_checkpoint:
         # Parameters from the checkpoint (cast and resharded); optimizer state stays fresh.
-        state, _ = restore_checkpoint(init_checkpoint, state, with_extra=False, params_only=True)
+        fresh = [(rf"params/{lora.FACTOR_PATTERN}", None)]  # adapters keep their init
+        state, _ = restore_checkpoint(
+            init_checkpoint, state, with_extra=False, params_only=True, assignment_map=fresh
+        )
         writer.info(f"initialised parameters from {init_checkpoint}")
     return state
 
