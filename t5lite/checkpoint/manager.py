@@ -474,6 +474,7 @@ class CheckpointManager:
         extra: dict | None = None,
         logical_axes: Any = None,
         is_final: bool = False,
+        preempted: bool | None = None,
     ) -> bool:
         """Saves if the policy says so; returns True when the trainer must stop (preempted).
 
@@ -485,11 +486,14 @@ class CheckpointManager:
           extra: JSON state.
           logical_axes: optional logical-axis tree.
           is_final: the last training step.
+          preempted: `reached_preemption(step)` when the caller has already asked it (with
+            several processes that sync point must be reached once per step); None: asked here.
 
         Returns:
           True if a preemption signal arrived: the checkpoint is committed, exit cleanly.
         """
-        preempted = self.reached_preemption(step)
+        if preempted is None:
+            preempted = self.reached_preemption(step)
         # The local record (not only the file system) decides "already saved", so processes
         # agree even while process 0 is committing that step.
         already = step == self._last_saved_step or self.step_dir(step).exists()
