@@ -9,7 +9,9 @@ fsync: the ceiling for both sides' saves, since both fsync their files (Orbax th
 TensorStore's default `file_io_sync`); `save_goal_needs_fraction_of_raw_disk` says how much of
 that ceiling 2x Orbax's save rate would take (above 1: out of reach on this disk today). Page
 cache is not dropped (it is shared with other users of the machine): restores read warm files
-on both sides alike.
+on both sides alike. After the figures, a table says where t5lite's save spends its time
+(staging copies, array creation, TensorStore writes, fsyncs, commit; medians over repetitions)
+with the file and chunk-write counts and the TensorStore context limits that shaped them.
 
     python benchmarks/checkpoint_io.py [--size_gib 1] [--reps 9] [--smoke] [--out PATH]
 """

@@ -230,7 +230,7 @@ def write_arrays(
     for fut, (_, h) in zip(opens, items):
         store = fut.result()
         writes.append([store[_slices(index)].write(piece) for index, piece in h.pieces])
-        grid = store.chunk_layout.write_chunk.shape
+        grid = chunk_shape_for(h.shape, h.dtype.itemsize, chunk_bytes)  # as `array_spec` made
         for index, _ in h.pieces:
             chunks += math.prod(-(-(b - a) // c) for (a, b), c in zip(index, grid))
     t_opened = time.perf_counter()
