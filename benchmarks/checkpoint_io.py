@@ -9,7 +9,9 @@ fsync: the ceiling for both sides' saves, since both fsync their files (Orbax th
 TensorStore's default `file_io_sync`); `save_goal_needs_fraction_of_raw_disk` says how much of
 that ceiling 2x Orbax's save rate would take (above 1: out of reach on this disk today). Page
 cache is not dropped (it is shared with other users of the machine): restores read warm files
-on both sides alike.
+on both sides alike. After the figures, a table says where t5lite's save spends its time
+(staging copies, array creation, TensorStore writes, fsyncs, commit; medians over repetitions)
+with the file and chunk-write counts and the TensorStore context limits that shaped them.
 
     python benchmarks/checkpoint_io.py [--size_gib 1] [--reps 9] [--smoke] [--out PATH]
 """
@@ -92,7 +94,7 @@ def raw_write(tree, d: Path) -> float:
     return time.perf_counter() - t0
 
 
-def t5lite_save(tree, d: Path, checksum: bool = True) -> tuple[float, float]:
+def t5lite_save(tree, d: Path, checksum: bool = True) -> tuple[float, float, dict]:
     mgr = CheckpointManager(d, async_save=True, checksum=checksum)
     t0 = time.perf_counter()
     mgr.save(1, tree)
@@ -100,7 +102,44 @@ def t5lite_save(tree, d: Path, checksum: bool = True) -> tuple[float, float]:
     mgr.wait()
     total = time.perf_counter() - t0
     mgr.close()
-    return total, blocking
+    return total, blocking, dict(mgr.last_save_stats)
+
+
+# The save's phases (see `CheckpointManager.last_save_stats`), in the order they happen.
+PHASES = [
+    ("stage_s", "stage: device -> host copies (blocks the trainer)"),
+    ("open_s", "open: create every zarr3 array"),
+    ("written_s", "write + per-array fsync, overlapped (wall)"),
+    ("write_wait_s", "  of which waiting on TensorStore writes (thread-summed)"),
+    ("fsync_s", "  of which per-array fsync (thread-summed)"),
+    ("parents_fsync_s", "fsync of the array directories' parent"),
+    ("commit_s", "commit: metadata, COMMIT marker, rename, fsyncs"),
+]
+
+
+def phase_table(stats: list[dict], size_gib: float) -> dict:
+    """Median of each phase over the repetitions, with the counts that explain them."""
+    from t5lite.checkpoint import tensorstore_io as tsio
+
+    med = {
+        k: statistics.median(s[k] for s in stats) for k, _ in PHASES if all(k in s for s in stats)
+    }
+    counts = {k: stats[0][k] for k in ("files", "chunk_writes", "bytes") if k in stats[0]}
+    print(f"\nt5lite save phases ({size_gib:.3f} GiB, checksums on, medians of {len(stats)}):")
+    for k, label in PHASES:
+        if k in med:
+            print(f"  {label:58s} {med[k]:7.3f} s")
+    ctx = tsio.make_context().spec.to_json()
+    limits = {
+        "chunk_bytes": tsio.DEFAULT_CHUNK_BYTES,
+        "file_io_concurrency": ctx["file_io_concurrency"]["limit"],
+        "data_copy_concurrency": ctx["data_copy_concurrency"]["limit"],
+        "file_io_sync": ctx["file_io_sync"],
+        "fsync_order": "each array's files once its writes finish (4 arrays at a time, 8 "
+        "threads each), then the parent directory, then metadata + COMMIT + rename",
+    }
+    print(f"  counts {counts}; settings {limits}")
+    return {"seconds": {k: round(v, 4) for k, v in med.items()}, **counts, **limits}
 
 
 def t5lite_restore(target, d: Path):
@@ -210,6 +249,7 @@ def main(argv=None) -> dict:
         )
     }
     checks = {}
+    phase_stats: list[dict] = []
     try:
         for rep in range(args.reps):
             # Rotate the order so neither side always runs on a warmer (or busier) machine.
@@ -219,7 +259,9 @@ def main(argv=None) -> dict:
                 d = scratch / f"{who}_{rep}"
                 if who.startswith("ours"):
                     key = "ours" if who == "ours" else "nocrc"
-                    total, block = t5lite_save(tree, d, checksum=who == "ours")
+                    total, block, stats = t5lite_save(tree, d, checksum=who == "ours")
+                    if who == "ours":
+                        phase_stats.append(stats)
                     t[f"{key}_save"].append(total)
                     t[f"{key}_block"].append(block)
                     if rep == 0:
@@ -315,6 +357,7 @@ def main(argv=None) -> dict:
         ratio = "" if f["ratio"] is None else f"{f['ratio']:.2f}"
         goal = "" if f["goal"] is None else f"{f['goal']} {'met' if f['met'] else 'NOT met'}"
         print(f"{f['name']:36s} {f['value']:9.3f} {f['unit']:8s} {ref:>9s} {ratio:>7s} {goal}")
+    record["save_phases"] = phase_table(phase_stats, size)
     write_record(record, args.out)
     return record
 

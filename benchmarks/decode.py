@@ -98,12 +98,90 @@ def _time(fn, *args, reps: int) -> tuple[float, np.ndarray]:
     return statistics.median(times), np.asarray(out)
 
 
+def _hf_twin(cfg: network.T5Config, seed: int = 0):
+    """A randomly initialised transformers T5 of `cfg`, and the same weights as t5lite params
+    (written by `save_pretrained`, read by t5lite's own `import_hf`)."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    from t5lite.hf import weights as hf_weights
+
+    torch.manual_seed(seed)
+    fields = hf_weights._t5_config_to_hf(cfg)
+    fields = {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype")}
+    hf_cfg = transformers.T5Config(**fields, decoder_start_token_id=0, pad_token_id=0,
+                                   eos_token_id=1)  # fmt: skip
+    hf = transformers.T5ForConditionalGeneration(hf_cfg).eval()
+    hf.generation_config.eos_token_id = None  # no EOS: every row generates every token
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        t5_cfg, params = hf_weights.import_hf(d)
+    return hf, t5_cfg, params
+
+
+def _vs_transformers(cfg, enc: np.ndarray, new: int, reps: int, threads: int) -> dict:
+    """t5lite `predict_batch` vs transformers `generate()`, greedy and beam 4, same weights,
+    inputs, lengths and threads; rounds alternate which side goes first."""
+    import torch
+
+    torch.set_num_threads(threads)
+    hf, cfg, params = _hf_twin(cfg)  # the config as import_hf reads it back
+    b, s = enc.shape
+    batch = {"encoder_input_tokens": enc, "decoder_input_tokens": np.zeros((b, new), np.int32)}
+    enc_t = torch.tensor(enc, dtype=torch.long)
+    mask_t = torch.ones((b, s), dtype=torch.long)
+    sides, out = {}, {}
+    for method, beams in (("greedy", 1), ("beam4", 4)):
+        # NO_EOS: t5lite never stops a row either; alpha is moot without finished beams.
+        model = models.EncoderDecoderModel(network_config=cfg, eos_id=NO_EOS,
+                                           decoding_method="beam" if beams > 1 else "greedy",
+                                           beam_size=max(beams, 1))  # fmt: skip
+        predict = jax.jit(model.predict_batch)
+
+        def ours(predict=predict):
+            return np.asarray(jax.block_until_ready(predict(params, batch)))
+
+        def theirs(beams=beams):
+            with torch.no_grad():
+                ids = hf.generate(input_ids=enc_t, attention_mask=mask_t, max_new_tokens=new,
+                                  do_sample=False, num_beams=beams,
+                                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+            return ids.numpy()[:, 1:]  # without the decoder start token
+
+        sides[f"t5lite_{method}"], sides[f"hf_{method}"] = ours, theirs
+        ours()  # compile + warm-up
+        theirs()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(reps):
+        for method in ("greedy", "beam4"):
+            order = ["t5lite", "hf"] if r % 2 == 0 else ["hf", "t5lite"]
+            for who in order:
+                key = f"{who}_{method}"
+                t0 = time.perf_counter()
+                out[key] = sides[key]()
+                times[key].append(time.perf_counter() - t0)
+    methods = ("greedy", "beam4")
+    same = {m: bool(np.array_equal(out[f"t5lite_{m}"], out[f"hf_{m}"])) for m in methods}
+    if not same["greedy"]:
+        raise SystemExit("t5lite and transformers greedy tokens differ: the comparison is void")
+    return {"times": times, "same_tokens": same, "tokens": b * new}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, 16 tokens, 1 repetition")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per figure (median)")
     ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--threads", type=int, default=2, help="cores for XLA and torch threads")
+    ap.add_argument("--no_hf", action="store_true", help="skip the transformers comparison")
     args = ap.parse_args(argv)
+    # Before JAX starts its CPU backend: XLA's thread pool then spans exactly these cores, and
+    # torch gets as many threads.
+    cores = sorted(os.sched_getaffinity(0))
+    if 0 < args.threads < len(cores):
+        os.sched_setaffinity(0, cores[: args.threads])
     cfg = SMOKE if args.smoke else SMALL
     batch, input_len, new = (8, 16, 16) if args.smoke else (8, 64, 128)
     reps = 1 if args.smoke else max(3, args.reps)
@@ -131,6 +209,16 @@ def main(argv: list[str] | None = None) -> dict:
         {"name": "greedy_tokens_per_s_recompute", "value": round(tps_full, 1), "unit": "tokens/s",
          "reference": None, "ratio": None, "goal": None, "met": None},
     ]  # fmt: skip
+    hf = None
+    if not args.no_hf:
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            print("transformers/torch not installed (pip install -e .[hf]): no HF comparison")
+        else:
+            hf = _vs_transformers(cfg, np.asarray(enc), new, reps, args.threads)
+            figures += _hf_figures(hf)
     device = jax.devices()[0]
     record = {
         "benchmark": "decode",
@@ -145,13 +233,45 @@ def main(argv: list[str] | None = None) -> dict:
                      "seconds_recompute": round(t_full, 4)},
         "figures": figures,
     }  # fmt: skip
+    if hf is not None:
+        import torch
+        import transformers
+
+        record["versions"].update(torch=torch.__version__, transformers=transformers.__version__)
+        record["settings"].update(threads=args.threads, torch_threads=torch.get_num_threads(),
+                                  same_tokens_as_hf=hf["same_tokens"],
+                                  seconds_vs_hf={k: [round(x, 4) for x in v]
+                                                 for k, v in hf["times"].items()})  # fmt: skip
 
     print(f"{'decoder':<12} {'seconds':>9} {'tokens/s':>10}")
     print(f"{'kv cache':<12} {t_cached:>9.3f} {tps_cached:>10.1f}")
     print(f"{'recompute':<12} {t_full:>9.3f} {tps_full:>10.1f}")
     print(f"speed-up {ratio:.1f}x (goal >= {GOAL}x): met={figures[0]['met']}; same tokens: {same}")
+    if hf is not None:
+        print(f"\nvs transformers generate() ({args.threads} threads, same weights), tokens/s:")
+        for f in figures[2:]:
+            print(f"  {f['name']:<32} {f['value']:>9.1f} vs {f['reference']:>9.1f} "
+                  f"= {f['ratio']:.2f}x (goal {f['goal']}: met={f['met']})")  # fmt: skip
+        print(f"  same tokens: {hf['same_tokens']}")
     write_record(record, args.out)
     return record
+
+
+def _hf_figures(hf: dict) -> list[dict]:
+    """tokens/s of each side (medians) and the median of per-round speed-ups."""
+    figures = []
+    for method in ("greedy", "beam4"):
+        ours, theirs = hf["times"][f"t5lite_{method}"], hf["times"][f"hf_{method}"]
+        ratio = statistics.median(t / o for o, t in zip(ours, theirs))
+        same = hf["same_tokens"][method]
+        figures.append({
+            "name": f"{method}_tokens_per_s_vs_transformers",
+            "value": round(hf["tokens"] / statistics.median(ours), 1), "unit": "tokens/s",
+            "reference": round(hf["tokens"] / statistics.median(theirs), 1),
+            "ratio": round(ratio, 3), "goal": ">= 1.5",
+            "met": bool(ratio >= 1.5 and (same or method != "greedy")),
+        })  # fmt: skip
+    return figures
 
 
 if __name__ == "__main__":

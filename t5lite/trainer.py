@@ -24,6 +24,7 @@ from seqio_lite.feature_converters import complete_features
 from t5lite.model import optimizers
 from t5lite.model.models import FEATURE_AXES, BaseModel
 from t5lite.partitioning import Partitioner, logical_axes_of
+from t5lite.pytree import path_str
 
 PyTree = Any
 Array = jax.Array
@@ -216,11 +217,12 @@ class Trainer:
             # optax's norm, op for op: next to `clip_by_global_norm` XLA computes it once.
             metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["learning_rate"] = self.model.optimizer.learning_rate_at(state.step)
-        # One boolean reduction over the new parameters (fused by XLA with the update that
-        # writes them): a non-finite gradient reaches every parameter it touches through the
+        # One boolean per parameter array (reductions fused by XLA with the update that writes
+        # them): a non-finite gradient reaches every parameter it touches through the
         # optimizer, and the optimizer's own NaNs are caught too. The train program stops
-        # before saving a state for which this is False.
-        metrics["params_finite"] = all_finite(params)
+        # before saving a state with any False, and names the arrays from these flags alone:
+        # it reads them a step late, when this step's state has already been donated.
+        metrics["params_finite"] = finite_by_array(params)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _eval_step(self, params: PyTree, batch: Mapping[str, Array]):
@@ -330,14 +332,25 @@ def _rows_of_this_process(batch, layout):
     return {k: np.asarray(v)[lo : lo + layout.per_process_batch_size] for k, v in batch.items()}
 
 
-def all_finite(tree: PyTree) -> Array:
-    """A scalar bool: every floating-point element of `tree` is finite."""
+def finite_by_array(tree: PyTree) -> Array:
+    """A bool vector, one entry per floating-point leaf of `tree` in tree order (see
+    `inexact_leaf_paths`): every element of that leaf is finite."""
     flags = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+    return jnp.stack(flags) if flags else jnp.ones([0], bool)
+
+
+def inexact_leaf_paths(tree: PyTree) -> list[str]:
+    """The paths of the floating-point leaves of `tree` (arrays or `ShapeDtypeStruct`s), in
+    the order of `finite_by_array`'s flags."""
+    return [
+        path_str(p)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
 
 
 def summarize(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -37,3 +37,19 @@ def test_train_throughput_smoke(tmp_path):
     for fig in record["figures"]:
         assert set(fig) >= FIGURE_KEYS, fig
         assert fig["value"] > 0
+
+
+def test_train_loop_quick(tmp_path):
+    out = tmp_path / "train_loop.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "train_loop.py"), "--quick", "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record) >= RECORD_KEYS and record["benchmark"] == "train_loop"
+    loop = next(f for f in record["figures"] if f["name"] == "train_loop_steps_per_s")
+    assert set(loop) >= FIGURE_KEYS and loop["value"] > 0 and loop["reference"] > 0
+    assert loop["goal"] == "<= 1.03"
+    assert len(record["seconds_per_step"]["loop"]) == 2  # one timing per round

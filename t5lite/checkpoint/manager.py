@@ -258,6 +258,10 @@ class CheckpointManager:
         self._preempted = threading.Event()
         self._saves = 0
         self._last_saved_step: int | None = None
+        # Where the last save's time went (seconds; see `tsio.write_arrays`): `stage_s` (the
+        # blocking copy to host), `write_s` (shards written and fsynced), `commit_s` (process
+        # 0's metadata, marker and rename), with the writer's own breakdown and counts.
+        self.last_save_stats: dict[str, float] = {}
         if _is_process0():
             self.directory.mkdir(parents=True, exist_ok=True)
             self._cleanup()
@@ -326,7 +330,10 @@ class CheckpointManager:
                 raise CheckpointError(f"cannot save array '{item[0]}': {e}") from e
 
         # numpy copies release the GIL: a few threads shorten the blocking part of the save.
+        t_stage = time.perf_counter()
         hosts = tsio.parallel_map(stage, leaves, 4)
+        stats = {"stage_s": time.perf_counter() - t_stage}
+        self.last_save_stats = stats  # completed by the writer (read it after `wait`)
         for (path, _), host in zip(leaves, hosts):
             d = layout.array_dir(path, taken)
             meta_arrays[path] = {
@@ -353,7 +360,7 @@ class CheckpointManager:
         self._last_saved_step = step
         _barrier(f"t5lite_ckpt_{step}_{self._saves}_mkdir")
         n = self._saves
-        job = lambda: self._write_and_commit(step, n, tmp, final, staged, meta, extra_json)
+        job = lambda: self._write_and_commit(step, n, tmp, final, staged, meta, extra_json, stats)
         if self.async_save:
             errors: list[BaseException] = []
 
@@ -369,13 +376,14 @@ class CheckpointManager:
         else:
             job()
 
-    def _write_and_commit(self, step, n, tmp, final, staged, meta, extra_json) -> None:
+    def _write_and_commit(self, step, n, tmp, final, staged, meta, extra_json, stats) -> None:
         """Writes this process's shards, then (process 0) metadata, marker and rename."""
         ctx = tsio.make_context(self.concurrency)
         items = [(str(tmp / "arrays" / d), h) for d, h in staged]
         error: BaseException | None = None
+        t_write = time.perf_counter()
         try:
-            tsio.write_arrays(items, ctx, self.chunk_bytes, self.checksum)
+            tsio.write_arrays(items, ctx, self.chunk_bytes, self.checksum, stats=stats)
         except Exception as e:
             error = e
         # Every process reaches the barrier, failed or not, so none waits forever for a peer
@@ -387,6 +395,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"writing checkpoint {tmp} failed on another process; not committed"
             )
+        stats["write_s"] = time.perf_counter() - t_write
+        t_commit = time.perf_counter()
         if _is_process0():
             layout.write_json(tmp / EXTRA_FILE, extra_json)
             layout.write_json(tmp / METADATA_FILE, meta)
@@ -394,6 +404,7 @@ class CheckpointManager:
             layout.fsync_dir(tmp)
             os.rename(tmp, final)
             layout.fsync_dir(self.directory)
+            stats["commit_s"] = time.perf_counter() - t_commit
             self._apply_keep_policy()
         _barrier(f"t5lite_ckpt_{step}_{n}_committed", background=True)
 
@@ -474,6 +485,7 @@ class CheckpointManager:
         extra: dict | None = None,
         logical_axes: Any = None,
         is_final: bool = False,
+        preempted: bool | None = None,
     ) -> bool:
         """Saves if the policy says so; returns True when the trainer must stop (preempted).
 
@@ -485,11 +497,14 @@ class CheckpointManager:
           extra: JSON state.
           logical_axes: optional logical-axis tree.
           is_final: the last training step.
+          preempted: `reached_preemption(step)` when the caller has already asked it (with
+            several processes that sync point must be reached once per step); None: asked here.
 
         Returns:
           True if a preemption signal arrived: the checkpoint is committed, exit cleanly.
         """
-        preempted = self.reached_preemption(step)
+        if preempted is None:
+            preempted = self.reached_preemption(step)
         # The local record (not only the file system) decides "already saved", so processes
         # agree even while process 0 is committing that step.
         already = step == self._last_saved_step or self.step_dir(step).exists()

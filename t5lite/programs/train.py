@@ -16,7 +16,6 @@ from dataclasses import asdict
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import seqio_lite
@@ -40,8 +39,7 @@ from t5lite.programs.evaluate import (
     run_evaluation,
 )
 from t5lite.programs.run_lock import RunLock, RunLockError
-from t5lite.pytree import path_str
-from t5lite.trainer import Trainer, TrainState, summarize
+from t5lite.trainer import Trainer, TrainState, inexact_leaf_paths, summarize
 
 
 class TrainingError(RuntimeError):
@@ -146,36 +144,136 @@ def train(
         run_info = _run_info(seed, model, checkpoint.init_checkpoint)
 
         start = int(state.step)
-        last, eval_metrics, watchdog = {}, {}, None  # the latest train and eval metrics
-        t0 = time.time()
         writer.info(_start_line(model_dir, start, num_steps))
-        for step in range(start + 1, num_steps + 1):
-            batch = next(dataset)  # numpy, this process's rows: throughput counts its tokens
-            state, metrics = trainer.train_step(state, trainer.global_batch(batch))
-            raw = jax.device_get(metrics)
-            m = summarize(raw)
-            if watchdog is None:  # armed after the first step: compilation time is unbounded
-                watchdog = stack.enter_context(contextlib.closing(ProgressWatchdog(step_timeout_s)))
-                writer.info(f"compiled; the first step took {time.time() - t0:.1f} s")
-            watchdog.ping()
-            if not (raw["params_finite"] and all(math.isfinite(v) for v in m.values())):
-                _stop_non_finite(ckpt, state, step, m)
-            stall.check(step, m)
-            last = {**m, **throughput.measure(batch)}
-            writer.write(step, last)
-            is_final = step == num_steps
-            stop_now = stop_after_steps is not None and step - start >= stop_after_steps
-            extra = {"data": dataset.get_state(), "step": step, **run_info}
-            preempted = ckpt.maybe_save(step, state, extra=extra, logical_axes=trainer.state_axes,
-                                        is_final=is_final or stop_now)  # fmt: skip
-            if evaluate is not None:
-                eval_metrics = evaluate(state, step, is_final) or eval_metrics
-            if preempted or stop_now:
-                writer.info(f"stopped at step {step}; checkpoint committed")
-                break
+        report = _StepReport(ckpt, writer, stall, throughput, trainer, stack, step_timeout_s)
+        last, eval_metrics = _run_steps(
+            trainer, state, start, num_steps, _Batches(dataset, trainer), report, ckpt,
+            evaluate, run_info, stop_after_steps,
+        )  # fmt: skip
         if start < num_steps:
-            writer.info(_done_line(ckpt, time.time() - t0))
+            writer.info(_done_line(ckpt, time.time() - report.t0))
         return {"train": last, "eval": eval_metrics}
+
+
+def _run_steps(
+    trainer: Trainer,
+    state: TrainState,
+    start: int,
+    num_steps: int,
+    batches: _Batches,
+    report: _StepReport,
+    ckpt: CheckpointManager,
+    evaluate: _Evaluation | None,
+    run_info: dict[str, Any],
+    stop_after_steps: int | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Steps `start + 1` to `num_steps` (or until stopped); returns the last train and eval
+    metrics.
+
+    The host never waits for a step while the device has nothing queued: step N is dispatched
+    first, then (while it runs) step N+1's batch is prepared and step N-1's metrics are read,
+    checked and logged. A step's metrics are read at once only where that step saves,
+    evaluates or ends the run, so a step is always checked (finite, still learning) before its
+    state is saved or evaluated. Bounded lag: a non-finite step N-1 is reported while step N
+    runs; step N's state is discarded with it, never saved.
+    """
+    last: dict[str, Any] = {}
+    eval_metrics: dict[str, Any] = {}
+    pending = None  # (step, device metrics) dispatched but not read yet
+    for step in range(start + 1, num_steps + 1):
+        batch, data_state, local = batches.take()
+        state, metrics = trainer.train_step(state, batch)  # returns before the step has run
+        is_final = step == num_steps
+        stop_now = stop_after_steps is not None and step - start >= stop_after_steps
+        if not (is_final or stop_now):
+            batches.prefetch()
+        if pending is not None:
+            last = report(*pending)
+            pending = None
+        # Asked once per step: with several processes it is a sync point all of them reach.
+        preempted = ckpt.reached_preemption(step)
+        saves = ckpt.should_save(step, is_final or stop_now, preempted)
+        evaluates = evaluate is not None and evaluate.due(step, is_final)
+        if saves or evaluates or is_final or stop_now:
+            last = report(step, metrics, local)
+        else:
+            pending = (step, metrics, local)
+        extra = {"data": data_state, "step": step, **run_info}
+        ckpt.maybe_save(step, state, extra=extra, logical_axes=trainer.state_axes,
+                        is_final=is_final or stop_now, preempted=preempted)  # fmt: skip
+        if evaluates:
+            eval_metrics = evaluate(state, step) or eval_metrics
+        if preempted or stop_now:
+            report.writer.info(f"stopped at step {step}; checkpoint committed")
+            break
+    return last, eval_metrics
+
+
+# A step's global batch, the data iterator's state after it, and this process's numpy rows.
+_Prepared = tuple[dict[str, jax.Array], dict[str, Any], dict[str, np.ndarray]]
+
+
+class _Batches:
+    """The global batch of the next step, prepared (read, packed, put on the devices) while the
+    current step runs, with the data iterator's state right after it: what that step's
+    checkpoint records, so a resume continues with the batch after it whatever was prefetched."""
+
+    def __init__(self, dataset: Any, trainer: Trainer):
+        self.dataset = dataset
+        self.trainer = trainer
+        self._next: _Prepared | None = None
+
+    def prefetch(self) -> None:
+        if self._next is None:
+            local = next(self.dataset)  # numpy, this process's rows: throughput counts its tokens
+            self._next = (self.trainer.global_batch(local), self.dataset.get_state(), local)
+
+    def take(self) -> _Prepared:
+        self.prefetch()
+        out, self._next = self._next, None
+        assert out is not None
+        return out
+
+
+class _StepReport:
+    """Reads one step's metrics on the host: the finite and stall checks, the log line, the
+    watchdog's ping."""
+
+    def __init__(
+        self,
+        ckpt: CheckpointManager,
+        writer: mw.MetricsWriter,
+        stall: _StallDetector,
+        throughput: mw.Throughput,
+        trainer: Trainer,
+        stack: contextlib.ExitStack,
+        step_timeout_s: float | None,
+    ):
+        self.ckpt, self.writer, self.stall, self.throughput = ckpt, writer, stall, throughput
+        self.param_paths = inexact_leaf_paths(trainer.state_abstract.params)
+        self.stack, self.step_timeout_s = stack, step_timeout_s
+        self.watchdog: ProgressWatchdog | None = None
+        self.t0 = time.time()
+
+    def __call__(
+        self, step: int, metrics: dict[str, jax.Array], local_batch: dict[str, np.ndarray]
+    ) -> dict[str, Any]:
+        raw = jax.device_get(metrics)
+        m = summarize(raw)
+        if self.watchdog is None:  # armed after the first step: compilation time is unbounded
+            self.watchdog = self.stack.enter_context(
+                contextlib.closing(ProgressWatchdog(self.step_timeout_s))
+            )
+            self.writer.info(f"compiled; the first step took {time.time() - self.t0:.1f} s")
+        self.watchdog.ping()
+        flags = np.asarray(raw["params_finite"])
+        if not (flags.all() and all(math.isfinite(v) for v in m.values())):
+            bad = [p for p, ok in zip(self.param_paths, flags) if not ok]
+            _stop_non_finite(self.ckpt, step, m, bad)
+        self.stall.check(step, m)
+        last = {**m, **self.throughput.measure(local_batch)}
+        self.writer.write(step, last)
+        return last
 
 
 def _check_start_checkpoint(
@@ -268,9 +366,10 @@ def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner,
 
 
 def _stop_non_finite(
-    ckpt: CheckpointManager, state: TrainState, step: int, m: dict[str, float]
+    ckpt: CheckpointManager, step: int, m: dict[str, float], bad: list[str]
 ) -> None:
-    """Ends the run at a step whose loss, gradient norm or parameters are not finite.
+    """Ends the run at a step whose loss, gradient norm or parameters (`bad`: the paths of its
+    non-finite parameter arrays) are not finite.
 
     That step's state is never saved; the checkpoints already committed are all finite (each
     was saved only after its own step passed this check), so the newest one is the last good.
@@ -280,8 +379,6 @@ def _stop_non_finite(
     what = [f"loss {m['loss']:.4g}"]
     if "grad_norm" in m:
         what.append(f"gradient norm {m['grad_norm']:.4g}")
-    flags = jax.device_get(jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), state.params))
-    bad = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(flags)[0] if not ok]
     if bad:
         what.append(f"{len(bad)} non-finite parameter arrays, first 'params/{bad[0]}'")
     raise TrainingError(
@@ -352,9 +449,8 @@ def _periodic_evaluation(
     data: DataConfig,
     evaluation: EvalConfig | None,
     writer: mw.MetricsWriter,
-) -> Callable[[TrainState, int, bool], dict[str, Any] | None] | None:
-    """`evaluate(state, step, is_final)`: the eval metrics when `evaluation` says to run at
-    this step (every `period` steps and after the last), else None."""
+) -> _Evaluation | None:
+    """Evaluation during training as `evaluation` says (None: never)."""
     if evaluation is None:
         return None
     lengths = dict(data.task_feature_lengths)
@@ -368,16 +464,26 @@ def _periodic_evaluation(
         eval_trainer = Trainer(trainer.model, trainer.partitioner, batch_size=batch_size,
                                lengths=lengths, seed=trainer.seed)  # fmt: skip
     decode_len = evaluation.max_decode_length or lengths["targets"]
+    return _Evaluation(evaluation, evaluator, eval_trainer, decode_len, writer)
 
-    def evaluate(state: TrainState, step: int, is_final: bool) -> dict[str, Any] | None:
-        if not (is_final or (evaluation.period and step % evaluation.period == 0)):
-            return None
+
+class _Evaluation:
+    """`due(step, is_final)`: whether to evaluate at this step (every `period` steps and after
+    the last); `evaluate(state, step)`: the eval metrics."""
+
+    def __init__(self, config: EvalConfig, evaluator: Any, trainer: Trainer, decode_len: int,
+                 writer: mw.MetricsWriter):  # fmt: skip
+        self.config, self.evaluator, self.trainer = config, evaluator, trainer
+        self.decode_len, self.writer = decode_len, writer
+
+    def due(self, step: int, is_final: bool) -> bool:
+        return is_final or bool(self.config.period and step % self.config.period == 0)
+
+    def __call__(self, state: TrainState, step: int) -> dict[str, Any] | None:
         return run_evaluation(
-            evaluator, eval_trainer, state.params, decode_len=decode_len, writer=writer, step=step,
-            num_to_print=evaluation.num_predictions_to_print,
+            self.evaluator, self.trainer, state.params, decode_len=self.decode_len,
+            writer=self.writer, step=step, num_to_print=self.config.num_predictions_to_print,
         )  # fmt: skip
-
-    return evaluate
 
 
 def _throughput(model: BaseModel, batch_size: int) -> mw.Throughput:
