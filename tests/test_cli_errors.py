@@ -46,8 +46,8 @@ CASES = [
     (["--gin.preset_rules.additional_rules=[('embd', 'data')]"],
      "rules table: no parameter or activation has the logical axis 'embd'; did you mean 'embed'? "
      "(known: abspos_buckets, batch, embed, expert, expert_group, expert_mlp, expert_replicas, "
-     "heads, joined_kv, kv, kv_heads, layers, length, mlp, mlp_activations, relpos_buckets, stack, "
-     "unmodeled, vocab)"),
+     "heads, joined_kv, kv, kv_heads, layers, length, lora_rank, mlp, mlp_activations, "
+     "relpos_buckets, stack, unmodeled, vocab)"),
     (["--gin.preset_rules.name='fsdpp'"],
      "unknown partitioning preset 'fsdpp' (did you mean 'fsdp'?); known: activations_2d, "
      "data_parallel, fsdp, fully_sharded, megatron In call to configurable 'preset_rules'"),
