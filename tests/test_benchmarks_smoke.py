@@ -37,3 +37,17 @@ def test_train_throughput_smoke(tmp_path):
     for fig in record["figures"]:
         assert set(fig) >= FIGURE_KEYS, fig
         assert fig["value"] > 0
+
+
+def test_memory_accuracy_smoke(tmp_path):
+    out = tmp_path / "memory_accuracy.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory_accuracy.py"), "--smoke",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "memory_accuracy" and len(record["figures"]) == 2
+    for fig in record["figures"]:
+        assert set(fig) >= FIGURE_KEYS and fig["met"], fig
