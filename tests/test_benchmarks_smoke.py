@@ -53,3 +53,17 @@ def test_train_loop_quick(tmp_path):
     assert set(loop) >= FIGURE_KEYS and loop["value"] > 0 and loop["reference"] > 0
     assert loop["goal"] == "<= 1.03"
     assert len(record["seconds_per_step"]["loop"]) == 2  # one timing per round
+
+
+def test_memory_accuracy_smoke(tmp_path):
+    out = tmp_path / "memory_accuracy.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memory_accuracy.py"), "--smoke",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "memory_accuracy" and len(record["figures"]) == 2
+    for fig in record["figures"]:
+        assert set(fig) >= FIGURE_KEYS and fig["met"], fig
