@@ -9,15 +9,12 @@ is meant to rank layouts and to say "hours or days", not to replace a profile.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
 
 from t5lite.insight.communication import AnalyticCommunication
 from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import DeviceSpec
 from t5lite.insight.memory import PredictedMemory
 from t5lite.insight.sharding import ShardingReport
-from t5lite.partitioning import mesh_axes_of
 from t5lite.trainer import Trainer
 
 # Full remat runs each layer's forward twice: 4 forward-equivalents instead of 3.
@@ -49,33 +46,6 @@ class StepEstimate:
         return self.model_flops / self.step_s / peak_flops
 
 
-def ring_link_bytes(
-    analytic: AnalyticCommunication, report: ShardingReport, mesh_shape: Mapping[str, int]
-) -> float:
-    """Bytes each device sends for the analytic volumes with ring algorithms.
-
-    An all-reduce sends 2 (n-1)/n of its buffer; a reduce-scatter or all-gather (n-1)/n. The
-    gradients of 1D parameters are all-reduced; those of 2D parameters reduce-scattered, and
-    their weights all-gathered twice, all three counted in `data_axes_bytes`; so the data axes
-    send (n-1)/n × (data_axes_bytes + the 1D parameters' gradients). Megatron's activations
-    are all-reduced over the model axes.
-    """
-    data = set(analytic.data_axes)
-    n_data = math.prod(mesh_shape[a] for a in data)
-    n_model = math.prod(v for k, v in mesh_shape.items() if k not in data)
-    grads_1d = 0
-    for p in report.placements:
-        used = {t for e in p.spec for t in mesh_axes_of(e)}
-        if not used & data:
-            grads_1d += p.bytes_total // math.prod(mesh_shape[t] for t in used)
-    share_data = (n_data - 1) / n_data if n_data > 1 else 0.0
-    share_model = (n_model - 1) / n_model if n_model > 1 else 0.0
-    return (
-        share_data * (analytic.data_axes_bytes + grads_1d)
-        + 2 * share_model * analytic.model_axis_bytes
-    )
-
-
 def estimate_step(
     trainer: Trainer,
     predicted: PredictedMemory,
@@ -91,7 +61,8 @@ def estimate_step(
     model_flops = trainer.batch_size * per_example / num_devices
     hardware_flops = model_flops * _REMAT_RECOMPUTE.get(cfg.remat_policy, 1.0)
     hbm = 2.0 * (predicted.state + predicted.gradients + predicted.update + predicted.activations)
-    link = ring_link_bytes(analytic, report, dict(trainer.partitioner.mesh.shape))
+    # Ring-algorithm bytes of every collective the layout implies (communication.py's model).
+    link = sum(e.link_bytes for e in analytic.expected)
 
     def over(x: float, rate: float | None) -> float | None:
         return x / rate if rate else None

@@ -32,6 +32,8 @@ from t5lite.insight.communication import (
     analytic_communication,
     collective_rows,
     communication_seconds,
+    compare_communication,
+    format_comparison,
 )
 from t5lite.insight.estimate import StepEstimate, estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
@@ -170,6 +172,9 @@ class StepReport:
             + f"{format_bytes(self.bytes_over((MODEL,))) if self.memory else '-':<16}"
             + f"{format_bytes(a.model_axis_bytes)}   (≈ activations of split layers)",
         ]
+        if self.memory is not None:  # compiled: bytes sent per mesh axes, each gap named
+            lines += ["", "bytes sent per device, compiled vs analytic:"]
+            lines += format_comparison(compare_communication(self.collectives, a))
         if self.flops is not None:
             est = f"{self.flops / 1e9:,.4g} GFLOP per device"
             if self.step_seconds is not None:
