@@ -7,7 +7,13 @@ H=6, F=1024, V=32128), inputs of 64 tokens, 128 new tokens per row, EOS disabled
 decodes all 128; the two must produce the same tokens. Each figure is the median of several
 timed runs after a compile + warm-up run. Prints a table and writes one JSON record.
 
-  python benchmarks/decode.py [--smoke] [--reps N] [--out PATH]
+Then, unless `--no_hf`: t5lite's `predict_batch` against transformers' `generate()` on the same
+weights (a random T5.1.1-small built by transformers, converted with `t5lite.hf.weights`), batch,
+inputs and lengths, greedy and beam 4, EOS disabled on both sides, `--threads` cores for XLA and
+as many torch threads; rounds alternate which side goes first. The greedy tokens must be
+identical (else the run fails); goal >= 1.5x transformers' tokens/s for both.
+
+  python benchmarks/decode.py [--smoke] [--reps N] [--threads 2] [--no_hf] [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU benchmark: no accelerator probing
 
 import flax
 import jax

@@ -67,3 +67,21 @@ def test_memory_accuracy_smoke(tmp_path):
     assert record["benchmark"] == "memory_accuracy" and len(record["figures"]) == 2
     for fig in record["figures"]:
         assert set(fig) >= FIGURE_KEYS and fig["met"], fig
+
+
+def test_decode_smoke_against_transformers(tmp_path):
+    pytest.importorskip("transformers", reason="needs the [hf] extra")
+    out = tmp_path / "decode.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    figures = {f["name"]: f for f in record["figures"]}
+    for method in ("greedy", "beam4"):
+        fig = figures[f"{method}_tokens_per_s_vs_transformers"]
+        assert fig["value"] > 0 and fig["reference"] > 0 and fig["goal"] == ">= 1.5"
+    assert record["settings"]["same_tokens_as_hf"]["greedy"] is True  # else the run fails
+    assert {"torch", "transformers"} <= set(record["versions"])
