@@ -46,11 +46,12 @@ CASES = [
     (["--gin.preset_rules.additional_rules=[('embd', 'data')]"],
      "rules table: no parameter or activation has the logical axis 'embd'; did you mean 'embed'? "
      "(known: abspos_buckets, batch, embed, expert, expert_group, expert_mlp, expert_replicas, "
-     "heads, joined_kv, kv, kv_heads, layers, length, lora_rank, mlp, mlp_activations, "
+     "heads, joined_kv, kv, kv_heads, kv_length, layers, length, lora_rank, mlp, mlp_activations, "
      "relpos_buckets, stack, unmodeled, vocab)"),
     (["--gin.preset_rules.name='fsdpp'"],
      "unknown partitioning preset 'fsdpp' (did you mean 'fsdp'?); known: activations_2d, "
-     "data_parallel, fsdp, fully_sharded, megatron In call to configurable 'preset_rules'"),
+     "context_parallel, data_parallel, fsdp, fully_sharded, megatron, sequence_parallel, "
+     "tensor_2d In call to configurable 'preset_rules'"),
     (["--gin_file=no_such.gin"], None),  # names the file and where it looked (checked below)
 ]  # fmt: skip
 
@@ -297,8 +298,9 @@ def test_help_describes_gin_presets_and_required_macros(tmp_path):
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     assert "--gin.NAME=VALUE bindings, values as Python literals" in text
-    assert ("partitioning/: activations_2d.gin, data_parallel.gin, fsdp.gin, fully_sharded.gin, "
-            "megatron.gin, multislice.gin") in text  # fmt: skip
+    assert ("partitioning/: activations_2d.gin, context_parallel.gin, data_parallel.gin, "
+            "fsdp.gin, fully_sharded.gin, megatron.gin, multislice.gin, sequence_parallel.gin, "
+            "tensor_2d.gin") in text  # fmt: skip
     assert "runs/pretrain.gin: MODEL_DIR, TASK, TASK_FEATURE_LENGTHS, TRAIN_STEPS" in text
 
 
