@@ -233,7 +233,10 @@ def test_an_installed_t5x_is_never_shadowed(tmp_path):
         "gin_config._stand_in_for_t5x(registry.T5X_MODULES)\n"
         "import t5x, seqio\n"
         "print(getattr(t5x, 'REAL', False), seqio.__doc__ == gin_config._STAND_IN_DOC)\n"
+        # Imported before the stand-ins are made: its submodules are not invented either.
+        "gin_config._stand_in_for_t5x(registry.T5X_MODULES)\n"
+        "print('t5x.models' not in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]

@@ -142,7 +142,10 @@ def _stand_in_for_t5x(modules: dict[str, dict[str, object]]) -> None:
 
     for name, attrs in modules.items():
         top = name.split(".")[0]
-        if top not in sys.modules:
+        if top in sys.modules:
+            if sys.modules[top].__doc__ != _STAND_IN_DOC:
+                continue  # the real package, already imported
+        else:
             spec = importlib.util.find_spec(top)
             # A directory of gin files named t5x/ on the path is a namespace package (no
             # origin), not t5x.
