@@ -213,22 +213,6 @@ def compile_candidate(c: Candidate, trainer: Trainer, device: DeviceSpec) -> Can
     )
 
 
-def evaluate_layout(
-    layout: Layout,
-    model: BaseModel,
-    devices: Sequence[Any],
-    device: DeviceSpec,
-    batch_size: int,
-    lengths: Mapping[str, int],
-    num_microbatches: int = 1,
-) -> Candidate:
-    """Screens, then compiles and measures one layout."""
-    c, trainer = screen_layout(
-        layout, model, devices, device, batch_size, lengths, num_microbatches
-    )
-    return c if trainer is None else compile_candidate(c, trainer, device)
-
-
 def _first_line(e: BaseException) -> str:
     """The gist of an error for a table cell: its first line, the array's path kept and the
     shape/mesh details (already in the table) dropped."""
