@@ -1,6 +1,7 @@
 """Shared test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
 
 import os
+import tempfile
 
 # NOTE: must run before the first `import jax` of the test session; conftest.py is imported by
 # pytest before any test module, so this is the one place that can guarantee it.
@@ -8,6 +9,16 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiled programs go to an on-disk cache shared by every test, xdist worker and CLI subprocess
+# (they inherit the environment): most tests compile the same few small models, and compiling
+# is most of the suite's time. Entries are keyed by the program, the XLA flags and the jaxlib
+# version, so a stale entry is never used; a torn entry is recompiled with a warning.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"t5lite-tests-xla-cache-{os.getuid()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
