@@ -36,6 +36,22 @@ def state_at(step: int, mesh: jax.sharding.Mesh, n: int = 24) -> dict:
     }
 
 
+def multi_state(mesh: jax.sharding.Mesh) -> dict:
+    """`state_at(7)` plus `rows`, whose chunks (4, 512) at `MULTI_CHUNK_BYTES` each take two
+    rows from each process: the params go through the direct chunk writer on both processes,
+    `rows` through TensorStore's merging writes."""
+    rows = np.arange(4 * 2048, dtype=np.float32).reshape(4, 2048)
+    sh = NamedSharding(mesh, P("data", None))
+    return {
+        **state_at(7, mesh, n=4),
+        "rows": jax.make_array_from_callback(rows.shape, sh, rows.__getitem__),
+    }
+
+
+# Chunks of (32, 64) for the (64, 256) params: one per shard of the 2 x 4 mesh.
+MULTI_CHUNK_BYTES = 8192
+
+
 def main() -> None:
     mode, directory = sys.argv[1], sys.argv[2]
     from t5lite.checkpoint import CheckpointManager
@@ -52,14 +68,17 @@ def main() -> None:
                 raise OSError("disk full (simulated)")
 
             tensorstore_io.write_arrays = broken
-        mgr = CheckpointManager(directory, async_save=True)
-        mgr.save(7, state_at(7, mesh, n=4), extra={"step": 7, "pid_count": jax.process_count()})
+        mgr = CheckpointManager(directory, async_save=True, chunk_bytes=MULTI_CHUNK_BYTES)
+        mgr.save(7, multi_state(mesh), extra={"step": 7, "pid_count": jax.process_count()})
         try:
             mgr.close()
         except Exception as e:
             print(f"FAILED {e}", flush=True)
             return
-        print("DONE", flush=True)
+        st = mgr.last_save_stats
+        print(
+            f"DONE direct={st['direct_arrays']} tensorstore={st['tensorstore_arrays']}", flush=True
+        )
         return
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))

@@ -224,6 +224,29 @@ def test_async_saves_hold_their_step_despite_donation(tmp_path):
         np.testing.assert_array_equal(got["host"], np.full(4, step))
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_saves_stage_into_the_previous_saves_host_buffers(tmp_path, keep):
+    """Staging reuses the last committed save's host copy (no fresh pages to fault in) unless
+    told not to keep it; a changed sharding stages afresh. Every step still restores exactly."""
+    m = mesh((2, 4))
+    put = lambda v, spec: jax.device_put(np.full((64, 64), v, np.float32), NamedSharding(m, spec))
+    mgr = CheckpointManager(tmp_path, async_save=True, keep_host_buffers=keep)
+    mgr.save(1, {"x": put(1, P("data", "model"))})
+    mgr.wait()
+    first = mgr._spare.get("x")
+    mgr.save(2, {"x": put(2, P("data", "model"))})
+    mgr.wait()
+    assert (first is not None) == keep and (mgr._spare.get("x") is first)
+    mgr.save(3, {"x": put(3, P("model", "data"))})
+    mgr.wait()
+    assert (mgr._spare.get("x") is not None) == keep and (
+        mgr._spare.get("x") is not first or not keep
+    )
+    for step in (1, 2, 3):
+        got, _ = mgr.restore({"x": np.zeros((64, 64), np.float32)}, step=step)
+        np.testing.assert_array_equal(got["x"], np.full((64, 64), step, np.float32))
+
+
 def test_async_failure_surfaces_at_wait(tmp_path):
     mgr = CheckpointManager(tmp_path, async_save=True)
     mgr.save(1, {"s": np.array(["not", "numeric"])})  # zarr3 cannot store unicode strings
@@ -453,16 +476,18 @@ def _two_helper_processes(mode: str, directory: Path) -> list[subprocess.Popen]:
 
 
 def test_two_processes_save_one_restores(tmp_path):
-    from checkpoint_helper import state_at
+    from checkpoint_helper import multi_state
 
     procs = _two_helper_processes("multi", tmp_path)
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0 and "DONE" in out, err[-3000:]
+        # Each process wrote its params' chunks itself; `rows` shares chunks across processes.
+        assert "DONE direct=4 tensorstore=1" in out
     m = mesh((4, 2))
-    target = abstract(state_at(7, m, n=4))
+    target = abstract(multi_state(m))
     restored, extra = CheckpointManager(tmp_path).restore(target)
-    assert_bit_equal(restored, state_at(7, m, n=4))
+    assert_bit_equal(restored, multi_state(m))
     assert extra == {"step": 7, "pid_count": 2}
 
 
@@ -503,6 +528,49 @@ def test_chunks_spanning_several_shards_round_trip(tmp_path):
     assert zarr["chunk_grid"]["configuration"]["chunk_shape"] == [16, 16]
     restored, _ = mgr.restore(abstract(state, lambda k: P("model", "data"), mesh((4, 2))))
     assert_bit_equal(restored, state)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in root.rglob("*") if f.is_file()}
+
+
+@pytest.mark.parametrize(
+    "dtype,shape,spec,chunk_bytes,direct",
+    [
+        (np.float32, (64, 48), P("data", "model"), 256, True),  # 2 x 4 chunks per shard
+        (np.float32, (64, 48), P("model", None), 256, True),  # chunks strided in their shard
+        (jnp.bfloat16, (32, 16), P("data", None), 64, True),  # 2-byte ml_dtype
+        (np.float32, (5, 7), P(), 64, True),  # chunks (5, 2): the last one is padded
+        (np.bool_, (16, 8), P(), 1 << 20, True),
+        (np.int32, (32, 32), P("data", "model"), 4096, True),  # one chunk filled by 8 shards
+        (np.float32, (24, 10), P("data", None), 64, True),  # chunks (3, 5) inside (12, 10) shards
+        (np.float32, (12,), P(), 1 << 20, True),
+    ],
+)
+@pytest.mark.parametrize("checksum", [True, False])
+def test_direct_chunk_writes_are_tensorstores_bytes(
+    tmp_path, dtype, shape, spec, chunk_bytes, direct, checksum
+):
+    """The direct writer produces byte for byte the files TensorStore writes for the same
+    pieces, and leaves to TensorStore the arrays whose chunks span several shards."""
+    m = mesh((2, 4))
+    host = (np.random.default_rng(3).standard_normal(shape) * 4).astype(dtype)
+    h = tsio.stage_to_host(jax.device_put(host, NamedSharding(m, spec)))
+    stats: dict = {}
+    ctx = tsio.make_context()
+    tsio.write_arrays([(str(tmp_path / "a"), h)], ctx, chunk_bytes, checksum, stats=stats)
+    assert (stats["direct_arrays"], stats["tensorstore_arrays"]) == (int(direct), int(not direct))
+    ref = [(str(tmp_path / "b"), h)]
+    ts_writes = tsio._start_tensorstore_writes(ref, ctx, chunk_bytes, checksum)
+    tsio._finish_tensorstore_writes(ref, ts_writes)
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    back = tsio.read_arrays([(str(tmp_path / "a"), shape, dtype, None)], ctx)[0]
+    assert back.tobytes() == host.tobytes()
+    if checksum and direct:  # the stored crc32c is checked on read
+        f = max(p for p in (tmp_path / "a" / "c").rglob("*") if p.is_file())
+        f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
+        with pytest.raises(ValueError):
+            tsio.read_arrays([(str(tmp_path / "a"), shape, dtype, None)], ctx)
 
 
 def test_numpy_and_scalar_leaves_restore_as_numpy(tmp_path):

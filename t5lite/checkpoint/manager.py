@@ -229,7 +229,11 @@ class CheckpointManager:
       concurrency: TensorStore I/O concurrency.
       chunk_bytes: upper bound on one stored chunk.
       checksum: store a crc32c per chunk, so corruption is an error on restore. Costs CPU
-        (TensorStore's crc32c runs at ~2 GB/s per core); turn off only on CPU-starved hosts.
+        (hardware crc32c, several GB/s per core); turn off only on CPU-starved hosts.
+      keep_host_buffers: keep the host copy of the last save and copy the next save into it
+        (when shapes and shardings match): the blocking part of a save then writes into memory
+        that is already mapped instead of faulting in fresh pages. Costs host memory equal to
+        this process's share of the state between saves.
     """
 
     def __init__(
@@ -243,6 +247,7 @@ class CheckpointManager:
         concurrency: int = 128,
         chunk_bytes: int = tsio.DEFAULT_CHUNK_BYTES,
         checksum: bool = True,
+        keep_host_buffers: bool = True,
     ):
         self.directory = Path(directory)
         self.save_period = save_period
@@ -252,6 +257,9 @@ class CheckpointManager:
         self.concurrency = concurrency
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
+        self.keep_host_buffers = keep_host_buffers
+        # Host copies of the last committed save, by array path (see `keep_host_buffers`).
+        self._spare: dict[str, tsio.HostShards] = {}
         # (writer thread, [error]) of the save in flight. A plain non-daemon thread: the
         # interpreter joins it before exiting, so a pending save still commits.
         self._pending: tuple[threading.Thread, list[BaseException]] | None = None
@@ -323,9 +331,12 @@ class CheckpointManager:
                 f"extra state for step {step} is not JSON-serialisable: {e}"
             ) from e
 
+        # `wait` above joined the previous writer: nothing reads the spare buffers any more.
+        spare, self._spare = self._spare, {}
+
         def stage(item: tuple[str, Any]) -> tsio.HostShards:
             try:
-                return tsio.stage_to_host(item[1])
+                return tsio.stage_to_host(item[1], spare.get(item[0]))
             except TypeError as e:
                 raise CheckpointError(f"cannot save array '{item[0]}': {e}") from e
 
@@ -407,6 +418,8 @@ class CheckpointManager:
             stats["commit_s"] = time.perf_counter() - t_commit
             self._apply_keep_policy()
         _barrier(f"t5lite_ckpt_{step}_{n}_committed", background=True)
+        if self.keep_host_buffers:
+            self._spare = {path: h for path, (_, h) in zip(meta["arrays"], staged)}
 
     def wait(self) -> None:
         """Blocks until the pending save is committed; re-raises its error."""

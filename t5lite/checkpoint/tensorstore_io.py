@@ -160,16 +160,21 @@ class HostShards:
         return sum(p.nbytes for _, p in self.pieces)
 
 
-def stage_to_host(x: Any) -> HostShards:
+def stage_to_host(x: Any, reuse: HostShards | None = None) -> HostShards:
     """Copies the shards this process owns (replica_id == 0) of `x` to host memory.
 
     The copy is what makes async saves safe: the caller may donate or overwrite `x` the moment
-    this returns. (On CPU a zero-copy `np.asarray` view would pin the device buffer instead,
-    silently turning the next step's donation into a copy, and it stalled a multi-process save.)
+    this returns. (On CPU a zero-copy `np.asarray` view kept for the write would pin the device
+    buffer instead, silently turning the next step's donation into a copy, and it stalled a
+    multi-process save; here such a view lives only for the copy.)
     Non-jax leaves (numpy arrays, Python scalars) are written by process 0 only.
 
     Args:
       x: a jax.Array (any sharding), numpy array or scalar.
+      reuse: the previous save's `HostShards` of the same array, no longer used by any write:
+        copied into when its pieces match (same shape, dtype and shard ranges), since filling
+        fresh memory costs a page fault per 4 KiB, which made up most of the blocking copy
+        (measured for 1 GiB on this 2-core host: 0.6 s into reused buffers, 1.1-4.6 s fresh).
 
     Returns:
       The `HostShards` to pass to `write_arrays`.
@@ -184,8 +189,19 @@ def stage_to_host(x: Any) -> HostShards:
         # Start every device->host transfer before blocking on the first one.
         for s in shards:
             s.data.copy_to_host_async()
-        pieces = [(_index(s.index, x.shape), np.array(s.data, copy=True)) for s in shards]
-        return HostShards(tuple(x.shape), np.dtype(x.dtype), pieces)
+        indices = [_index(s.index, x.shape) for s in shards]
+        dtype = np.dtype(x.dtype)
+        if (
+            reuse is not None
+            and reuse.shape == tuple(x.shape)
+            and reuse.dtype == dtype
+            and [i for i, _ in reuse.pieces] == indices
+        ):
+            for s, (_, buf) in zip(shards, reuse.pieces):
+                np.copyto(buf, np.asarray(s.data))
+            return reuse
+        pieces = [(i, np.array(s.data, copy=True)) for i, s in zip(indices, shards)]
+        return HostShards(tuple(x.shape), dtype, pieces)
     arr = np.array(x, copy=True)
     pieces = [] if jax.process_index() != 0 else [(tuple((0, d) for d in arr.shape), arr)]
     return HostShards(tuple(arr.shape), arr.dtype, pieces)
@@ -235,7 +251,7 @@ def write_arrays(
         if metadata_here:
             zw.write_metadata(path, h.shape, h.dtype, grid, checksum)
         direct.append((path, zw.chunk_dirs(path, [k for k, _ in plan])))
-        jobs += [(path, key, view, grid) for key, view in plan]
+        jobs += [(path, key, parts, grid, h.dtype) for key, parts in plan]
     ts_writes = _start_tensorstore_writes(fallback, context, chunk_bytes, checksum)
     t_planned = time.perf_counter()
     done = parallel_map(lambda j: zw.write_chunk(*j, checksum), jobs, threads)
@@ -286,13 +302,10 @@ def _start_tensorstore_writes(
     writes = []
     for fut, (_, h) in zip(opens, items):
         store = fut.result()
-        # The staged pieces are ours and never change: no need for TensorStore's own copy.
-        writes.append(
-            [
-                store[_slices(index)].write(piece, can_reference_source_data_indefinitely=True)
-                for index, piece in h.pieces
-            ]
-        )
+        # NOTE: TensorStore copies the pieces (no `can_reference_source_data_indefinitely`): the
+        # manager refills them at the next save, and TensorStore may keep references past a
+        # write's commit.
+        writes.append([store[_slices(index)].write(piece) for index, piece in h.pieces])
     return writes
 
 

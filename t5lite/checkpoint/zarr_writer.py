@@ -52,44 +52,56 @@ def _metadata_bytes(
     return store.kvstore.read("zarr.json").result().value
 
 
+Part = tuple[tuple[slice, ...], np.ndarray]  # (where in the chunk, the data from one piece)
+
+
 def plan_chunks(
     shape: tuple[int, ...],
     dtype: np.dtype,
     chunks: Sequence[int],
     pieces: Sequence[tuple[tuple[tuple[int, int], ...], np.ndarray]],
-) -> list[tuple[str, np.ndarray]] | None:
-    """(chunk key, view of the chunk's data in its piece) for every chunk the pieces cover.
+) -> list[tuple[str, list[Part]]] | None:
+    """(chunk key, the parts of this process's pieces that fill it) for every chunk they touch.
 
-    Returns None when some chunk is not entirely inside one piece (TensorStore must merge it),
-    or the array is 0-d, empty or of a dtype this writer does not encode.
+    A chunk may take parts of several pieces (chunks larger than shards: the chunk shape does
+    not depend on the mesh), but together they must fill it: returns None when some chunk is
+    shared with another process's pieces (TensorStore must merge it), or the array is 0-d, empty
+    or of a dtype this writer does not encode.
     """
     if not shape or 0 in shape or dtype.name not in _DTYPES or dtype.byteorder == ">":
         return None
-    out = []
+    by_chunk: dict[tuple[int, ...], list[Part]] = {}
     for index, piece in pieces:
-        ranges = []
-        for (a, b), c, d in zip(index, chunks, shape):
-            if a % c or (b % c and b != d):
-                return None
-            ranges.append(range(a // c, -(-b // c)))
+        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(index, chunks)]
         for pos in itertools.product(*ranges):
-            sl = tuple(
-                slice(i * c - a, min((i + 1) * c, b) - a)
-                for i, c, (a, b) in zip(pos, chunks, index)
-            )
-            out.append(("c/" + "/".join(map(str, pos)), piece[sl]))
+            # The overlap of chunk `pos` and this piece, in array coordinates.
+            lo = [max(i * c, a) for i, c, (a, _) in zip(pos, chunks, index)]
+            hi = [min((i + 1) * c, b) for i, c, (_, b) in zip(pos, chunks, index)]
+            dst = tuple(slice(x - i * c, y - i * c) for x, y, i, c in zip(lo, hi, pos, chunks))
+            src = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, index))
+            by_chunk.setdefault(pos, []).append((dst, piece[src]))
+    out = []
+    for pos, parts in by_chunk.items():
+        # Pieces with replica_id == 0 never overlap, so volumes add up.
+        filled = sum(math.prod(s.stop - s.start for s in dst) for dst, _ in parts)
+        valid = math.prod(min(c, d - i * c) for i, c, d in zip(pos, chunks, shape))
+        if filled != valid:
+            return None
+        out.append(("c/" + "/".join(map(str, pos)), parts))
     return out
 
 
-def _chunk_bytes(view: np.ndarray, chunks: Sequence[int]) -> np.ndarray:
-    """The chunk's encoded data: the view itself when it is already a full C-order chunk."""
-    if tuple(view.shape) == tuple(chunks) and view.flags.c_contiguous:
-        return view
+def _chunk_bytes(parts: Sequence[Part], chunks: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """The chunk's encoded data: the piece's own memory when one part is a whole C-order chunk,
+    else a new buffer the parts are copied into."""
+    chunks = tuple(chunks)
+    if len(parts) == 1 and parts[0][1].shape == chunks and parts[0][1].flags.c_contiguous:
+        return parts[0][1]
+    filled = sum(math.prod(s.stop - s.start for s in dst) for dst, _ in parts)
     # Edge chunks are stored at full size, padded with the fill value (0).
-    buf = np.zeros(tuple(chunks), view.dtype) if tuple(view.shape) != tuple(chunks) else None
-    if buf is None:
-        return np.ascontiguousarray(view)
-    buf[tuple(slice(0, n) for n in view.shape)] = view
+    buf = np.empty(chunks, dtype) if filled == math.prod(chunks) else np.zeros(chunks, dtype)
+    for dst, view in parts:
+        buf[dst] = view
     return buf
 
 
@@ -120,12 +132,14 @@ def write_metadata(path: str, shape: tuple[int, ...], dtype: np.dtype, chunks, c
     os.replace(tmp, os.path.join(path, "zarr.json"))
 
 
-def write_chunk(path: str, key: str, view: np.ndarray, chunks, crc: bool) -> tuple[float, ...]:
+def write_chunk(
+    path: str, key: str, parts: Sequence[Part], chunks, dtype: np.dtype, crc: bool
+) -> tuple[float, ...]:
     """Encodes, writes and fsyncs one chunk file; returns (bytes written, seconds preparing,
     writing, fsyncing)."""
     t0 = time.perf_counter()
     # Bytes, not elements: buffer views of ml_dtypes (bfloat16) are refused by memoryview.
-    data = _chunk_bytes(view, chunks).reshape(-1).view(np.uint8)
+    data = _chunk_bytes(parts, chunks, dtype).reshape(-1).view(np.uint8)
     parts = [data]
     if crc:  # crc32c releases the GIL on large buffers, so threads checksum in parallel
         parts.append(crc32c.crc32c(data).to_bytes(4, "little"))
@@ -145,7 +159,3 @@ def chunk_dirs(path: str, keys: Sequence[str]) -> list[str]:
             all_dirs.append(d)
             d = os.path.dirname(d)
     return sorted(set(all_dirs), key=len)
-
-
-def n_chunks(shape: Sequence[int], chunks: Sequence[int]) -> int:
-    return math.prod(-(-d // c) for d, c in zip(shape, chunks))
