@@ -360,7 +360,9 @@ def main(argv=None) -> dict:
         "versions": versions,
         "notes": "value/reference: medians over repetitions; ratio: median of per-repetition "
         "paired ratios (same repetition, adjacent runs); restores read warm page cache on both "
-        "sides; t5lite default stores a crc32c per chunk, Orbax stores none",
+        "sides; t5lite default stores a crc32c per chunk, Orbax stores none; on CPU Orbax's "
+        "blocking part keeps zero-copy np.asarray views of the device buffers, t5lite's copies "
+        "them (so the next step may donate them)",
         "config": {
             "size_gib": round(size, 4),
             "reps": args.reps,

@@ -52,9 +52,10 @@ def make_context(concurrency: int = 128, sync: bool = False) -> ts.Context:
 
     Args:
       concurrency: limit on concurrent file operations.
-      sync: fsync each chunk file as it is written. Off by default: `write_arrays` fsyncs all
-        files in one parallel pass at the end instead, which lets the file system batch journal
-        commits; either way data is durable before the caller writes a commit marker.
+      sync: fsync each chunk file as TensorStore writes it. Off by default: `write_arrays`
+        fsyncs each array's files in parallel once its writes are done, which lets the file
+        system batch journal commits; either way data is durable before the caller writes a
+        commit marker.
 
     Returns:
       A `ts.Context`.
