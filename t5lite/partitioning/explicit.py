@@ -20,7 +20,8 @@ a sharded table). Model code states its layouts through `t5lite.constraints`; un
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -74,6 +75,39 @@ def mesh_for_mode(mesh: Mesh, shard_mode: str) -> Mesh:
     if shard_mode == "explicit" and by_type[AxisType.Auto]:
         return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * n)
     return mesh
+
+
+def check_length_rules(rules: LogicalRules) -> None:
+    """Refuses tables that split `length` (sequence / context parallelism) in explicit mode."""
+    for name, axis in rules:
+        if name == "length" and mesh_axes_of(axis):
+            raise PartitioningError(
+                f"shard_mode='explicit' cannot use a rules table that shards 'length' (rule "
+                f"('length', {axis!r}); the sequence_parallel and context_parallel presets): "
+                "an attention mask [batch, length, length] would need that mesh axis on two "
+                "dimensions; use shard_mode='auto' for these layouts"
+            )
+        if name == "length":
+            return
+
+
+def explain_untypable(lower: Callable[[], Any], what: str) -> None:
+    """Traces `lower()` now, so an op JAX cannot type on Explicit axes fails up front in one
+    line (JAX's own first line, and where in t5lite it happened) rather than mid-run."""
+    try:
+        lower()
+    except Exception as e:  # JAX's ShardingTypeError is not public
+        if type(e).__name__ != "ShardingTypeError":
+            raise
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/t5lite/" in f.filename]
+        where = (
+            f" at {frames[-1].filename.split('/t5lite/')[-1]}:{frames[-1].lineno}" if frames else ""
+        )
+        first = str(e).strip().splitlines()[0]
+        raise PartitioningError(
+            f"shard_mode='explicit': the {what} cannot be typed on Explicit axes{where}: "
+            f"{first} (use shard_mode='auto' for this model and layout)"
+        ) from None
 
 
 class ExplicitLayout:

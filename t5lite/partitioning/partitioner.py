@@ -22,7 +22,12 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t5lite import constraints
-from t5lite.partitioning.explicit import ExplicitLayout, mesh_for_mode
+from t5lite.partitioning.explicit import (
+    ExplicitLayout,
+    check_length_rules,
+    explain_untypable,
+    mesh_for_mode,
+)
 from t5lite.partitioning.mesh import PartitioningError, check_mesh_size, create_mesh, mesh_str
 from t5lite.partitioning.rules import (
     ExplicitSpec,
@@ -131,11 +136,10 @@ class Partitioner:
                     )
         self.strict = strict
         self.shard_if_divisible = tuple(shard_if_divisible)
-        self._layout = (
-            ExplicitLayout(self.mesh, self.rules, self.shard_if_divisible)
-            if shard_mode == "explicit"
-            else None
-        )
+        self._layout = None
+        if shard_mode == "explicit":
+            check_length_rules(self.rules)
+            self._layout = ExplicitLayout(self.mesh, self.rules, self.shard_if_divisible)
 
     # --- context --------------------------------------------------------------------------
 
@@ -159,6 +163,28 @@ class Partitioner:
                 constraints.installed(self._layout),
             ):
                 yield
+
+    def auto_region(self, fn: Callable[..., Any], out_shardings: PyTree) -> Callable[..., Any]:
+        """`fn` traced on Auto axes inside an explicit-mode program (as is in auto mode).
+
+        For what sharding in types cannot type yet (decoding's loop carries, whose shardings
+        change between iterations): inside, Flax's rules and `with_sharding_constraint` work
+        as in auto mode and the partitioner propagates; `out_shardings` (mesh-axis
+        `PartitionSpec`s or None, per output) are the types the outputs leave with.
+        """
+        if self._layout is None:
+            return fn
+
+        def on_auto_axes(*args: Any) -> Any:
+            with nn.logical_axis_rules(self.rules), constraints.installed(None):
+                return fn(*args)
+
+        out = jax.tree_util.tree_map(
+            lambda s: PartitionSpec() if s is None else s,
+            out_shardings,
+            is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+        )
+        return jax.sharding.auto_axes(on_auto_axes, out_sharding=out)
 
     # --- logical -> physical --------------------------------------------------------------
 
@@ -346,6 +372,13 @@ class Partitioner:
             donate_argnums=donate_argnums,
         )
         return PartitionedFunction(jitted, self)
+
+    def check_explicit(self, partitioned_fn: PartitionedFunction, *args: Any, what: str) -> None:
+        """Explicit mode: traces `partitioned_fn(*args)` now (args may be `ShapeDtypeStruct`s),
+        so an op JAX cannot type on Explicit axes is one clear error before any work; a no-op
+        in auto mode."""
+        if self._layout is not None:
+            explain_untypable(lambda: partitioned_fn.lower(*args), what)
 
     def compile(self, partitioned_fn: PartitionedFunction, *args: Any) -> CompiledFunction:
         """Lowers and compiles ahead of time (args may be `ShapeDtypeStruct`s)."""
