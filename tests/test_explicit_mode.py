@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import require_devices, reverse_batch, run_cli
 from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
 from t5lite.model import network, optimizers
@@ -43,7 +44,15 @@ def _train(preset: str, shard_mode: str):
     return tr, placed, losses
 
 
-@pytest.mark.parametrize("preset", ["data_parallel", "megatron", "fsdp"])
+# Megatron is the quickstart's table; the other two compile four more programs (~30 s of CPU).
+@pytest.mark.parametrize(
+    "preset",
+    [
+        pytest.param("data_parallel", marks=pytest.mark.slow),
+        "megatron",
+        pytest.param("fsdp", marks=pytest.mark.slow),
+    ],
+)
 def test_explicit_mode_trains_like_auto_mode(preset):
     require_devices(8)
     _, auto_placed, auto_losses = _train(preset, "auto")
@@ -59,8 +68,8 @@ def test_explicit_mode_trains_like_auto_mode(preset):
     assert all(isinstance(s, NamedSharding) and s.mesh is mesh for s in flat)
     assert [s.spec for s in flat] == [s.spec for s in jax.tree_util.tree_leaves(auto_placed)]
     wi = placed["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"].spec
-    assert wi == {"data_parallel": (None, None), "megatron": (None, "model"),
-                  "fsdp": ("data", "model")}[preset]  # fmt: skip
+    assert wi == {"data_parallel": P(None, None), "megatron": P(None, "model"),
+                  "fsdp": P("data", "model")}[preset]  # fmt: skip
     # NOTE: rtol 1e-6, not bit equality: the two partitioners may order a sharded reduction
     # (a gradient's all-reduce, a row-parallel partial sum) differently, which moves the last
     # bits of float32 sums (observed on CPU: megatron and fsdp bit-identical, data_parallel
@@ -140,6 +149,7 @@ def _train_losses(model_dir) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
 
 
+@pytest.mark.slow
 def test_cli_quickstart_in_explicit_mode(tmp_path, capsys):
     """`t5lite train --gin_file=quickstart.gin --gin.Partitioner.shard_mode="'explicit'"`:
     auto mode's losses, and the end-of-training evaluation decodes (in an auto_axes region)."""
