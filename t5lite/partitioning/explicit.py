@@ -19,7 +19,6 @@ a sharded table). Model code states its layouts through `t5lite.constraints`; un
 
 from __future__ import annotations
 
-import itertools
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,11 +137,11 @@ class ExplicitLayout:
 
     def dot_general(self, lhs: Array, rhs: Array, dimension_numbers: Any, **kwargs: Any) -> Array:
         (lc, rc), (lb, rb) = dimension_numbers
-        names = iter(_labels())
-        lhs_l = [next(names) for _ in range(lhs.ndim)]
-        rhs_l = [next(names) for _ in range(rhs.ndim)]
+        # One label per dimension, as in an einsum; shared dimensions share a label.
+        lhs_l = [f"l{i}" for i in range(lhs.ndim)]
+        rhs_l = [f"r{j}" for j in range(rhs.ndim)]
         for i, j in [*zip(lc, rc), *zip(lb, rb)]:
-            rhs_l[j] = lhs_l[i]  # shared dimensions share a label
+            rhs_l[j] = lhs_l[i]
         out_l = (
             [lhs_l[i] for i in lb]
             + [c for i, c in enumerate(lhs_l) if i not in (*lc, *lb)]
@@ -185,7 +184,7 @@ class ExplicitLayout:
         """Operands resharded so JAX can type the contraction, and the output's sharding."""
         ls, rs = _spec(lhs), _spec(rhs)
         lhs_s, rhs_s = dict(zip(lhs_l, ls)), dict(zip(rhs_l, rs))
-        for c in set(lhs_l) & set(rhs_l):
+        for c in [c for c in lhs_l if c in rhs_s]:  # in lhs order: the same choice every run
             if lhs_s[c] == rhs_s[c]:
                 continue
             if c in out_l:  # a batch dimension: the rhs follows the lhs (the activation)
@@ -204,10 +203,6 @@ class ExplicitLayout:
         rhs = _reshard_if(rhs, rs, [rhs_s[c] for c in rhs_l])
         out = PartitionSpec(*(_entry(lhs_s[c] if c in lhs_s else rhs_s[c]) for c in out_l))
         return lhs, rhs, out
-
-
-def _labels() -> Any:
-    return (f"d{i}" for i in itertools.count())
 
 
 def _spec(x: Array) -> list[Axes]:
