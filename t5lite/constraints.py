@@ -63,11 +63,6 @@ def installed(layout: Layout | None) -> Iterator[None]:
         _LAYOUT.reset(token)
 
 
-def active() -> Layout | None:
-    """The installed layout, or None (Auto axes: Flax's constraints and plain JAX ops)."""
-    return _LAYOUT.get()
-
-
 def constrain(x: Array, logical_axes: LogicalAxes) -> Array:
     """`x` laid out as its logical axes say under the rules in force (one name per dimension)."""
     layout = _LAYOUT.get()
