@@ -145,6 +145,14 @@ class Trainer:
             in_shardings=(self.state_shardings.params, self.batch_shardings),
             out_shardings=None,
         )
+        batch_typed = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self.batch_abstract,
+            self.batch_shardings,
+        )
+        partitioner.check_explicit(
+            self.train_step, self.abstract_state(), batch_typed, what="train step"
+        )
 
     # --- state ------------------------------------------------------------------------------
 
@@ -241,8 +249,14 @@ class Trainer:
         key = ("predict", decode_len)
         if key not in self._compiled:
             model = self.model
-            self._compiled[key] = self.partitioner.partition(
+            # Decoding's loop carries change sharding between iterations, which explicit
+            # sharding cannot type: in explicit mode it runs on Auto axes (the same program).
+            decode = self.partitioner.auto_region(
                 lambda p, b, rng: model.predict_batch(p, b, rng, max_decode_length=decode_len),
+                out_shardings=None,
+            )
+            self._compiled[key] = self.partitioner.partition(
+                decode,
                 in_shardings=(self.state_shardings.params, self.batch_shardings, None),
                 out_shardings=None,
             )

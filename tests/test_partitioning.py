@@ -226,9 +226,10 @@ def test_an_explicit_axis_mesh_is_refused_up_front():
     with pytest.raises(PartitioningError) as e:
         Partitioner(mesh=mesh)
     assert str(e.value) == (
-        "mesh axes ['data', 'model'] are AxisType.Explicit, and t5lite shards by rules on Auto "
-        "axes: build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * 2 (e.g. "
-        "jax.make_mesh(shape, names, axis_types=...)), or use t5lite.create_mesh"
+        "mesh axes ['data', 'model'] are AxisType.Explicit, and Partitioner.shard_mode is "
+        "'auto': pass shard_mode='explicit', or build the mesh with "
+        "axis_types=(jax.sharding.AxisType.Auto,) * 2 (e.g. jax.make_mesh(shape, names, "
+        "axis_types=...)), or use t5lite.create_mesh"
     )
     auto = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     assert Partitioner(mesh=auto).mesh is auto

@@ -1,8 +1,9 @@
 """Transformer primitives with logical axis annotations (Flax linen).
 
 Every parameter is created with its logical axes (`nn.with_logical_partitioning`) and activations
-are constrained with logical names at block boundaries, so the rules table alone decides the
-layout. Nothing here names a mesh axis.
+are constrained with logical names at block boundaries (`t5lite.constraints`, which also types
+contractions and lookups on Explicit mesh axes), so the rules table alone decides the layout.
+Nothing here names a mesh axis.
 
 Shape letters: B=batch, L=query length, S=key length, D=embed, H=heads, G=kv_heads,
 R=H // G (query heads per kv head), K=kv (head width), F=mlp, V=vocab, N=relpos_buckets.
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+
+from t5lite import constraints
 
 Array = jax.Array
 DType = Any
@@ -79,10 +82,10 @@ class DenseGeneral(nn.Module):
             in_shape + features,
             jnp.dtype(self.param_dtype),
         )
-        kernel = jnp.asarray(kernel, jnp.dtype(self.dtype))
+        kernel = jnp.asarray(constraints.weight(kernel), jnp.dtype(self.dtype))
         inputs = jnp.asarray(inputs, jnp.dtype(self.dtype))
         contract = (axis, tuple(range(n_in)))
-        return jax.lax.dot_general(inputs, kernel, (contract, ((), ())))
+        return constraints.dot_general(inputs, kernel, (contract, ((), ())))
 
 
 class Embed(nn.Module):
@@ -113,18 +116,18 @@ class Embed(nn.Module):
     def __call__(self, tokens_BL: Array) -> Array:
         """Embeds int tokens [B, L] -> [B, L, D] in `dtype`."""
         dtype = jnp.dtype(self.dtype)
-        table_VD = jnp.asarray(self.embedding, dtype)
+        table_VD = jnp.asarray(constraints.weight(self.embedding), dtype)
         if self.one_hot:
             one_hot_BLV = jax.nn.one_hot(tokens_BL, self.num_embeddings, dtype=dtype)
-            one_hot_BLV = nn.with_logical_constraint(one_hot_BLV, ("batch", "length", "vocab"))
-            return jnp.einsum("blv,vd->bld", one_hot_BLV, table_VD)
-        return jnp.take(table_VD, tokens_BL, axis=0)
+            one_hot_BLV = constraints.constrain(one_hot_BLV, ("batch", "length", "vocab"))
+            return constraints.einsum("blv,vd->bld", one_hot_BLV, table_VD)
+        return constraints.take(table_VD, tokens_BL)
 
     def attend(self, query_BLD: Array) -> Array:
         """Tied output projection [B, L, D] -> fp32 logits [B, L, V]."""
         dtype = jnp.dtype(self.dtype)
-        table_VD = jnp.asarray(self.embedding, dtype)
-        return jnp.einsum(
+        table_VD = jnp.asarray(constraints.weight(self.embedding), dtype)
+        return constraints.einsum(
             "bld,vd->blv", query_BLD.astype(dtype), table_VD, preferred_element_type=jnp.float32
         )
 
@@ -148,6 +151,7 @@ class RMSNorm(nn.Module):
             (x.shape[-1],),
             jnp.dtype(self.param_dtype),
         )
+        scale = constraints.weight(scale)
         return (y * jnp.asarray(scale, jnp.float32)).astype(jnp.dtype(self.dtype))
 
 
@@ -218,7 +222,7 @@ class RelativePositionBiases(nn.Module):
             (self.num_heads, self.num_buckets),
             jnp.dtype(self.param_dtype),
         )
-        rel_HN = jnp.asarray(rel_HN, jnp.float32)
+        rel_HN = jnp.asarray(constraints.weight(rel_HN), jnp.float32)
         memory = np.arange(k_len)[None, :]
         if query_positions_BL is not None:
             # Buckets of every offset memory - query in (-S, S) from the same static numpy
@@ -453,11 +457,11 @@ class MultiHeadAttention(nn.Module):
             k = rotary_embedding(k, positions_kv_BS, self.rope_theta, self.rope_scaling)
         if self.scale_logits:
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
-        q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+        q = constraints.constrain(q, ("batch", "length", "heads", "kv"))
         # Key/value positions have a name of their own: context parallelism shards the queries'
         # `length` and keeps every key and value position on each device (all-gathered).
-        k = nn.with_logical_constraint(k, ("batch", "kv_length", kv_axis, "kv"))
-        v = nn.with_logical_constraint(v, ("batch", "kv_length", kv_axis, "kv"))
+        k = constraints.constrain(k, ("batch", "kv_length", kv_axis, "kv"))
+        v = constraints.constrain(v, ("batch", "kv_length", kv_axis, "kv"))
         if decode:
             k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
 
@@ -475,7 +479,7 @@ class MultiHeadAttention(nn.Module):
             deterministic=deterministic,
             dtype=jnp.dtype(self.dtype),
         )
-        out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
+        out_BLHK = constraints.constrain(out_BLHK, ("batch", "length", "heads", "kv"))
         return dense(emb, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out_BLHK)
 
     def _cached_kv(
@@ -515,9 +519,9 @@ class MultiHeadAttention(nn.Module):
             zero = jnp.zeros((), jnp.int32)
             new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (zero,) * 4)
             new_v = jax.lax.dynamic_update_slice(cached_v.value, v_BLGK, (zero,) * 4)
-        cached_k.value = nn.with_logical_constraint(new_k, axes)
-        cached_v.value = nn.with_logical_constraint(new_v, axes)
-        cache_index.value = nn.with_logical_constraint(index_B + length, ("batch",))
+        cached_k.value = constraints.constrain(new_k, axes)
+        cached_v.value = constraints.constrain(new_v, axes)
+        cache_index.value = constraints.constrain(index_B + length, ("batch",))
         if mask_B1LS is None:
             mask_B1LS = (jnp.arange(s)[None, None] <= positions_BL[:, :, None])[:, None]
         return cached_k.value, cached_v.value, mask_B1LS
@@ -566,5 +570,5 @@ class MlpBlock(nn.Module):
         h_BLF = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
             h_BLF, deterministic=deterministic
         )
-        h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
+        h_BLF = constraints.constrain(h_BLF, ("batch", "length", "mlp"))
         return dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF)

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from t5lite import constraints
+
 Array = jax.Array
 
 
@@ -153,7 +155,11 @@ def cross_entropy_terms(
     else:
         seq_ids_BL = jnp.where(segment_ids > 0, jnp.arange(b)[:, None] * length + segment_ids, 0)
     flat_ids = seq_ids_BL.reshape(-1)
-    tokens_per_seq = jax.ops.segment_sum(weights_BL.reshape(-1), flat_ids, b * length + 1)
+    # A scatter from batch-sharded ids has no inferable output sharding on Explicit axes:
+    # there the [B * L] ids and weights are gathered first (no-ops on Auto axes).
+    tokens_per_seq = jax.ops.segment_sum(
+        constraints.whole(weights_BL.reshape(-1)), constraints.whole(flat_ids), b * length + 1
+    )
     num_sequences = jnp.sum(tokens_per_seq[1:] > 0).astype(jnp.float32)
     weight_sum = jnp.sum(weights_BL)
     if normalization == "sum" or isinstance(normalization, float):

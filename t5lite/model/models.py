@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
+from t5lite import constraints
 from t5lite.model import decoding, losses, network
 from t5lite.model.lora import BASE_PATTERN, LoRA, add_adapters, merge
 from t5lite.model.optimizers import AdamW, FrozenParams, Optimizer
@@ -307,7 +308,7 @@ def _zero_cache(create: Any) -> PyTree:
 
     def zeros(x: Any) -> Array:
         if isinstance(x, meta.Partitioned):
-            return nn.with_logical_constraint(jnp.zeros(x.value.shape, x.value.dtype), x.names)
+            return constraints.constrain(jnp.zeros(x.value.shape, x.value.dtype), x.names)
         return jnp.zeros(x.shape, x.dtype)
 
     return jax.tree.map(zeros, boxed, is_leaf=lambda x: isinstance(x, meta.Partitioned))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from t5lite import constraints
 from t5lite.model import layers
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
@@ -88,7 +89,7 @@ def _mlp(cfg: AnyConfig) -> layers.MlpBlock:
 
 
 def _constrain(x_BLD: Array) -> Array:
-    return nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    return constraints.constrain(x_BLD, ("batch", "length", "embed"))
 
 
 class EncoderLayer(nn.Module):
@@ -344,7 +345,7 @@ def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) ->
             name="logits_dense",
         )(x_BLD.astype(jnp.float32))
     logits_BLV = logits_BLV.astype(cfg.policy.output)
-    return nn.with_logical_constraint(logits_BLV, ("batch", "length", "vocab"))
+    return constraints.constrain(logits_BLV, ("batch", "length", "vocab"))
 
 
 def _padding_or_segments(tokens_BL: Array | None, segment_ids_BL: Array | None) -> Array | None:

@@ -21,6 +21,13 @@ import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from t5lite import constraints
+from t5lite.partitioning.explicit import (
+    ExplicitLayout,
+    check_length_rules,
+    explain_untypable,
+    mesh_for_mode,
+)
 from t5lite.partitioning.mesh import PartitioningError, check_mesh_size, create_mesh, mesh_str
 from t5lite.partitioning.rules import (
     ExplicitSpec,
@@ -49,26 +56,6 @@ _STANDARD_NAMES = frozenset(
 PyTree = Any
 
 
-def _check_auto_axes(mesh: Mesh) -> None:
-    """t5lite places arrays by rules and lets the partitioner propagate the rest (Auto axes).
-
-    On Explicit axes (`jax.make_mesh`'s default since JAX 0.9) every array's sharding is part
-    of its type and `with_sharding_constraint` in model code fails mid-compile: refuse such a
-    mesh up front, with the fix.
-    """
-    explicit = [
-        name for name, kind in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
-        if kind == jax.sharding.AxisType.Explicit
-    ]  # fmt: skip
-    if explicit:
-        n = len(mesh.axis_names)
-        raise PartitioningError(
-            f"mesh axes {explicit} are AxisType.Explicit, and t5lite shards by rules on Auto "
-            f"axes: build the mesh with axis_types=(jax.sharding.AxisType.Auto,) * {n} (e.g. "
-            "jax.make_mesh(shape, names, axis_types=...)), or use t5lite.create_mesh"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class DataLayout:
     """Which part of the global batch this process loads (t5x's `DataLayout`)."""
@@ -88,6 +75,16 @@ class Partitioner:
 
     The mesh and the rules table are the only places mesh axes appear; everything handed to the
     partitioner (parameters, optimizer state, batches) is described by logical axes.
+
+    Two sharding modes give the same numbers from the same rules:
+    - `'auto'` (default): Auto mesh axes; parameters, optimizer state and batches are placed by
+      jit's in/out shardings, model code's activation constraints are
+      `with_sharding_constraint`s, and the partitioner (Shardy) propagates the rest.
+    - `'explicit'`: Explicit mesh axes (JAX's sharding in types, `jax.make_mesh`'s default):
+      every traced array carries its sharding; parameters are born with theirs (jit
+      `out_shardings`), activation constraints are `jax.sharding.reshard`s, and contractions and
+      lookups over sharded dimensions get their output sharding from the rules
+      (`t5lite.partitioning.explicit`).
     """
 
     def __init__(
@@ -101,6 +98,7 @@ class Partitioner:
         logical_axis_rules: LogicalRules | None = None,
         strict: bool = False,
         shard_if_divisible: Sequence[str] = ("kv_heads",),
+        shard_mode: str = "auto",
     ):
         """Builds the partitioner.
 
@@ -111,6 +109,9 @@ class Partitioner:
           logical_axis_rules: the rules table (default: `standard_logical_axis_rules()`).
           strict: turn "replicated despite a rule" and unannotated parameters into errors.
           shard_if_divisible: logical names replicated, not rejected, when they do not divide.
+          shard_mode: `'auto'` or `'explicit'` (see the class docstring). A given mesh's axis
+            types must match it (a mesh from `jax.make_mesh` is Explicit unless told
+            otherwise), except that an all-Auto mesh is made Explicit for `'explicit'`.
         """
         if mesh is None:
             mesh = create_mesh(
@@ -120,8 +121,8 @@ class Partitioner:
                 dcn_mesh_shape=dcn_mesh_shape,
             )
         check_mesh_size(tuple(mesh.devices.shape), tuple(mesh.axis_names), mesh.devices.size)
-        _check_auto_axes(mesh)
-        self.mesh = mesh
+        self.mesh = mesh_for_mode(mesh, shard_mode)
+        self.shard_mode = shard_mode
         self.rules = tuple(
             (str(n), tuple(a) if isinstance(a, list) else a)
             for n, a in (logical_axis_rules or standard_logical_axis_rules())
@@ -135,14 +136,55 @@ class Partitioner:
                     )
         self.strict = strict
         self.shard_if_divisible = tuple(shard_if_divisible)
+        self._layout = None
+        if shard_mode == "explicit":
+            check_length_rules(self.rules)
+            self._layout = ExplicitLayout(self.mesh, self.rules, self.shard_if_divisible)
 
     # --- context --------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        """The mesh and rules under which model code's `with_logical_constraint` resolves."""
-        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-            yield
+        """The mesh and rules under which model code's layouts (`t5lite.constraints`) resolve.
+
+        Auto: Flax's `nn.logical_axis_rules`, so constraints are `with_sharding_constraint`s.
+        Explicit: no Flax rules (Flax's own constraints, e.g. on a parameter as it is created,
+        would be asserts on Explicit axes, and jit's `out_shardings` places parameters anyway);
+        the rules reach model code through the installed `ExplicitLayout` instead.
+        """
+        if self._layout is None:
+            with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+                yield
+        else:
+            # Empty Flax rules also silence an enclosing `nn.logical_axis_rules` block.
+            with (
+                jax.set_mesh(self.mesh),
+                nn.logical_axis_rules(()),
+                constraints.installed(self._layout),
+            ):
+                yield
+
+    def auto_region(self, fn: Callable[..., Any], out_shardings: PyTree) -> Callable[..., Any]:
+        """`fn` traced on Auto axes inside an explicit-mode program (as is in auto mode).
+
+        For what sharding in types cannot type yet (decoding's loop carries, whose shardings
+        change between iterations): inside, Flax's rules and `with_sharding_constraint` work
+        as in auto mode and the partitioner propagates; `out_shardings` (mesh-axis
+        `PartitionSpec`s or None, per output) are the types the outputs leave with.
+        """
+        if self._layout is None:
+            return fn
+
+        def on_auto_axes(*args: Any) -> Any:
+            with nn.logical_axis_rules(self.rules), constraints.installed(None):
+                return fn(*args)
+
+        out = jax.tree_util.tree_map(
+            lambda s: PartitionSpec() if s is None else s,
+            out_shardings,
+            is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+        )
+        return jax.sharding.auto_axes(on_auto_axes, out_sharding=out)
 
     # --- logical -> physical --------------------------------------------------------------
 
@@ -330,6 +372,13 @@ class Partitioner:
             donate_argnums=donate_argnums,
         )
         return PartitionedFunction(jitted, self)
+
+    def check_explicit(self, partitioned_fn: PartitionedFunction, *args: Any, what: str) -> None:
+        """Explicit mode: traces `partitioned_fn(*args)` now (args may be `ShapeDtypeStruct`s),
+        so an op JAX cannot type on Explicit axes is one clear error before any work; a no-op
+        in auto mode."""
+        if self._layout is not None:
+            explain_untypable(lambda: partitioned_fn.lower(*args), what)
 
     def compile(self, partitioned_fn: PartitionedFunction, *args: Any) -> CompiledFunction:
         """Lowers and compiles ahead of time (args may be `ShapeDtypeStruct`s)."""
