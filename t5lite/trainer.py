@@ -349,8 +349,11 @@ def _rows_of_this_process(batch, layout):
 def finite_by_array(tree: PyTree) -> Array:
     """A bool vector, one entry per floating-point leaf of `tree` in tree order (see
     `inexact_leaf_paths`): every element of that leaf is finite."""
+    # One fused reduction per array: x * 0 is 0 where x is finite and NaN where it is not (inf
+    # too), and a sum keeps a NaN. `all(isfinite(x))` first writes a bool array on XLA:CPU
+    # (about 1% of the T5.1.1-small train step).
     flags = [
-        jnp.all(jnp.isfinite(x))
+        jnp.isfinite(jnp.sum(x * 0, dtype=jnp.float32))
         for x in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]
