@@ -91,7 +91,8 @@ class DenseGeneral(nn.Module):
             # length as two dims instead makes XLA:CPU transpose every activation gradient into a
             # copy first (17% of the T5.1.1-small train step, benchmarks/train_throughput.py).
             k_in, k_out = math.prod(in_shape), math.prod(features)
-            y = jnp.dot(inputs.reshape(-1, k_in), kernel.reshape(k_in, k_out))
+            flat = ((1,), (0,)), ((), ())
+            y = constraints.dot_general(inputs.reshape(-1, k_in), kernel.reshape(k_in, k_out), flat)
             return y.reshape(inputs.shape[:lead] + features)
         contract = (axis, tuple(range(n_in)))
         return constraints.dot_general(inputs, kernel, (contract, ((), ())))
