@@ -221,3 +221,29 @@ def test_axis_attribution_of_partial_groups_and_permutes():
         ("model",),  # a ring along `model`
         ("data", "model"),  # a peer that differs on both axes
     ]
+
+
+def test_tpu_all_reduce_scatter_fusion_counts_as_reduce_scatter():
+    """XLA:TPU's `all-reduce-scatter` fusion (the shape of tests/test_layouts_tpu.py's HLO, cut
+    to two gradients): its all-reduce is a reduce-scatter over `data` with the shards' volume;
+    an all-reduce outside such a fusion stays one."""
+    require_devices(8)
+    mesh = create_mesh(2)  # data=4 x model=2
+    hlo = "\n".join([
+        "%all-reduce-scatter.19 (input_0: f32[64,2,32], input_1: f32[64,128])"
+        " -> (f32[16,2,32], f32[16,128]) {",
+        "  %input_0 = f32[64,2,32]{2,0,1:T(8,128)S(1)} parameter(0)",
+        "  %input_1 = f32[64,128]{1,0:T(8,128)S(1)} parameter(1)",
+        "  %all-reduce.183 = (f32[64,2,32]{2,0,1:T(8,128)}, f32[64,128]{1,0:T(8,128)})"
+        " all-reduce(%input_0, %input_1), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0),"
+        " use_global_device_ids=true, to_apply=%add",
+        "  ROOT %tuple = (f32[16,2,32], f32[16,128]) tuple(%a, %b)",
+        "}",
+        "",
+        "ENTRY %main.1 (p0: f32[8]) -> f32[8] {",
+        "  %ar = f32[8]{0} all-reduce(f32[8]{0} %p0), replica_groups=[2,4]<=[4,2]T(1,0)",
+        "}",
+    ])  # fmt: skip
+    got = [(c.kind, c.bytes, c.axes) for c in parse_collectives(hlo, mesh)]
+    shards = 4 * (16 * 2 * 32 + 16 * 128)  # a quarter of each [64, ...] gradient, fp32
+    assert got == [("reduce-scatter", shards, ("data",)), ("all-reduce", 32, ("data",))]
