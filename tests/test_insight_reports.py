@@ -3,6 +3,7 @@ step time, the OOM explainer and plots (all analytic: nothing here compiles a tr
 
 import io
 import math
+import re
 
 import pytest
 from conftest import require_devices
@@ -89,6 +90,7 @@ def test_t5_xxl_report_fits_100_columns_and_names_a_verdict_for_v5p():
     flat = " ".join(text.split())  # the summary wraps at the terminal's width (at most 100)
     assert verdict in flat
     assert "step estimate:" in flat and "MFU ≈" in flat
+    assert "TPU v5 figures: https://cloud.google.com/tpu/docs/v5p-training (459 TFLOPs" in flat
     assert "layers_0..23" in text and "×24" in text
     assert sharding.num_parameters == 11_135_332_352
 
@@ -98,7 +100,14 @@ def test_t5_xxl_report_fits_100_columns_and_names_a_verdict_for_v5p():
 
 def test_device_table_names_sources_and_rejects_unknown_names(capsys):
     for chip in hardware.CHIPS.values():
-        assert chip.source and chip.hbm_bytes_per_s > 0
+        # Every entry names the vendor page it was read from, with the figures as printed there.
+        assert chip.source.startswith(("https://cloud.google.com/tpu/docs/", "https://www.nvidia"))
+        assert chip.hbm_bytes_per_s > 0
+        # ... and the peak as printed there: dense, or twice that with 2:4 sparsity (NVIDIA).
+        m = re.search(r"([\d,.]+) TFLOPs? bf16( with sparsity)?", chip.source, re.I)
+        quoted = float(m.group(1).replace(",", "")) / (2 if m.group(2) else 1)
+        assert chip.peak_flops == pytest.approx(quoted * 1e12, rel=1e-3), chip
+        assert hardware.device_spec_of_kind(chip.device_kind).source == chip.source
     assert hardware.chip_named("A100").name == "a100-80gb"
     assert hardware.device_spec_named("v5p").memory_bytes == 95 * 2**30
     with pytest.raises(ValueError, match="known: v4, v5e, v5p, v6e"):

@@ -314,6 +314,9 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
         f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} TFLOP/s,"
         f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
     ]
+    if device.source:
+        src = f"figures: {device.source}"
+        lines += textwrap.wrap(src, width, subsequent_indent="  ") if width else [src]
     if notes:
         lines += ["invalid or failed:"]
         for reason, rows_of in notes.items():
