@@ -223,6 +223,29 @@ def compile_train_step(
     return CompiledFunction(compiled, part)
 
 
+@dataclasses.dataclass(frozen=True)
+class AnalyticFigures:
+    """What a layout implies before compiling: its sharding, memory, communication and step
+    estimate (built once; `plan` screens with them and hands them on to `step_report`)."""
+
+    report: ShardingReport
+    predicted: PredictedMemory
+    communication: AnalyticCommunication
+    estimate: StepEstimate
+
+
+def analytic_figures(
+    trainer: Trainer, device: DeviceSpec, report: ShardingReport | None = None
+) -> AnalyticFigures:
+    """The analytic figures of `trainer`'s train step on `device` (no compilation)."""
+    part = trainer.partitioner
+    report = report or sharding_report(part, trainer.abstract_state().params, trainer.params_axes)
+    predicted = predict_memory(trainer)
+    analytic = analytic_communication(trainer, report)
+    est = estimate_step(trainer, predicted, analytic, report, device)
+    return AnalyticFigures(report, predicted, analytic, est)
+
+
 def step_report(
     trainer: Trainer,
     *,
@@ -231,6 +254,7 @@ def step_report(
     compile: bool = True,
     report: ShardingReport | None = None,
     progress: Callable[[str], None] | None = None,
+    analytic: AnalyticFigures | None = None,
 ) -> StepReport:
     """Compiles (unless `compile=False`) and measures the train step of `trainer`.
 
@@ -241,10 +265,12 @@ def step_report(
       compile: False gives only the analytic figures (for models too large to compile here).
       report: the parameters' sharding report, if already built.
       progress: called with a line at each compilation stage.
+      analytic: the analytic figures for this trainer and `device`, if already built (`plan`
+        screens with them first).
     """
     part = trainer.partitioner
     device = device or device_spec(part.mesh.devices.flat[0])
-    report = report or sharding_report(part, trainer.abstract_state().params, trainer.params_axes)
+    figures = analytic or analytic_figures(trainer, device, report)
     mem, rows, flops, comp_s, comm_s = None, (), None, None, None
     if compiled is None and compile:
         compiled = compile_train_step(trainer, progress)
@@ -257,19 +283,17 @@ def step_report(
             comp_s = flops / device.peak_flops
         if device.link_bytes_per_s:
             comm_s = communication_seconds(collectives, device.link_bytes_per_s)
-    predicted = predict_memory(trainer)
-    analytic = analytic_communication(trainer, report)
     return StepReport(
         mesh_shape=dict(part.mesh.shape),
         device=device,
         memory=mem,
-        predicted=predicted,
+        predicted=figures.predicted,
         collectives=rows,
-        analytic=analytic,
+        analytic=figures.communication,
         flops=flops,
         compute_seconds=comp_s,
         communication_seconds=comm_s,
-        estimate=estimate_step(trainer, predicted, analytic, report, device),
+        estimate=figures.estimate,
     )
 
 
