@@ -149,6 +149,32 @@ def test_step_estimate_hand_computed_for_data_parallel():
 # --- what does not fit ----------------------------------------------------------------------
 
 
+def test_activations_by_layer_kind_hand_computed_and_add_up():
+    """An unscanned decoder-only model, data parallel on 8 devices (one row per device, fp32):
+    each kind of layer's buffers at the backward's peak, counted by hand."""
+    require_devices(8)
+    cfg = DecoderOnlyConfig(vocab_size=64, emb_dim=8, num_heads=2, num_kv_heads=2, head_dim=4,
+                            mlp_dim=16, num_layers=2, scan_layers=False)  # fmt: skip
+    part = Partitioner(create_mesh(1), logical_axis_rules=data_parallel_logical_axis_rules())
+    tr = Trainer(DecoderOnlyModel(network_config=cfg), part, batch_size=8,
+                 lengths={"targets": 16})  # fmt: skip
+    p = predict_memory(tr)
+    x, q, h, logits = 16 * 8 * 4, 16 * 2 * 4 * 4, 16 * 16 * 4, 16 * 64 * 4  # [1, L, ...] fp32
+    kv, scores = 2 * q, 2 * 16 * 16 * 4  # k and v; [1, H, L, L] fp32
+    per_layer = {"attention": 2 * q + kv + 2 * scores, "mlp": 5 * h,
+                 "norms+residual": 3 * 2 * x}  # fmt: skip
+    assert dict(p.activation_kinds) == {
+        "attention": 2 * per_layer["attention"],
+        "mlp": 2 * per_layer["mlp"],
+        "norms+residual": 2 * per_layer["norms+residual"] + 3 * x,  # + the last layer's
+        "logits+loss": 3 * logits,  # logits, softmax, cotangent
+    }
+    assert sum(n for _, n in p.activation_kinds) == p.activations > p.update == 0
+    text = rep.step_report(tr, compile=False).format(width=None)
+    kinds = ", ".join(f"{k} {format_bytes(n)}" for k, n in p.activation_kinds)
+    assert f"activations by layer kind: {kinds}" in text
+
+
 def test_oom_explainer_names_buffers_and_predicts_each_fix():
     require_devices(8)
     model = tiny_lm()

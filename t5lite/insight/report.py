@@ -150,6 +150,10 @@ class StepReport:
             f"batch {format_bytes(p.batch)} + gradients {format_bytes(p.gradients)} + "
             f"update {format_bytes(p.update)} + activations {format_bytes(p.activations)}"
         )
+        if p.activation_kinds:
+            predicted += "; activations by layer kind: " + ", ".join(
+                f"{kind} {format_bytes(n)}" for kind, n in p.activation_kinds
+            )
         lines += (
             textwrap.wrap(predicted, width, subsequent_indent=" " * 4) if width else [predicted]
         )
