@@ -81,55 +81,93 @@ def test_throughput_without_peak_says_so():
 # --- memory: analytic prediction against XLA's compiled figure ----------------------------------
 
 
-def _family(name, remat):
-    """Small-but-not-tiny models: shapes dominate XLA's fixed overheads; scanned layers."""
+def _family(name, remat, scan=True):
+    """Small-but-not-tiny models: shapes dominate XLA's fixed overheads; two layers a stack."""
     if name == "t5":
         cfg = T5Config(
             vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=True,
+            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
         )  # fmt: skip
         return EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     cfg = DecoderOnlyConfig(
         vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
-        remat_policy=remat, scan_layers=True,
+        remat_policy=remat, scan_layers=scan,
     )  # fmt: skip
     return DecoderOnlyModel(network_config=cfg), {"targets": 128}
 
 
-def _trainer(family, preset, remat, batch_size=16):
-    model, lengths = _family(family, remat)
+def _trainer(family, preset, remat, batch_size=16, scan=True):
+    model, lengths = _family(family, remat, scan)
     model_parallel = 1 if PRESETS[preset] is None else 4
     part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
     return Trainer(model, part, batch_size=batch_size, lengths=lengths)
 
 
-def _check_memory(family, preset, remat):
-    tr = _trainer(family, preset, remat)
-    compiled = memory.memory_report(compile_train_step(tr))
+# Each program is compiled once per test session, whichever test asks first (compiling is
+# nearly all of this file's time).
+_COMPILED: dict[tuple, memory.MemoryReport] = {}
+
+
+def _check_memory(family, preset, remat, scan=True):
+    tr = _trainer(family, preset, remat, scan=scan)
+    key = (family, preset, remat, scan)
+    if key not in _COMPILED:
+        _COMPILED[key] = memory.memory_report(compile_train_step(tr))
+    compiled = _COMPILED[key]
     predicted = memory.predict_memory(tr)
     # The train state: exact (the donated arguments its outputs alias). The batch: at most the
     # predicted bytes (XLA drops features a model does not read, e.g. T5's positions).
     assert predicted.state == compiled.aliased
     assert predicted.state < compiled.arguments <= predicted.state + predicted.batch
     ratio = predicted.total / compiled.total
-    assert abs(ratio - 1) < 0.10, (family, preset, remat, predicted, compiled.total)
+    assert abs(ratio - 1) < 0.10, (family, preset, remat, scan, predicted, compiled.total)
 
 
 @pytest.mark.parametrize(
-    "family,preset,remat", [("lm", "fsdp", "full"), ("t5", "megatron", "none")]
+    "family,preset,remat,scan",
+    [("lm", "fsdp", "full", True), ("t5", "megatron", "none", True), ("lm", "fsdp", "full", False)],
 )
-def test_predicted_memory_within_ten_percent(family, preset, remat):
+def test_predicted_memory_within_ten_percent(family, preset, remat, scan):
     require_devices(8)
-    _check_memory(family, preset, remat)
+    _check_memory(family, preset, remat, scan)
 
 
-@pytest.mark.slow  # 30 compilations of ~10-60 s each on 2 cores
+@pytest.mark.slow  # 48 compilations of ~10-60 s each on 2 cores
 @pytest.mark.parametrize("remat", REMAT_POLICIES)
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("family", ["t5", "lm"])
 def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat):
     require_devices(8)
     _check_memory(family, preset, remat)
+
+
+def _off(ratio, why):
+    """A layout whose unscanned prediction is known to miss, with the ratio measured."""
+    return pytest.mark.xfail(strict=True, reason=f"predicted/compiled {ratio}: {why}")
+
+
+_HOISTED = "full remat: the model assumes every layer's recomputation is hoisted; not all are"
+
+
+@pytest.mark.slow  # 15 compilations of ~20-130 s each on 2 cores
+@pytest.mark.parametrize(
+    "family,preset,remat",
+    [
+        ("lm", "data_parallel", "minimal"), ("lm", "data_parallel", "full"),
+        ("lm", "megatron", "none"), ("lm", "megatron", "minimal"),
+        ("lm", "fsdp", "none"), ("lm", "fsdp", "minimal"), ("lm", "fsdp", "full"),
+        ("lm", "activations_2d", "none"), ("lm", "activations_2d", "minimal"),
+        ("t5", "fsdp", "none"), ("t5", "fsdp", "minimal"), ("t5", "fsdp", "full"),
+        pytest.param("lm", "data_parallel", "none", marks=_off(1.102, "gradients counted whole")),
+        pytest.param("lm", "megatron", "full", marks=_off(1.194, _HOISTED)),
+        pytest.param("t5", "megatron", "full", marks=_off(1.208, _HOISTED)),
+    ],
+)  # fmt: skip
+def test_predicted_memory_within_ten_percent_unscanned(family, preset, remat):
+    """Unscanned layers (`scan_layers=False`, the shipped configs' default): the layouts
+    measured so far, those known to miss marked with their measured ratio."""
+    require_devices(8)
+    _check_memory(family, preset, remat, scan=False)
 
 
 def test_predicted_memory_sizes_activations_from_the_rules():
