@@ -149,27 +149,34 @@ def _off(ratio, why):
 _HOISTED = "full remat: the model assumes every layer's recomputation is hoisted; not all are"
 
 
-@pytest.mark.slow  # 20 compilations of ~20-130 s each on 2 cores
+# Unscanned layouts measured outside 10% (predicted / compiled), and why.
+_UNSCANNED_MISSES = {
+    ("lm", "data_parallel", "none"): (1.102, "every gradient counted live at the loss gradient"),
+    ("lm", "megatron", "full"): (1.194, _HOISTED),
+    ("lm", "activations_2d", "full"): (1.308, _HOISTED),
+    ("lm", "fully_sharded", "full"): (1.256, _HOISTED),
+    ("lm", "tensor_2d", "full"): (1.256, _HOISTED),
+    ("t5", "megatron", "full"): (1.208, _HOISTED),
+}
+# Decoder-only: every preset x remat policy; T5: the layouts measured so far.
+_UNSCANNED = [
+    *[("lm", p, r) for p in PRESETS for r in REMAT_POLICIES],
+    ("t5", "fsdp", "none"), ("t5", "fsdp", "minimal"), ("t5", "fsdp", "full"),
+    ("t5", "megatron", "full"),
+]  # fmt: skip
+
+
+@pytest.mark.slow  # 28 compilations of ~50-140 s each on 2 busy cores
 @pytest.mark.parametrize(
     "family,preset,remat",
     [
-        ("lm", "data_parallel", "minimal"), ("lm", "data_parallel", "full"),
-        ("lm", "megatron", "none"), ("lm", "megatron", "minimal"),
-        ("lm", "fsdp", "none"), ("lm", "fsdp", "minimal"), ("lm", "fsdp", "full"),
-        ("lm", "activations_2d", "none"), ("lm", "activations_2d", "minimal"),
-        ("lm", "fully_sharded", "none"), ("lm", "fully_sharded", "minimal"),
-        ("lm", "sequence_parallel", "none"),
-        ("t5", "fsdp", "none"), ("t5", "fsdp", "minimal"), ("t5", "fsdp", "full"),
-        pytest.param("lm", "data_parallel", "none", marks=_off(1.102, "gradients counted whole")),
-        pytest.param("lm", "megatron", "full", marks=_off(1.194, _HOISTED)),
-        pytest.param("lm", "activations_2d", "full", marks=_off(1.308, _HOISTED)),
-        pytest.param("lm", "fully_sharded", "full", marks=_off(1.256, _HOISTED)),
-        pytest.param("t5", "megatron", "full", marks=_off(1.208, _HOISTED)),
+        pytest.param(*k, marks=_off(*_UNSCANNED_MISSES[k])) if k in _UNSCANNED_MISSES else k
+        for k in _UNSCANNED
     ],
-)  # fmt: skip
+)
 def test_predicted_memory_within_ten_percent_unscanned(family, preset, remat):
-    """Unscanned layers (`scan_layers=False`, the shipped configs' default): the layouts
-    measured so far, those known to miss marked with their measured ratio."""
+    """Unscanned layers (`scan_layers=False`, the shipped configs' default); the layouts known
+    to miss are strict xfails carrying their measured ratio."""
     require_devices(8)
     _check_memory(family, preset, remat, scan=False)
 

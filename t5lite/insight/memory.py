@@ -189,8 +189,9 @@ class PredictedMemory:
     Accuracy (tests/test_insight_accuracy.py): scanned layers within 10% of XLA's CPU figure
     for every preset x remat policy on T5.1.1 and decoder-only models. Unscanned layers follow
     their own fitted counts (above): within 10% for no remat and `minimal` on the layouts
-    measured (decoder-only: 13 layouts; T5: FSDP), and for `full` under FSDP, but `full` on
-    megatron, 2D activations and fully sharded is over-predicted by 19-31% (the scheduler
+    measured (decoder-only: every preset; T5: FSDP), and `full` on data parallel, FSDP,
+    sequence and context parallel; `full` on megatron, 2D activations, fully sharded and
+    tensor_2d is over-predicted by 19-31% (the scheduler
     hoists only some layers' recomputation), and data parallelism without remat by 10.2%
     (every gradient counted live at the loss gradient, before most exist). T5.1.1-small under
     FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
