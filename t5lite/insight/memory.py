@@ -191,9 +191,9 @@ class PredictedMemory:
     their own fitted counts (above): within 10% for no remat and `minimal` on the layouts
     measured (decoder-only: every preset; T5: FSDP), and `full` on data parallel, FSDP,
     sequence and context parallel; `full` on megatron, 2D activations, fully sharded and
-    tensor_2d is over-predicted by 19-31% (the scheduler
-    hoists only some layers' recomputation), and data parallelism without remat by 10.2%
-    (every gradient counted live at the loss gradient, before most exist). T5.1.1-small under
+    tensor_2d is over-predicted by 19-31% (the scheduler hoists only some layers'
+    recomputation), and data parallelism without remat by 10.2% (every gradient counted live
+    at the loss gradient, before most exist). T5.1.1-small under
     FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
     """
 
