@@ -170,9 +170,12 @@ def test_inspect_prints_memory_collectives_and_analytic(tmp_path):
 # --- plan -------------------------------------------------------------------------------------
 
 
-def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path):
+def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path, monkeypatch):
     require_devices(8)
     model = tiny_lm()
+    predictions = []  # every analytic memory prediction plan makes
+    real_predict = rep.predict_memory
+    monkeypatch.setattr(rep, "predict_memory", lambda t: predictions.append(t) or real_predict(t))
     out = io.StringIO()
     gin_path = tmp_path / "best.gin"
     # A budget between the sharded and the replicated train step: data parallelism must go.
@@ -195,6 +198,10 @@ def test_plan_drops_replicated_layout_and_writes_a_trainable_winner(tmp_path):
     # Only candidates the analytic screen kept were compiled, the fastest first.
     compiled = [c for c in ranked if c.step is not None]
     assert compiled and all(c.predicted.total <= 1.1 * 300 * 1024 for c in compiled)
+    # Compiling reuses what screening built: one prediction per buildable layout, no more.
+    assert len(predictions) == sum(not c.status.startswith("invalid:") for c in ranked)
+    assert all(c.step.predicted is c.predicted for c in compiled)
+    assert all(c.step.analytic is c.analytic.communication for c in compiled)
     best = ranked[0]
     assert best.fits and best.layout.preset != "data_parallel"
     assert ranked.index(dp) > max(ranked.index(c) for c in ranked if c.fits)

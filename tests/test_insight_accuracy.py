@@ -81,55 +81,104 @@ def test_throughput_without_peak_says_so():
 # --- memory: analytic prediction against XLA's compiled figure ----------------------------------
 
 
-def _family(name, remat):
-    """Small-but-not-tiny models: shapes dominate XLA's fixed overheads; scanned layers."""
+def _family(name, remat, scan=True):
+    """Small-but-not-tiny models: shapes dominate XLA's fixed overheads; two layers a stack."""
     if name == "t5":
         cfg = T5Config(
             vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=True,
+            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
         )  # fmt: skip
         return EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     cfg = DecoderOnlyConfig(
         vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
-        remat_policy=remat, scan_layers=True,
+        remat_policy=remat, scan_layers=scan,
     )  # fmt: skip
     return DecoderOnlyModel(network_config=cfg), {"targets": 128}
 
 
-def _trainer(family, preset, remat, batch_size=16):
-    model, lengths = _family(family, remat)
+def _trainer(family, preset, remat, batch_size=16, scan=True):
+    model, lengths = _family(family, remat, scan)
     model_parallel = 1 if PRESETS[preset] is None else 4
     part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
     return Trainer(model, part, batch_size=batch_size, lengths=lengths)
 
 
-def _check_memory(family, preset, remat):
-    tr = _trainer(family, preset, remat)
-    compiled = memory.memory_report(compile_train_step(tr))
+# Each program is compiled once per test session, whichever test asks first (compiling is
+# nearly all of this file's time).
+_COMPILED: dict[tuple, memory.MemoryReport] = {}
+
+
+def _check_memory(family, preset, remat, scan=True):
+    tr = _trainer(family, preset, remat, scan=scan)
+    key = (family, preset, remat, scan)
+    if key not in _COMPILED:
+        _COMPILED[key] = memory.memory_report(compile_train_step(tr))
+    compiled = _COMPILED[key]
     predicted = memory.predict_memory(tr)
     # The train state: exact (the donated arguments its outputs alias). The batch: at most the
     # predicted bytes (XLA drops features a model does not read, e.g. T5's positions).
     assert predicted.state == compiled.aliased
     assert predicted.state < compiled.arguments <= predicted.state + predicted.batch
     ratio = predicted.total / compiled.total
-    assert abs(ratio - 1) < 0.10, (family, preset, remat, predicted, compiled.total)
+    assert abs(ratio - 1) < 0.10, (family, preset, remat, scan, predicted, compiled.total)
 
 
 @pytest.mark.parametrize(
-    "family,preset,remat", [("lm", "fsdp", "full"), ("t5", "megatron", "none")]
+    "family,preset,remat,scan",
+    [("lm", "fsdp", "full", True), ("t5", "megatron", "none", True), ("lm", "fsdp", "full", False)],
 )
-def test_predicted_memory_within_ten_percent(family, preset, remat):
+def test_predicted_memory_within_ten_percent(family, preset, remat, scan):
     require_devices(8)
-    _check_memory(family, preset, remat)
+    _check_memory(family, preset, remat, scan)
 
 
-@pytest.mark.slow  # 30 compilations of ~10-60 s each on 2 cores
+@pytest.mark.slow  # 48 compilations of ~10-60 s each on 2 cores
 @pytest.mark.parametrize("remat", REMAT_POLICIES)
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("family", ["t5", "lm"])
 def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat):
     require_devices(8)
     _check_memory(family, preset, remat)
+
+
+def _off(ratio, why):
+    """A layout whose unscanned prediction is known to miss, with the ratio measured."""
+    return pytest.mark.xfail(strict=True, reason=f"predicted/compiled {ratio}: {why}")
+
+
+_HOISTED = "full remat: the model assumes every layer's recomputation is hoisted; not all are"
+
+
+# Unscanned layouts measured outside 10% (predicted / compiled), and why.
+_UNSCANNED_MISSES = {
+    ("lm", "data_parallel", "none"): (1.102, "every gradient counted live at the loss gradient"),
+    ("lm", "megatron", "full"): (1.194, _HOISTED),
+    ("lm", "activations_2d", "full"): (1.308, _HOISTED),
+    ("lm", "fully_sharded", "full"): (1.256, _HOISTED),
+    ("lm", "tensor_2d", "full"): (1.256, _HOISTED),
+    ("t5", "megatron", "full"): (1.208, _HOISTED),
+}
+# Decoder-only: every preset x remat policy; T5: the layouts measured so far.
+_UNSCANNED = [
+    *[("lm", p, r) for p in PRESETS for r in REMAT_POLICIES],
+    ("t5", "fsdp", "none"), ("t5", "fsdp", "minimal"), ("t5", "fsdp", "full"),
+    ("t5", "megatron", "full"),
+]  # fmt: skip
+
+
+@pytest.mark.slow  # 28 compilations of ~50-140 s each on 2 busy cores
+@pytest.mark.parametrize(
+    "family,preset,remat",
+    [
+        pytest.param(*k, marks=_off(*_UNSCANNED_MISSES[k])) if k in _UNSCANNED_MISSES else k
+        for k in _UNSCANNED
+    ],
+)
+def test_predicted_memory_within_ten_percent_unscanned(family, preset, remat):
+    """Unscanned layers (`scan_layers=False`, the shipped configs' default); the layouts known
+    to miss are strict xfails carrying their measured ratio."""
+    require_devices(8)
+    _check_memory(family, preset, remat, scan=False)
 
 
 def test_predicted_memory_sizes_activations_from_the_rules():
@@ -221,3 +270,29 @@ def test_axis_attribution_of_partial_groups_and_permutes():
         ("model",),  # a ring along `model`
         ("data", "model"),  # a peer that differs on both axes
     ]
+
+
+def test_tpu_all_reduce_scatter_fusion_counts_as_reduce_scatter():
+    """XLA:TPU's `all-reduce-scatter` fusion (the shape of tests/test_layouts_tpu.py's HLO, cut
+    to two gradients): its all-reduce is a reduce-scatter over `data` with the shards' volume;
+    an all-reduce outside such a fusion stays one."""
+    require_devices(8)
+    mesh = create_mesh(2)  # data=4 x model=2
+    hlo = "\n".join([
+        "%all-reduce-scatter.19 (input_0: f32[64,2,32], input_1: f32[64,128])"
+        " -> (f32[16,2,32], f32[16,128]) {",
+        "  %input_0 = f32[64,2,32]{2,0,1:T(8,128)S(1)} parameter(0)",
+        "  %input_1 = f32[64,128]{1,0:T(8,128)S(1)} parameter(1)",
+        "  %all-reduce.183 = (f32[64,2,32]{2,0,1:T(8,128)}, f32[64,128]{1,0:T(8,128)})"
+        " all-reduce(%input_0, %input_1), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0),"
+        " use_global_device_ids=true, to_apply=%add",
+        "  ROOT %tuple = (f32[16,2,32], f32[16,128]) tuple(%a, %b)",
+        "}",
+        "",
+        "ENTRY %main.1 (p0: f32[8]) -> f32[8] {",
+        "  %ar = f32[8]{0} all-reduce(f32[8]{0} %p0), replica_groups=[2,4]<=[4,2]T(1,0)",
+        "}",
+    ])  # fmt: skip
+    got = [(c.kind, c.bytes, c.axes) for c in parse_collectives(hlo, mesh)]
+    shards = 4 * (16 * 2 * 32 + 16 * 128)  # a quarter of each [64, ...] gradient, fp32
+    assert got == [("reduce-scatter", shards, ("data",)), ("all-reduce", 32, ("data",))]

@@ -3,6 +3,7 @@ step time, the OOM explainer and plots (all analytic: nothing here compiles a tr
 
 import io
 import math
+import re
 
 import pytest
 from conftest import require_devices
@@ -89,6 +90,7 @@ def test_t5_xxl_report_fits_100_columns_and_names_a_verdict_for_v5p():
     flat = " ".join(text.split())  # the summary wraps at the terminal's width (at most 100)
     assert verdict in flat
     assert "step estimate:" in flat and "MFU ≈" in flat
+    assert "TPU v5 figures: https://cloud.google.com/tpu/docs/v5p-training (459 TFLOPs" in flat
     assert "layers_0..23" in text and "×24" in text
     assert sharding.num_parameters == 11_135_332_352
 
@@ -98,7 +100,14 @@ def test_t5_xxl_report_fits_100_columns_and_names_a_verdict_for_v5p():
 
 def test_device_table_names_sources_and_rejects_unknown_names(capsys):
     for chip in hardware.CHIPS.values():
-        assert chip.source and chip.hbm_bytes_per_s > 0
+        # Every entry names the vendor page it was read from, with the figures as printed there.
+        assert chip.source.startswith(("https://cloud.google.com/tpu/docs/", "https://www.nvidia"))
+        assert chip.hbm_bytes_per_s > 0
+        # ... and the peak as printed there: dense, or twice that with 2:4 sparsity (NVIDIA).
+        m = re.search(r"([\d,.]+) TFLOPs? bf16( with sparsity)?", chip.source, re.I)
+        quoted = float(m.group(1).replace(",", "")) / (2 if m.group(2) else 1)
+        assert chip.peak_flops == pytest.approx(quoted * 1e12, rel=1e-3), chip
+        assert hardware.device_spec_of_kind(chip.device_kind).source == chip.source
     assert hardware.chip_named("A100").name == "a100-80gb"
     assert hardware.device_spec_named("v5p").memory_bytes == 95 * 2**30
     with pytest.raises(ValueError, match="known: v4, v5e, v5p, v6e"):
@@ -138,6 +147,32 @@ def test_step_estimate_hand_computed_for_data_parallel():
 
 
 # --- what does not fit ----------------------------------------------------------------------
+
+
+def test_activations_by_layer_kind_hand_computed_and_add_up():
+    """An unscanned decoder-only model, data parallel on 8 devices (one row per device, fp32):
+    each kind of layer's buffers at the backward's peak, counted by hand."""
+    require_devices(8)
+    cfg = DecoderOnlyConfig(vocab_size=64, emb_dim=8, num_heads=2, num_kv_heads=2, head_dim=4,
+                            mlp_dim=16, num_layers=2, scan_layers=False)  # fmt: skip
+    part = Partitioner(create_mesh(1), logical_axis_rules=data_parallel_logical_axis_rules())
+    tr = Trainer(DecoderOnlyModel(network_config=cfg), part, batch_size=8,
+                 lengths={"targets": 16})  # fmt: skip
+    p = predict_memory(tr)
+    x, q, h, logits = 16 * 8 * 4, 16 * 2 * 4 * 4, 16 * 16 * 4, 16 * 64 * 4  # [1, L, ...] fp32
+    kv, scores = 2 * q, 2 * 16 * 16 * 4  # k and v; [1, H, L, L] fp32
+    per_layer = {"attention": 2 * q + kv + 2 * scores, "mlp": 5 * h,
+                 "norms+residual": 3 * 2 * x}  # fmt: skip
+    assert dict(p.activation_kinds) == {
+        "attention": 2 * per_layer["attention"],
+        "mlp": 2 * per_layer["mlp"],
+        "norms+residual": 2 * per_layer["norms+residual"] + 3 * x,  # + the last layer's
+        "logits+loss": 3 * logits,  # logits, softmax, cotangent
+    }
+    assert sum(n for _, n in p.activation_kinds) == p.activations > p.update == 0
+    text = rep.step_report(tr, compile=False).format(width=None)
+    kinds = ", ".join(f"{k} {format_bytes(n)}" for k, n in p.activation_kinds)
+    assert f"activations by layer kind: {kinds}" in text
 
 
 def test_oom_explainer_names_buffers_and_predicts_each_fix():

@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent(
     """
     import json, re
     import jax
-    from t5lite.insight.hlo import _ARRAY_RE, _parse_groups
+    from t5lite.insight.hlo import _ARRAY_RE, _parse_groups, parse_collectives
     from t5lite.insight.topology import get_topology
     from t5lite.model import optimizers
     from t5lite.model.models import EncoderDecoderModel
@@ -62,7 +62,10 @@ _SCRIPT = textwrap.dedent(
     params = [{"path": p.path, "shape": list(p.shape), "shard": list(p.shard_shape),
                "spec": [e if e is None or isinstance(e, str) else list(e) for e in p.spec]}
               for p in placements]
-    print("RESULT " + json.dumps({"fusions": fusions, "params": params}))
+    collectives = [{"kind": c.kind, "bytes": c.bytes, "axes": c.axes}
+                   for c in parse_collectives(hlo, mesh)]
+    print("RESULT " + json.dumps({"fusions": fusions, "params": params,
+                                  "collectives": collectives}))
     """
 )
 
@@ -98,3 +101,10 @@ def test_fsdp_weight_gradients_are_reduce_scattered_on_tpu():
     weights_per_model_shard = sum(math.prod(p["shape"]) // model for p in kernels)
     assert sum(math.prod(s) for s in fusion["in"]) == weights_per_model_shard
     assert sum(math.prod(s) for s in fusion["out"]) * data == weights_per_model_shard
+    # insight/hlo.py reads the fusion as what it is: one reduce-scatter over `data` whose
+    # result is the fusion's (the fp32 shards), not an all-reduce of the whole operands.
+    scatters = [c for c in r["collectives"] if c["kind"] == "reduce-scatter"]
+    assert scatters == [{"kind": "reduce-scatter", "bytes": 4 * weights_per_model_shard // data,
+                         "axes": ["data"]}]  # fmt: skip
+    whole = 4 * weights_per_model_shard
+    assert not any(c["kind"] == "all-reduce" and c["bytes"] >= whole for c in r["collectives"])

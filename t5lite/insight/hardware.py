@@ -25,28 +25,44 @@ class ChipSpec:
     peak_flops: float  # dense bf16 FLOP/s
     link_bytes_per_s: float  # TPU: total ICI bandwidth of one chip; GPU: NVLink, one direction
     hbm_bytes_per_s: float  # HBM bandwidth of one chip
-    source: str  # where the figures come from
+    source: str  # the data sheet or page each figure was read from (printed with --device)
     cores_per_chip: int = 1  # JAX devices per chip (TPU v4 exposes its two cores)
 
 
 _TPU_DOCS = "https://cloud.google.com/tpu/docs/"
-# TPU: Google Cloud's system-architecture pages (ICI quoted in Gbit/s, hence / 8). GPU: NVIDIA's
-# data sheets, SXM parts, dense (no sparsity) bf16 tensor-core peaks; NVLink's quoted total is
-# both directions, halved here.
+_NV = "https://www.nvidia.com/en-us/data-center/"
+# Links are one direction of one chip's total: Google's pages quote ICI "bidirectional (per chip)"
+# in GBps (earlier revisions: one direction in Gbit/s, the same figure x 8) and NVIDIA quotes
+# NVLink's total of both directions, so both are halved here. GPU peaks: the data sheets' bf16
+# tensor-core figure without sparsity (they print it with 2:4 sparsity, twice this). HBM sizes
+# are GiB: Google's pages write "GB" for v5e/v6e but the runtime's `bytes_limit` is in GiB.
+# Checked against the pages named in each entry's `source` (Nov 2026).
 _CHIPS = (
-    ChipSpec("v4", "TPU v4", 32 * GiB, 275e12, 2400e9 / 8, 1200e9, _TPU_DOCS + "v4",
+    ChipSpec("v4", "TPU v4", 32 * GiB, 275e12, 2400e9 / 8, 1200e9,
+             _TPU_DOCS + "v4 (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps); ICI: Jouppi et al., "
+             "'TPU v4', ISCA 2023 (6 links x 400 Gbit/s each way)",
              cores_per_chip=2),
-    ChipSpec("v5e", "TPU v5 lite", 16 * GiB, 197e12, 1600e9 / 8, 819e9, _TPU_DOCS + "v5e"),
-    ChipSpec("v5p", "TPU v5", 95 * GiB, 459e12, 4800e9 / 8, 2765e9, _TPU_DOCS + "v5p"),
-    ChipSpec("v6e", "TPU v6 lite", 32 * GiB, 918e12, 3584e9 / 8, 1640e9, _TPU_DOCS + "v6e"),
-    ChipSpec("a100-40gb", "NVIDIA A100-SXM4-40GB", 40 * GiB, 312e12, 300e9, 1555e9,
-             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)"),
-    ChipSpec("a100-80gb", "NVIDIA A100-SXM4-80GB", 80 * GiB, 312e12, 300e9, 2039e9,
-             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
-    ChipSpec("h100", "NVIDIA H100 80GB HBM3", 80 * GiB, 989e12, 450e9, 3350e9,
-             "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-    ChipSpec("h200", "NVIDIA H200", 141 * GiB, 989e12, 450e9, 4800e9,
-             "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    ChipSpec("v5e", "TPU v5 lite", 16 * GiB, 197e12, 400e9 / 2, 819e9,
+             _TPU_DOCS + "v5e (197 TFLOPs bf16; HBM2 16 GB, 819 GBps; ICI 400 GBps "
+             "bidirectional)"),
+    ChipSpec("v5p", "TPU v5", 95 * GiB, 459e12, 1200e9 / 2, 2765e9,
+             _TPU_DOCS + "v5p-training (459 TFLOPs bf16; HBM2e 95 GiB, 2765 GBps; ICI 1200 GBps "
+             "bidirectional)"),
+    ChipSpec("v6e", "TPU v6 lite", 32 * GiB, 918e12, 800e9 / 2, 1638e9,
+             _TPU_DOCS + "v6e (918 TFLOPs bf16; HBM 32 GB, 1638 GBps; ICI 800 GBps "
+             "bidirectional)"),
+    ChipSpec("a100-40gb", "NVIDIA A100-SXM4-40GB", 40 * GiB, 312e12, 600e9 / 2, 1555e9,
+             _NV + "a100 (NVIDIA A100 Tensor Core GPU datasheet, SXM4 40GB: 312 TFLOPS bf16 "
+             "dense, 1,555 GB/s, NVLink 600 GB/s)"),
+    ChipSpec("a100-80gb", "NVIDIA A100-SXM4-80GB", 80 * GiB, 312e12, 600e9 / 2, 2039e9,
+             _NV + "a100 (NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB: 312 TFLOPS bf16 "
+             "dense, 2,039 GB/s, NVLink 600 GB/s)"),
+    ChipSpec("h100", "NVIDIA H100 80GB HBM3", 80 * GiB, 989e12, 900e9 / 2, 3350e9,
+             _NV + "h100 (NVIDIA H100 Tensor Core GPU datasheet, SXM: 1,979 TFLOPS bf16 with "
+             "sparsity, 3.35 TB/s, NVLink 900 GB/s)"),
+    ChipSpec("h200", "NVIDIA H200", 141 * GiB, 989e12, 900e9 / 2, 4800e9,
+             _NV + "h200 (NVIDIA H200 Tensor Core GPU datasheet, SXM: 1,979 TFLOPS bf16 with "
+             "sparsity, 141 GB, 4.8 TB/s, NVLink 900 GB/s)"),
 )  # fmt: skip
 CHIPS: dict[str, ChipSpec] = {c.name: c for c in _CHIPS}
 TPU_CHIPS: dict[str, ChipSpec] = {n: c for n, c in CHIPS.items() if c.device_kind.startswith("TPU")}
@@ -78,6 +94,7 @@ class DeviceSpec:
     peak_flops: float | None
     link_bytes_per_s: float | None
     hbm_bytes_per_s: float | None = None
+    source: str | None = None  # where the figures come from (None: the runtime, or unknown)
 
 
 def device_spec_of_kind(device_kind: str, cores_per_chip: int | None = None) -> DeviceSpec:
@@ -92,6 +109,7 @@ def device_spec_of_kind(device_kind: str, cores_per_chip: int | None = None) -> 
         chip.peak_flops / n,
         chip.link_bytes_per_s / n,
         chip.hbm_bytes_per_s / n,
+        chip.source,
     )
 
 

@@ -36,6 +36,14 @@ _MESH_GROUPS_RE = re.compile(
     r"(?:\s*\{(?P<over>[^}]*)\})?"
 )
 _PAIRS_RE = re.compile(r"source_target_pairs=\{([\{\}\d, ]*)\}")
+# A computation's header: `%name (params...) -> result {` at the start of a line (`ENTRY` first
+# for the entry computation). XLA:TPU fuses FSDP's all-reduce + dynamic-slice to the device's
+# shard into a fusion whose computation is named `all-reduce-scatter.N`
+# (tests/test_layouts_tpu.py): the all-reduce inside it is a reduce-scatter whose results are
+# the fusion's (the shards).
+_COMPUTATION_RE = re.compile(
+    r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*(?P<result>.*)\{\s*$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +177,19 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
     Group ids in SPMD-partitioned HLO are positions in `mesh.devices.flat`.
     """
     out = []
+    fused_result: str | None = None  # inside an `all-reduce-scatter` fusion: its result shape
     for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header:
+            fusion = header.group("name").startswith("all-reduce-scatter")
+            fused_result = header.group("result") if fusion else None
+            continue
         m = _OP_RE.match(line)
         if not m:
             continue
-        kind = m.group("op")
+        kind, shape = m.group("op"), m.group("shape")
+        if fused_result is not None and kind == "all-reduce":
+            kind, shape = "reduce-scatter", fused_result
         groups: tuple[tuple[int, ...], ...] = ()
         g = _GROUPS_RE.search(line)
         mg = _MESH_GROUPS_RE.search(line)
@@ -191,7 +207,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
         if not groups and mesh is not None and kind != "collective-permute":
             groups = (tuple(range(mesh.devices.size)),)  # `replica_groups={}`: all devices
         axes = _identify_axes(groups, mesh, pairs=kind == "collective-permute")
-        out.append(Collective(kind, _result_bytes(m.group("shape"), kind), axes, groups))
+        out.append(Collective(kind, _result_bytes(shape, kind), axes, groups))
     return out
 
 

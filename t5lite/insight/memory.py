@@ -109,23 +109,63 @@ _X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _HIDDEN = 4, 2, 1, 9
 _SCORES_SAVED, _SCORES_WORKING = 2, 3
 # The loss: logits and softmax probabilities (their cotangent reuses the logits' buffer).
 _LOSS_BUFFERS = 2
+# Unscanned layers (`scan_layers=False`): no loop carries stacked copies of each layer's
+# values, so a layer keeps fewer [B, L, D] and [B, L, F] buffers (3 a block, 5 of the MLP's);
+# and the backward's peak is at the loss gradient, with the logits, their softmax and
+# cotangent and three [B, L, D] buffers of the last layer live beside every layer's saved
+# values. Fitted on the CPU compiler's totals over eight FSDP configurations (decoder-only: 2
+# and 4 layers, d_model 256 and 512, d_ff 1024 and 2048, L 128 and 256; T5 with 2 and 3
+# layers a stack, 128/64 tokens): the residual after state, batch and gradients is within
+# 1.2 MiB of the model for the decoder-only model; T5's is 7 MiB more than modelled (-8%,
+# not yet explained). Remat: under FSDP the scheduler hoists every layer's recomputation ahead
+# of the loss gradient (no loop orders it), so the recomputed values are live together and
+# the only saving is the [B, H, L, S] scores, which the recomputation fuses away (decoder-only:
+# none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on other layouts it
+# hoists only some layers' (see PredictedMemory's accuracy note).
+_UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
+
+# Kinds of activation a report breaks the total into (they add up to `activations`).
+KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
 
-def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> int:
-    """What one layer keeps for its backward pass under a remat policy (`scores`: how many
-    [B, H, L, L] buffers without remat; default: those every layer keeps)."""
+def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str, int]:
+    """What one layer keeps for its backward pass under a remat policy, by kind (`scores`: how
+    many [B, H, L, L] buffers without remat; default: those every layer keeps)."""
     n = a["attentions"]
     if remat == "full":
-        return a["x"]  # the layer input; everything else is recomputed
+        return {"norms+residual": a["x"]}  # the layer input; everything else is recomputed
     if remat == "minimal":  # outputs of dots without batch dims (projections) + the input
-        return 2 * a["x"] + n * (a["q"] + a["x"]) + a["kv"] + a["mlp_in"] * a["h"]
-    return (
-        _X_PER_BLOCK * (n + 1) * a["x"]
-        + _Q_PER_ATTENTION * n * a["q"]
+        return {
+            "attention": n * (a["q"] + a["x"]) + a["kv"],  # q, k, v and the out projection
+            "mlp": a["mlp_in"] * a["h"],
+            "norms+residual": 2 * a["x"],
+        }
+    return {
+        "attention": _Q_PER_ATTENTION * n * a["q"]
         + _KV * a["kv"]
-        + (_SCORES_SAVED if scores is None else scores) * a["scores"]
-        + _HIDDEN * a["h"]
-    )
+        + (_SCORES_SAVED if scores is None else scores) * a["scores"],
+        "mlp": _HIDDEN * a["h"],
+        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"],
+    }
+
+
+def _saved_unscanned(a: dict[str, int], remat: str) -> dict[str, int]:
+    """What one unscanned layer holds at the backward's peak, by kind (see above)."""
+    n = a["attentions"]
+    scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
+    return {
+        "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
+        "mlp": _UNSCANNED_HIDDEN * a["h"],
+        "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"],
+    }
+
+
+def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
+    out = dict.fromkeys(KINDS, 0)
+    for part in parts:
+        for k, v in part.items():
+            out[k] += int(v * scale)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,17 +180,21 @@ class PredictedMemory:
         cotangents);
       update: state + batch + gradients + the optimizer's parameter-sized update.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
-    likewise; `terms` lists every modelled group. State and batch are exact (shardings); every
-    activation is sized by resolving its logical axes with the rules table, so any preset
-    (sequence or context parallelism included) is sized by what it shards.
+    likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
+    by kind of layer (attention, MLP, norms and residual sums, logits and loss; they add up to
+    it). State and batch are exact (shardings); every activation is sized by resolving its
+    logical axes with the rules table, so any preset (sequence or context parallelism
+    included) is sized by what it shards.
 
-    Accuracy: within 9% of XLA's CPU figure for every preset x remat policy on scanned
-    (`scan_layers=True`) T5.1.1 and decoder-only models (tests/test_insight_accuracy.py). Not
-    for unscanned layers: without the scan's loop as a barrier, the CPU scheduler moves the
-    rematerialised forward passes of all layers ahead of the loss gradient (seen in the buffer
-    assignment), so remat saves less than modelled, and the unscanned forward keeps fewer
-    copies than the scanned one; measured on the T5 test model under FSDP, unscanned: none
-    85.9, minimal 82.9, full 71.2 MiB against scanned 99.5, 56.0, 42.8 MiB.
+    Accuracy (tests/test_insight_accuracy.py): scanned layers within 10% of XLA's CPU figure
+    for every preset x remat policy on T5.1.1 and decoder-only models. Unscanned layers follow
+    their own fitted counts (above): within 10% for no remat and `minimal` on the layouts
+    measured (decoder-only: every preset; T5: FSDP), and `full` on data parallel, FSDP,
+    sequence and context parallel; `full` on megatron, 2D activations, fully sharded and
+    tensor_2d is over-predicted by 19-31% (the scheduler hoists only some layers'
+    recomputation), and data parallelism without remat by 10.2% (every gradient counted live
+    at the loss gradient, before most exist). T5.1.1-small under
+    FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
     """
 
     state: int
@@ -159,6 +203,7 @@ class PredictedMemory:
     update: int
     activations: int
     terms: tuple[tuple[str, int], ...] = ()  # every modelled buffer group, for reports
+    activation_kinds: tuple[tuple[str, int], ...] = ()  # `activations` by kind (KINDS)
 
     @property
     def total(self) -> int:
@@ -178,17 +223,11 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
         stacks = [(cfg.num_layers, lt, [lt])]
     layers = [(n, _layer_bytes(part, cfg, b, q, kv)) for n, q, kv in stacks]
-    saved = sum(n * _saved(a, cfg.remat_policy) for n, a in layers)
-    # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
-    # inputs are gathered over the axes that split activations (2D activations, sequence
-    # parallelism), so its [B, L, D] buffers are counted at their gathered size.
-    gathered = cfg.remat_policy != "none"
-    work = max(
-        _saved({**a, "x": a["x_gathered"]} if gathered else a, "none", _SCORES_WORKING)
-        for _, a in layers
-    )
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
-    loss = _LOSS_BUFFERS * logits
+    if cfg.scan_layers:
+        backward, terms = _scanned_backward(layers, cfg.remat_policy, logits)
+    else:
+        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits)
     state = _tree_bytes_per_device(trainer.abstract_state())
     batch = _tree_bytes_per_device(
         jax.tree_util.tree_map(
@@ -199,16 +238,48 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     )
     grads = _unreduced_gradient_bytes(trainer)
     update = _tree_bytes_per_device(trainer.abstract_state().params)
+    terms = (*terms, ("optimizer update", update))
+    total = sum(backward.values())
+    if total >= update:
+        kinds = tuple(backward.items())
+        return PredictedMemory(state, batch, grads, 0, total, terms, kinds)
+    return PredictedMemory(state, batch, grads, update, 0, terms)
+
+
+def _scanned_backward(layers: list, remat: str, logits: int):
+    """The backward moment's activations by kind, and its terms, for scanned layers."""
+    saved = _add(*(_saved(a, remat) for n, a in layers for _ in range(n)))
+    # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
+    # inputs are gathered over the axes that split activations (2D activations, sequence
+    # parallelism), so its [B, L, D] buffers are counted at their gathered size.
+    gathered = remat != "none"
+    works = [
+        _saved({**a, "x": a["x_gathered"]} if gathered else a, "none", _SCORES_WORKING)
+        for _, a in layers
+    ]
+    work = max(works, key=lambda w: sum(w.values()))
+    loss = {"logits+loss": _LOSS_BUFFERS * logits}
     # Under remat the compiler recomputes the last layer's forward (half its working set: the
     # values, not yet their cotangents) while the loss's [B, L, V] buffers are still live.
-    backward = saved + max(loss + (work // 2 if gathered else 0), work)
+    with_loss = _add(loss, _add(work, scale=0.5 if gathered else 0))
+    peak = with_loss if sum(with_loss.values()) > sum(work.values()) else work
     terms = (
-        ("saved activations", saved), ("layer working set", work), ("loss temporaries", loss),
-        ("optimizer update", update),
+        ("saved activations", sum(saved.values())), ("layer working set", sum(work.values())),
+        ("loss temporaries", loss["logits+loss"]),
     )  # fmt: skip
-    if backward >= update:
-        return PredictedMemory(state, batch, grads, 0, backward, terms)
-    return PredictedMemory(state, batch, grads, update, 0, terms)
+    return _add(saved, peak), terms
+
+
+def _unscanned_backward(layers: list, remat: str, logits: int):
+    """The backward moment's activations by kind, and its terms, for unscanned layers."""
+    saved = _add(*(_saved_unscanned(a, remat) for n, a in layers for _ in range(n)))
+    last = {"norms+residual": _UNSCANNED_LAST_X * layers[-1][1]["x"]}
+    loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
+    terms = (
+        ("saved activations", sum(saved.values())), ("layer working set", last["norms+residual"]),
+        ("loss temporaries", loss["logits+loss"]),
+    )  # fmt: skip
+    return _add(saved, last, loss), terms
 
 
 def _unreduced_gradient_bytes(trainer: Trainer) -> int:

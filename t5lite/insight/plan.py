@@ -27,12 +27,17 @@ from typing import Any, TextIO
 
 import jax
 
-from t5lite.insight.communication import analytic_communication
-from t5lite.insight.estimate import StepEstimate, estimate_step
+from t5lite.insight.estimate import StepEstimate
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
-from t5lite.insight.memory import PredictedMemory, predict_memory
-from t5lite.insight.report import StepReport, mesh_over, step_report
-from t5lite.insight.sharding import format_bytes, sharding_report
+from t5lite.insight.memory import PredictedMemory
+from t5lite.insight.report import (
+    AnalyticFigures,
+    StepReport,
+    analytic_figures,
+    mesh_over,
+    step_report,
+)
+from t5lite.insight.sharding import format_bytes
 from t5lite.insight.tables import format_table as _table
 from t5lite.insight.topology import get_topology
 from t5lite.model.config import REMAT_POLICIES
@@ -101,6 +106,7 @@ class Candidate:
     compile_seconds: float = 0.0
     predicted: PredictedMemory | None = None
     estimate: StepEstimate | None = None
+    analytic: AnalyticFigures | None = None  # what screening built, reused when compiling
 
     @property
     def fits(self) -> bool:
@@ -190,19 +196,16 @@ def screen_layout(
     except (PartitioningError, ValueError, NotImplementedError) as e:
         # Indivisible heads or batch, or a mesh the topology cannot be cut into.
         return Candidate(layout, f"invalid: {_first_line(e)}"), None
-    report = sharding_report(trainer.partitioner, trainer.abstract_state().params,
-                             trainer.params_axes)  # fmt: skip
-    predicted = predict_memory(trainer)
-    analytic = analytic_communication(trainer, report)
-    est = estimate_step(trainer, predicted, analytic, report, device)
-    return Candidate(layout, "screened", predicted=predicted, estimate=est), trainer
+    a = analytic_figures(trainer, device)
+    screened = Candidate(layout, "screened", predicted=a.predicted, estimate=a.estimate, analytic=a)
+    return screened, trainer
 
 
 def compile_candidate(c: Candidate, trainer: Trainer, device: DeviceSpec) -> Candidate:
     """Compiles and measures a screened candidate (a compiler's refusal becomes its status)."""
     t0 = time.perf_counter()
     try:
-        step = step_report(trainer, device=device)
+        step = step_report(trainer, device=device, analytic=c.analytic)
     except Exception as e:  # a compiler's refusal is a result of the search, not a crash
         status = f"failed: {_first_line(e)}"
         return dataclasses.replace(c, status=status, compile_seconds=time.perf_counter() - t0)
@@ -314,6 +317,9 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
         f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} TFLOP/s,"
         f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
     ]
+    if device.source:
+        src = f"figures: {device.source}"
+        lines += textwrap.wrap(src, width, subsequent_indent="  ") if width else [src]
     if notes:
         lines += ["invalid or failed:"]
         for reason, rows_of in notes.items():

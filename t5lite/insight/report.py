@@ -150,6 +150,10 @@ class StepReport:
             f"batch {format_bytes(p.batch)} + gradients {format_bytes(p.gradients)} + "
             f"update {format_bytes(p.update)} + activations {format_bytes(p.activations)}"
         )
+        if p.activation_kinds:
+            predicted += "; activations by layer kind: " + ", ".join(
+                f"{kind} {format_bytes(n)}" for kind, n in p.activation_kinds
+            )
         lines += (
             textwrap.wrap(predicted, width, subsequent_indent=" " * 4) if width else [predicted]
         )
@@ -223,6 +227,29 @@ def compile_train_step(
     return CompiledFunction(compiled, part)
 
 
+@dataclasses.dataclass(frozen=True)
+class AnalyticFigures:
+    """What a layout implies before compiling: its sharding, memory, communication and step
+    estimate (built once; `plan` screens with them and hands them on to `step_report`)."""
+
+    report: ShardingReport
+    predicted: PredictedMemory
+    communication: AnalyticCommunication
+    estimate: StepEstimate
+
+
+def analytic_figures(
+    trainer: Trainer, device: DeviceSpec, report: ShardingReport | None = None
+) -> AnalyticFigures:
+    """The analytic figures of `trainer`'s train step on `device` (no compilation)."""
+    part = trainer.partitioner
+    report = report or sharding_report(part, trainer.abstract_state().params, trainer.params_axes)
+    predicted = predict_memory(trainer)
+    analytic = analytic_communication(trainer, report)
+    est = estimate_step(trainer, predicted, analytic, report, device)
+    return AnalyticFigures(report, predicted, analytic, est)
+
+
 def step_report(
     trainer: Trainer,
     *,
@@ -231,6 +258,7 @@ def step_report(
     compile: bool = True,
     report: ShardingReport | None = None,
     progress: Callable[[str], None] | None = None,
+    analytic: AnalyticFigures | None = None,
 ) -> StepReport:
     """Compiles (unless `compile=False`) and measures the train step of `trainer`.
 
@@ -241,10 +269,12 @@ def step_report(
       compile: False gives only the analytic figures (for models too large to compile here).
       report: the parameters' sharding report, if already built.
       progress: called with a line at each compilation stage.
+      analytic: the analytic figures for this trainer and `device`, if already built (`plan`
+        screens with them first).
     """
     part = trainer.partitioner
     device = device or device_spec(part.mesh.devices.flat[0])
-    report = report or sharding_report(part, trainer.abstract_state().params, trainer.params_axes)
+    figures = analytic or analytic_figures(trainer, device, report)
     mem, rows, flops, comp_s, comm_s = None, (), None, None, None
     if compiled is None and compile:
         compiled = compile_train_step(trainer, progress)
@@ -257,19 +287,17 @@ def step_report(
             comp_s = flops / device.peak_flops
         if device.link_bytes_per_s:
             comm_s = communication_seconds(collectives, device.link_bytes_per_s)
-    predicted = predict_memory(trainer)
-    analytic = analytic_communication(trainer, report)
     return StepReport(
         mesh_shape=dict(part.mesh.shape),
         device=device,
         memory=mem,
-        predicted=predicted,
+        predicted=figures.predicted,
         collectives=rows,
-        analytic=analytic,
+        analytic=figures.communication,
         flops=flops,
         compute_seconds=comp_s,
         communication_seconds=comm_s,
-        estimate=estimate_step(trainer, predicted, analytic, report, device),
+        estimate=figures.estimate,
     )
 
 

@@ -78,6 +78,8 @@ def format_summary(step: StepReport, width: int | None = 100) -> str:
         lines.append(f"  compiled FLOPs and collectives: {_ms(step.step_seconds)} per step")
     top = largest_collectives(step)
     lines.append("  largest collectives: " + ("; ".join(top) if top else "none"))
+    if step.device.source:
+        lines.append(f"  {dev} figures: {step.device.source}")
     if width:
         lines = [w for line in lines for w in _wrap(line, width)]
     return "\n".join(lines)
