@@ -84,16 +84,8 @@ class DenseGeneral(nn.Module):
         )
         kernel = jnp.asarray(constraints.weight(kernel), jnp.dtype(self.dtype))
         inputs = jnp.asarray(inputs, jnp.dtype(self.dtype))
-        lead = inputs.ndim - n_in
-        if axis == tuple(range(lead, inputs.ndim)):
-            # One 2-D matmul [tokens, in] x [in, out] (merging contiguous dims is free). Its weight
-            # gradient is then a plain [tokens, in]^T x [tokens, out] dot; contracting batch and
-            # length as two dims instead makes XLA:CPU transpose every activation gradient into a
-            # copy first (17% of the T5.1.1-small train step, benchmarks/train_throughput.py).
-            k_in, k_out = math.prod(in_shape), math.prod(features)
-            flat = ((1,), (0,)), ((), ())
-            y = constraints.dot_general(inputs.reshape(-1, k_in), kernel.reshape(k_in, k_out), flat)
-            return y.reshape(inputs.shape[:lead] + features)
+        if axis == tuple(range(inputs.ndim - n_in, inputs.ndim)):
+            return constraints.dense(inputs, kernel, n_in)
         contract = (axis, tuple(range(n_in)))
         return constraints.dot_general(inputs, kernel, (contract, ((), ())))
 
