@@ -24,7 +24,7 @@ Threads: `--threads N` (default 2) sets `torch.set_num_threads(N)`; XLA CPU uses
 thread pool (all cores the process may run on). When N is below the core count the whole process
 is pinned to N cores first (`sched_setaffinity`), so both sides use the same N.
 
-Goals (issue 6): t5lite tokens/s >= 1.5x PyTorch; t5lite step time <= 1.02x the bare jit step.
+Goals (issue 20): t5lite tokens/s >= 1.0x PyTorch (aim 1.1x); step time <= 1.02x the bare jit step.
 Besides the timings, the record holds two deterministic figures: XLA's cost analysis of both JAX
 steps (flops and bytes of memory traffic: equal work means equal numbers), and the machine's
 peak fp32 matmul rate (XLA and PyTorch, 2048^3) against the rate the speed goal would need for
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import write_record
 
-GOAL_SPEEDUP = 1.5  # t5lite tokens/s over PyTorch
+GOAL_SPEEDUP = 1.0  # t5lite tokens/s over PyTorch (issue 20: >= 1.0, aim 1.1)
 GOAL_OVERHEAD = 1.02  # t5lite step time over the bare jit step
 ISSUE_TORCH_TOKENS_PER_S = 672.0  # the issue's PyTorch figure on this kind of machine
 LR, B1, B2, EPS, WD, Z_LOSS = 1e-4, 0.9, 0.999, 1e-8, 0.01, 1e-4
