@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from t5lite.partitioning import collectives
+
 Array = jax.Array
 DType = Any
 Initializer = Callable[..., Array]
@@ -59,8 +61,12 @@ class DenseGeneral(nn.Module):
     kernel_init: Initializer = default_kernel_init
 
     @nn.compact
-    def __call__(self, inputs: Array) -> Array:
-        """Contracts `axis` of `inputs` with the kernel; output dims are appended last."""
+    def __call__(self, inputs: Array, *, kernel_only: bool = False) -> Array:
+        """Contracts `axis` of `inputs` with the kernel; output dims are appended last.
+
+        With `kernel_only` returns the kernel in `dtype` instead (`inputs` gives its shape), for
+        callers that contract several kernels together (`collectives.column_parallel`).
+        """
         features = _canonicalize_tuple(self.features)
         axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
         in_shape = tuple(inputs.shape[ax] for ax in axis)
@@ -80,6 +86,8 @@ class DenseGeneral(nn.Module):
             jnp.dtype(self.param_dtype),
         )
         kernel = jnp.asarray(kernel, jnp.dtype(self.dtype))
+        if kernel_only:
+            return kernel
         inputs = jnp.asarray(inputs, jnp.dtype(self.dtype))
         contract = (axis, tuple(range(n_in)))
         return jax.lax.dot_general(inputs, kernel, (contract, ((), ())))
@@ -430,24 +438,25 @@ class MultiHeadAttention(nn.Module):
                 return (kernel / np.sqrt(self.head_dim)).astype(dtype)
 
         dense = functools.partial(DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype)
-        q = dense(
+        q_kernel = dense(
             (self.num_heads, self.head_dim),
             ("embed", "heads", "kv"),
             kernel_init=query_init,
             name="query",
-        )(inputs_q_BLD)
-        k = dense(
+        )(inputs_q_BLD, kernel_only=True)
+        k_kernel = dense(
             (self.num_kv_heads, self.head_dim),
             ("embed", kv_axis, "kv"),
             kernel_init=self.kernel_init,
             name="key",
-        )(inputs_kv_BSD)
-        v = dense(
+        )(inputs_kv_BSD, kernel_only=True)
+        v_kernel = dense(
             (self.num_kv_heads, self.head_dim),
             ("embed", kv_axis, "kv"),
             kernel_init=self.kernel_init,
             name="value",
-        )(inputs_kv_BSD)
+        )(inputs_kv_BSD, kernel_only=True)
+        q, k, v = self._project(inputs_q_BLD, inputs_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis)
         if self.use_rope:
             q = rotary_embedding(q, positions_q_BL, self.rope_theta, self.rope_scaling)
             k = rotary_embedding(k, positions_kv_BS, self.rope_theta, self.rope_scaling)
@@ -476,7 +485,25 @@ class MultiHeadAttention(nn.Module):
             dtype=jnp.dtype(self.dtype),
         )
         out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
-        return dense(emb, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out_BLHK)
+        out_axes = ("heads", "kv", "embed")
+        out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
+        out_BLHK = out_BLHK.astype(out_kernel.dtype)
+        return collectives.row_parallel(
+            out_BLHK, ("batch", "length", "heads", "kv"), out_kernel, out_axes, 2
+        )
+
+    def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):
+        """q, k, v projections; an input read by several kernels is gathered once under
+        sequence parallelism (see `collectives.column_parallel`)."""
+        axes_BLD = ("batch", "length", "embed")
+        q = (q_kernel, ("embed", "heads", "kv"))
+        kv = [(k_kernel, ("embed", kv_axis, "kv")), (v_kernel, ("embed", kv_axis, "kv"))]
+        if x_kv_BSD is x_q_BLD:  # self-attention
+            x_BLD = x_q_BLD.astype(q_kernel.dtype)
+            return tuple(collectives.column_parallel(x_BLD, axes_BLD, [q, *kv]))
+        (q_BLHK,) = collectives.column_parallel(x_q_BLD.astype(q_kernel.dtype), axes_BLD, [q])
+        k_BSGK, v_BSGK = collectives.column_parallel(x_kv_BSD.astype(k_kernel.dtype), axes_BLD, kv)
+        return q_BLHK, k_BSGK, v_BSGK
 
     def _cached_kv(
         self, k_BLGK: Array, v_BLGK: Array, mask_B1LS: Array | None, kv_axis: str
@@ -556,15 +583,26 @@ class MlpBlock(nn.Module):
             param_dtype=self.param_dtype,
             kernel_init=self.kernel_init,
         )
-        h_BLF = None
+        kernels = []
         for idx, act in enumerate(self.activations):
             if act not in _ACTIVATIONS:
                 raise ValueError(f"unknown activation {act!r}; known: {sorted(_ACTIVATIONS)}")
             name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
-            y = _ACTIVATIONS[act](dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD))
+            wi = dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD, kernel_only=True)
+            kernels.append((wi, ("embed", "mlp")))
+        # The input is read by every wi: gathered once under sequence parallelism.
+        x_BLD = x_BLD.astype(kernels[0][0].dtype)
+        h_BLF = None
+        for act, y in zip(self.activations, collectives.column_parallel(
+            x_BLD, ("batch", "length", "embed"), kernels
+        )):  # fmt: skip
+            y = _ACTIVATIONS[act](y)
             h_BLF = y if h_BLF is None else h_BLF * y
         h_BLF = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
             h_BLF, deterministic=deterministic
         )
         h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
-        return dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF)
+        wo = dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF, kernel_only=True)
+        return collectives.row_parallel(
+            h_BLF.astype(wo.dtype), ("batch", "length", "mlp"), wo, ("mlp", "embed"), 1
+        )
