@@ -2,9 +2,10 @@
 
 Each preset trains a tiny T5 on 8 fake CPU devices (data=2 x model=4) with the losses of pure
 data parallelism; the compiled train step shows the collectives the layout implies. XLA:CPU has
-no reduce-scatter creator, so a reduce-scatter appears as an all-reduce whose every use is a
-slice to this device's shard (tests/hlo_consumers.py); tests/test_layouts_tpu.py checks the TPU
-compiler's spelling.
+no reduce-scatter creator, so a reduce-scatter the partitioner writes appears as an all-reduce
+whose every use is a slice to this device's shard (tests/hlo_consumers.py; FSDP's gradients);
+sequence parallelism writes its own (partitioning/collectives.py). tests/test_layouts_tpu.py
+checks the TPU compiler's spelling.
 """
 
 import collections
@@ -74,25 +75,21 @@ def test_sequence_parallel(dp_losses):
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
     # Batches follow the rules: positions split over `model` like the residual stream.
     assert batch["decoder_target_tokens"].sharding.spec == P("data", "model")
-    # The residual stream is gathered whole before each block's column-parallel matmuls: 5
-    # blocks (encoder attention and MLP; decoder self-, cross-attention and MLP) forward and
-    # backward, plus the encoder output that cross-attention reads (forward and backward).
+    # Megatron-SP's g / g-bar, written with shard_map (partitioning/collectives.py). Forward:
+    # each block's input [B/d, L/m, D] is all-gathered to [B/d, L, D] before its column-parallel
+    # matmuls (encoder attention and MLP; decoder self-, cross-attention and MLP), as are the
+    # encoder output that cross-attention's keys and values read and the input of the
+    # vocab-parallel logits (7); each block's output is reduce-scattered back to 1/m of the
+    # positions (5). Backward: the transposes, 7 reduce-scatters and 5 all-gathers.
+    shard = (B // 2, L // MODEL, D)
+    assert _arrays("reduce-scatter", ("model",), hlo, part.mesh) == {shard: 12}
     assert _arrays("all-gather", ("model",), hlo, part.mesh)[ACT] == 12
-    # Each block's partial sums over `model` are reduced and only their own 1/model of the
-    # positions is used: no use of such an all-reduce materialises a full-length activation
-    # (the reduce-scatter, spelled all-reduce + slice by XLA:CPU).
-    defs, reduced = definitions(hlo), 0
-    names = collective_names(hlo, "all-reduce")
-    colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
-    for name, c in zip(names, colls, strict=True):
-        if c.axes == ("model",) and ACT in shapes(defs[name][1]):
-            reduced += shapes(defs[name][1]).count(ACT)
-            uses = final_uses(hlo, name, defs)
-            # Every use is at most one device's shard [B/d, L/m, D] (in any shape; XLA may
-            # flatten batch and length), and some use is exactly that.
-            sizes = {math.prod(shape) for _, shape in uses}
-            assert uses and max(sizes) == math.prod(ACT) // MODEL, (name, uses)
-    assert reduced == 19  # measured (Megatron: 21 such all-reduces, each used whole)
+    # No all-reduce over `model` carries an activation (Megatron: 21 of [B/d, L, D]). What
+    # remains are the vocab-parallel cross-entropy's per-token max and sums over the vocabulary
+    # [B/d, L], the gradients of weights replicated over `model` (7 norm scales [D], the token
+    # embedding [V, D] gathered for the lookup) and scalars (metrics, finiteness checks).
+    reduced = _arrays("all-reduce", ("model",), hlo, part.mesh)
+    assert {s: n for s, n in reduced.items() if s} == {(B // 2, L): 3, (D,): 7, (32, D): 2}
 
 
 def test_context_parallel(dp_losses):
