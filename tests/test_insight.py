@@ -236,6 +236,23 @@ def test_enumerate_layouts_dedupes_and_validates():
         plan_lib.enumerate_layouts(8, presets=["zero"])
 
 
+def test_plan_compiles_one_rules_table_once():
+    """`tensor_2d` is `fully_sharded`'s table under another name: the same program."""
+    require_devices(8)
+    out, progress = io.StringIO(), io.StringIO()
+    ranked = plan_lib.plan(
+        model=tiny_lm(), task_feature_lengths={"targets": L}, batch_size=B, num_devices=8,
+        presets=["fully_sharded", "tensor_2d"], remat_policies=["none"], model_sizes=[2],
+        top_k=2, stream=out, progress=progress,
+    )  # fmt: skip
+    first, second = sorted(ranked, key=lambda c: c.status != "fits")
+    assert first.fits and first.compile_seconds > 0
+    assert second.status == f"same rules as {first.layout.preset}: not compiled again"
+    assert second.memory == first.memory and second.layout.preset != first.layout.preset
+    assert progress.getvalue().count("compiling...") == 1
+    assert f"{second.layout.name}: same rules as" in progress.getvalue()
+
+
 # --- full size, abstractly ------------------------------------------------------------------
 
 _XXL = textwrap.dedent(
