@@ -463,6 +463,24 @@ class MultiHeadAttention(nn.Module):
         if self.scale_logits:
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
+        out_BLHK = None
+        if not decode and (deterministic or self.dropout_rate == 0.0):
+            # Context parallelism: keys and values gathered inside attention, their gradients
+            # reduce-scattered (None under any other layout).
+            attend = functools.partial(dot_product_attention, dtype=jnp.dtype(self.dtype))
+            out_BLHK = collectives.context_attention(attend, q, k, v, bias_bHLS, mask_B1LS, kv_axis)
+        if out_BLHK is None:
+            out_BLHK = self._attend(q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode)
+        out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
+        out_axes = ("heads", "kv", "embed")
+        out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
+        out_BLHK = out_BLHK.astype(out_kernel.dtype)
+        return collectives.row_parallel(
+            out_BLHK, ("batch", "length", "heads", "kv"), out_kernel, out_axes, 2
+        )
+
+    def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode):
+        """Attention with whole keys and values on each device (and the KV cache)."""
         # Key/value positions have a name of their own: context parallelism shards the queries'
         # `length` and keeps every key and value position on each device (all-gathered).
         k = nn.with_logical_constraint(k, ("batch", "kv_length", kv_axis, "kv"))
@@ -473,7 +491,7 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and self.dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
-        out_BLHK = dot_product_attention(
+        return dot_product_attention(
             q,
             k,
             v,
@@ -483,13 +501,6 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=dropout_rng,
             deterministic=deterministic,
             dtype=jnp.dtype(self.dtype),
-        )
-        out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
-        out_axes = ("heads", "kv", "embed")
-        out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
-        out_BLHK = out_BLHK.astype(out_kernel.dtype)
-        return collectives.row_parallel(
-            out_BLHK, ("batch", "length", "heads", "kv"), out_kernel, out_axes, 2
         )
 
     def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):

@@ -24,7 +24,7 @@ is handled: 2D activations (`embed` split over `model`) keep the partitioner's c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from flax.linen import spmd
@@ -219,3 +219,61 @@ def _row_plan(x, x_axes, kernel, kernel_axes, n):
         return None
     out_dims = tuple(sp if i == length_dim else d for i, d in enumerate(rest))
     return sp, x_dims, k_dims, out_dims + ((),) * (len(kernel_axes) - n)
+
+
+def context_attention(
+    attend: Callable[..., jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    kv_axis: str,
+) -> jax.Array | None:
+    """Attention with queries split by position and keys/values gathered inside (context
+    parallelism), or None when the rules do not call for it (the caller attends as usual).
+
+    When the rules split `length` over some mesh axes and keep `kv_length` whole, `k` and `v`
+    arrive split by position like the queries; each device gathers every key and value, attends
+    its own queries, and the backward pass reduce-scatters the keys' and values' gradients back
+    to their positions (instead of all-reducing them whole).
+
+    Args:
+      attend: `(q, k, v, bias, mask) -> out`, the unsharded attention (`bias`, `mask` may be
+        None); applied per device to its queries and all keys.
+      q: [B, L, H, K] ('batch', 'length', 'heads', 'kv'); k, v: [B, S, G, K] with `kv_axis`.
+      bias: [1 or B, H, L, S] or None; mask: [B or 1, 1, L, S] or None.
+
+    Returns:
+      [B, L, H, K] split like q, or None.
+    """
+    q_axes = ("batch", LENGTH, "heads", "kv")
+    kv_axes = ("batch", LENGTH, kv_axis, "kv")
+    cp = _sequence_axes(q_axes)
+    if cp is None or any(_resolve(("batch", "kv_length", kv_axis, "kv"))[1]):
+        return None
+    q_dims, kv_dims = _resolve(q_axes), _resolve(kv_axes)
+    if q_dims[1] != cp or kv_dims[1] != cp or any(set(d) & set(cp) for d in q_dims[2:]):
+        return None
+    batch = q_dims[0]
+    args, dims = [q, k, v], [q_dims, kv_dims, kv_dims]
+    if bias is not None:
+        args.append(bias)
+        dims.append((batch if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
+    if mask is not None:
+        args.append(mask)
+        dims.append((batch if mask.shape[0] > 1 else (), (), cp, ()))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not all(_divides(d, a.shape, mesh) for d, a in zip(dims, args)):
+        return None
+    has_bias, has_mask = bias is not None, mask is not None
+
+    def body(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, *rest: jax.Array) -> jax.Array:
+        k_all = jax.lax.all_gather(k_l, cp, axis=1, tiled=True)
+        v_all = jax.lax.all_gather(v_l, cp, axis=1, tiled=True)
+        rest = list(rest)
+        b = rest.pop(0) if has_bias else None
+        m = rest.pop(0) if has_mask else None
+        return attend(q_l, k_all, v_all, b, m)
+
+    return _shard_map(body, dims, _spec(q_dims))(*args)
