@@ -96,13 +96,21 @@ def test_context_parallel(dp_losses):
     losses, hlo, part, batch = _train("context_parallel", hlo=True)
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
     assert batch["encoder_input_tokens"].sharding.spec == P("data", "model")
-    # Keys and values need every position: each attention layer (encoder self, decoder self,
-    # decoder cross) all-gathers the input its key and value projections share, once.
+    # Keys and values are projected on each device's own positions and gathered inside
+    # attention (partitioning/collectives.py): 3 attention layers (encoder self, decoder self,
+    # decoder cross) x (k, v) forward, [B/d, S, H, K]; their gradients reduce-scattered back.
+    kv, kv_shard = (B // 2, L, 4, 4), (B // 2, L // MODEL, 4, 4)
     gathered = _arrays("all-gather", ("model",), hlo, part.mesh)
-    assert gathered[ACT] == 3
+    assert gathered[kv] == 6
+    assert _arrays("reduce-scatter", ("model",), hlo, part.mesh) == {kv_shard: 6}
     # Nothing else of the activations is gathered over the context axis: queries, the MLP and
-    # the logits stay split by position.
-    assert not [s for s in gathered if len(s) >= 3 and s != ACT], gathered
+    # the logits stay split by position (what remains are [B/d, L] masks and tokens).
+    assert not [s for s in gathered if len(s) >= 3 and s != kv], gathered
+    # No activation is all-reduced over `model` (the key/value gradients were, whole, before):
+    # only the gradients of weights replicated over it (norm scales [D], the token embedding
+    # [V, D], the relative position bias [H, buckets]) and a scalar.
+    reduced = _arrays("all-reduce", ("model",), hlo, part.mesh)
+    assert {s: n for s, n in reduced.items() if s} == {(D,): 1, (32, D): 2, (4, 32): 1}
 
 
 def test_tensor_2d(dp_losses):

@@ -419,15 +419,15 @@ def format_tensor_2d(x: Tensor2DFigures) -> list[str]:
 
     def row(name: str, received: float | None, weights: int, acts: int) -> str:
         got = "-" if received is None else f"{received:,.0f}"
-        return f"      {name:<28}{got:>14}{weights:>14,}{acts:>14,}"
+        return f"      {name:<30}{got:>12}{weights:>12,}{acts:>12,}"
 
-    q = "" if x.received_summa is not None else " (needs data = model)"
+    summa = "SUMMA / Optimus q x q" if x.received_summa is not None else "SUMMA (data = model only)"
     return [
         f"    2D tensor parallelism, one MLP layer forward (T={x.tokens}, D={x.emb}, "
         f"F={x.mlp}, elements per device):",
-        f"      {'layout':<28}{'received':>14}{'weights':>14}{'residual':>14}",
+        f"      {'layout':<30}{'received':>12}{'weights':>12}{'residual':>12}",
         row(f"this (2D by rules) {x.d}x{x.m}", x.received_2d, x.weights_2d, x.activations_2d),
-        row(f"SUMMA / Optimus q x q{q}", x.received_summa, x.weights_2d, x.activations_2d),
+        row(summa, x.received_summa, x.weights_2d, x.activations_2d),
         row(f"1D Megatron, model={x.m}", x.received_megatron, x.weights_megatron,
             x.activations_megatron),
     ]  # fmt: skip
