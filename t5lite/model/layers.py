@@ -62,11 +62,8 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: Array, *, kernel_only: bool = False) -> Array:
-        """Contracts `axis` of `inputs` with the kernel; output dims are appended last.
-
-        With `kernel_only` returns the kernel in `dtype` instead (`inputs` gives its shape), for
-        callers that contract several kernels together (`collectives.column_parallel`).
-        """
+        """Contracts `axis` of `inputs` with the kernel (output dims last); with `kernel_only`,
+        returns the kernel in `dtype` for the caller to contract (see `collectives`)."""
         features = _canonicalize_tuple(self.features)
         axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
         in_shape = tuple(inputs.shape[ax] for ax in axis)
@@ -463,21 +460,17 @@ class MultiHeadAttention(nn.Module):
         if self.scale_logits:
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
         q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
-        out_BLHK = None
+        out_BLHK = None  # context parallelism: keys and values gathered inside attention
         if not decode and (deterministic or self.dropout_rate == 0.0):
-            # Context parallelism: keys and values gathered inside attention, their gradients
-            # reduce-scattered (None under any other layout).
             attend = functools.partial(dot_product_attention, dtype=jnp.dtype(self.dtype))
             out_BLHK = collectives.context_attention(attend, q, k, v, bias_bHLS, mask_B1LS, kv_axis)
         if out_BLHK is None:
             out_BLHK = self._attend(q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode)
         out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
-        out_axes = ("heads", "kv", "embed")
+        out_axes, axes_BLHK = ("heads", "kv", "embed"), ("batch", "length", "heads", "kv")
         out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
         out_BLHK = out_BLHK.astype(out_kernel.dtype)
-        return collectives.row_parallel(
-            out_BLHK, ("batch", "length", "heads", "kv"), out_kernel, out_axes, 2
-        )
+        return collectives.row_parallel(out_BLHK, axes_BLHK, out_kernel, out_axes, 2)
 
     def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode):
         """Attention with whole keys and values on each device (and the KV cache)."""
@@ -492,29 +485,19 @@ class MultiHeadAttention(nn.Module):
         if not deterministic and self.dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
         return dot_product_attention(
-            q,
-            k,
-            v,
-            bias_bHLS,
-            mask_B1LS,
-            dropout_rate=self.dropout_rate,
-            dropout_rng=dropout_rng,
-            deterministic=deterministic,
-            dtype=jnp.dtype(self.dtype),
-        )
+            q, k, v, bias_bHLS, mask_B1LS, dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng, deterministic=deterministic, dtype=jnp.dtype(self.dtype),
+        )  # fmt: skip
 
     def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):
-        """q, k, v projections; an input read by several kernels is gathered once under
-        sequence parallelism (see `collectives.column_parallel`)."""
-        axes_BLD = ("batch", "length", "embed")
-        q = (q_kernel, ("embed", "heads", "kv"))
-        kv = [(k_kernel, ("embed", kv_axis, "kv")), (v_kernel, ("embed", kv_axis, "kv"))]
+        """q, k, v; an input read by several kernels is gathered once (`column_parallel`)."""
+        axes_BLD, kv_axes = ("batch", "length", "embed"), ("embed", kv_axis, "kv")
+        dtype = q_kernel.dtype
+        q, kv = [(q_kernel, ("embed", "heads", "kv"))], [(k_kernel, kv_axes), (v_kernel, kv_axes)]
         if x_kv_BSD is x_q_BLD:  # self-attention
-            x_BLD = x_q_BLD.astype(q_kernel.dtype)
-            return tuple(collectives.column_parallel(x_BLD, axes_BLD, [q, *kv]))
-        (q_BLHK,) = collectives.column_parallel(x_q_BLD.astype(q_kernel.dtype), axes_BLD, [q])
-        k_BSGK, v_BSGK = collectives.column_parallel(x_kv_BSD.astype(k_kernel.dtype), axes_BLD, kv)
-        return q_BLHK, k_BSGK, v_BSGK
+            return tuple(collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q + kv))
+        (q_BLHK,) = collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q)
+        return (q_BLHK, *collectives.column_parallel(x_kv_BSD.astype(dtype), axes_BLD, kv))
 
     def _cached_kv(
         self, k_BLGK: Array, v_BLGK: Array, mask_B1LS: Array | None, kv_axis: str
@@ -601,19 +584,16 @@ class MlpBlock(nn.Module):
             name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
             wi = dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD, kernel_only=True)
             kernels.append((wi, ("embed", "mlp")))
-        # The input is read by every wi: gathered once under sequence parallelism.
+        # Every wi reads the input: gathered once under sequence parallelism.
         x_BLD = x_BLD.astype(kernels[0][0].dtype)
-        h_BLF = None
-        for act, y in zip(self.activations, collectives.column_parallel(
-            x_BLD, ("batch", "length", "embed"), kernels
-        )):  # fmt: skip
-            y = _ACTIVATIONS[act](y)
-            h_BLF = y if h_BLF is None else h_BLF * y
+        ys = collectives.column_parallel(x_BLD, ("batch", "length", "embed"), kernels)
+        h_BLF = functools.reduce(
+            jnp.multiply, [_ACTIVATIONS[a](y) for a, y in zip(self.activations, ys)]
+        )
         h_BLF = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
             h_BLF, deterministic=deterministic
         )
         h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
         wo = dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF, kernel_only=True)
-        return collectives.row_parallel(
-            h_BLF.astype(wo.dtype), ("batch", "length", "mlp"), wo, ("mlp", "embed"), 1
-        )
+        h_BLF, axes_BLF = h_BLF.astype(wo.dtype), ("batch", "length", "mlp")
+        return collectives.row_parallel(h_BLF, axes_BLF, wo, ("mlp", "embed"), 1)
