@@ -119,6 +119,26 @@ def test_tensor_2d_layer_figures_against_summa_and_megatron():
     assert communication.tensor_2d_mlp_figures(megatron) is None
 
 
+def test_sequence_parallel_analytic_is_megatron_volume_as_all_gather_and_reduce_scatter():
+    require_devices(8)
+    model = tiny_lm(num_layers=2)
+    sp = trainer_for(model, 4, preset_rules("sequence_parallel"))
+    mt = trainer_for(model, 4, preset_rules("megatron"))
+    figures = []
+    for tr in (sp, mt):
+        report = sharding_report(tr.partitioner, tr.abstract_state().params, tr.params_axes)
+        a = communication.analytic_communication(tr, report)
+        figures.append({e.kind: e for e in a.expected if e.axes == ("model",)})
+    sp_model, mt_model = figures
+    assert set(sp_model) == {"all-gather", "reduce-scatter"} and set(mt_model) == {"all-reduce"}
+    assert "sequence parallelism" in sp_model["reduce-scatter"].why
+    # Per block: an all-gather and a reduce-scatter where Megatron all-reduces, same bytes sent.
+    assert sp_model["all-gather"].count == sp_model["reduce-scatter"].count
+    assert sp_model["all-gather"].count == mt_model["all-reduce"].count
+    sent = sp_model["all-gather"].link_bytes + sp_model["reduce-scatter"].link_bytes
+    assert sent == pytest.approx(mt_model["all-reduce"].link_bytes)
+
+
 # --- compiled steps ---------------------------------------------------------------------------
 
 

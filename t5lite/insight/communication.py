@@ -218,6 +218,11 @@ def _activation_collectives(
     )  # fmt: skip
     if split_acts:
         why = "activations split over model: all-gather before, reduce-scatter after a block"
+        if set(model_axes) & set(mesh_axes_of(act_spec[1])):
+            why = (
+                "sequence parallelism: each block's all-reduce as an all-gather before and a "
+                "reduce-scatter after it, Megatron's volume"
+            )
         ag = ExpectedCollective("all-gather", model_axes, count, fwd_bwd, size, why)
         rs = ExpectedCollective("reduce-scatter", model_axes, count, fwd_bwd // size, size, why)
         return [ag, rs], [
