@@ -428,8 +428,7 @@ def format_tensor_2d(x: Tensor2DFigures) -> list[str]:
 
     summa = "SUMMA / Optimus q x q" if x.received_summa is not None else "SUMMA (data = model only)"
     return [
-        f"    2D tensor parallelism, one MLP layer forward (T={x.tokens}, D={x.emb}, "
-        f"F={x.mlp}, elements per device):",
+        f"    2D TP, one MLP layer forward (T={x.tokens}, D={x.emb}, F={x.mlp}), per device:",
         f"      {'layout':<30}{'received':>12}{'weights':>12}{'residual':>12}",
         row(f"this (2D by rules) {x.d}x{x.m}", x.received_2d, x.weights_2d, x.activations_2d),
         row(summa, x.received_summa, x.weights_2d, x.activations_2d),
