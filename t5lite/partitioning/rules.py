@@ -150,9 +150,10 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
 
     Queries, the MLP, norms and logits work on 1/model of the positions; keys and values
     (`kv_length`, replicated) are all-gathered inside attention and their gradients
-    reduce-scattered back (`collectives.context_attention`). Weights are replicated over `model` (their gradients are summed over
-    data and context, as in Megatron's context parallelism); with the length rule first, no
-    activation dimension other than `length` can take `model`.
+    reduce-scattered back (`collectives.context_attention`). Weights are replicated over
+    `model` (their gradients are summed over data and context, as in Megatron's context
+    parallelism); with the length rule first, no activation dimension other than `length` can
+    take `model`.
     """
     front = [("length", MODEL)]
     rest = [(n, None if a == MODEL else a) for n, a in rules if n != "length"]
