@@ -1,24 +1,29 @@
-"""Block boundaries of sequence parallelism, written as explicit collectives.
+"""Sequence and context parallelism's collectives, written explicitly with `jax.shard_map`.
 
 Megatron's sequence parallelism (Korthikanti et al. 2022) keeps the residual stream split by
 position over the tensor-parallel axis and turns each block's all-reduce into an all-gather
 before the column-parallel matmuls (`g`) and a reduce-scatter after the row-parallel one (`ḡ`).
 Rules alone do not get there: the SPMD partitioner writes every reduce-scatter as an all-reduce
-followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs. So the two
-boundaries are written here with `jax.shard_map`, manual over the tensor-parallel axes only
-(every other mesh axis, e.g. `data` under FSDP, stays with the partitioner):
+followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs. So the
+boundaries are written here, each a `shard_map` manual over every mesh axis with in/out specs
+from the rules (Shardy left the batch unsplit inside a partially manual one, measured with JAX
+0.10.2). A kernel also split over another axis (FSDP's `data`) is gathered inside; the
+transpose reduce-scatters its gradient there.
 
 - `column_parallel`: gathers the block input's positions once and contracts it with each kernel
   locally. Its transpose reduce-scatters the summed input gradients of all kernels once.
 - `row_parallel`: contracts locally and reduce-scatters the partial sums by position. Its
   transpose all-gathers the output gradient.
+- `context_attention`: context parallelism's attention: keys and values computed on each
+  device's positions and gathered inside, so their gradients are reduce-scattered back.
 
-Model code calls both with logical axes only. The current rules table and mesh (those of
+Model code calls them with logical axes only. The current rules table and mesh (those of
 `Partitioner.context`) decide: when the rules split the activation's `length` over the same mesh
-axes as the block's features (`heads`, `mlp`) take inside the block, the explicit path runs;
-otherwise (every other layout, no mesh, no rules, a length that does not divide) each call is
-the plain `dot_general` the partitioner lays out, exactly as before. Only the `length` dimension
-is handled: 2D activations (`embed` split over `model`) keep the partitioner's collectives.
+axes as the block's features (`heads`, `mlp`, `vocab`) take inside the block, or (context
+parallelism) keep `kv_length` whole while splitting `length`, the explicit path runs; otherwise
+(every other layout, no mesh, no rules, a dimension that does not divide) each call is the
+plain `dot_general` the partitioner lays out, exactly as before. Only the `length` dimension is
+handled: 2D activations (`embed` split over `model`) keep the partitioner's collectives.
 """
 
 from __future__ import annotations
