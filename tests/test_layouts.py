@@ -22,7 +22,13 @@ from jax.sharding import PartitionSpec as P
 from t5lite.insight.hlo import parse_collectives
 from t5lite.model import layers, network, optimizers
 from t5lite.model.models import EncoderDecoderModel
-from t5lite.partitioning import Partitioner, create_mesh, preset_rules
+from t5lite.partitioning import (
+    Partitioner,
+    create_mesh,
+    preset_rules,
+    standard_logical_axis_rules,
+)
+from t5lite.partitioning.rules import _sequence_parallel
 from t5lite.trainer import Trainer, summarize
 
 B, L, D, MODEL = 8, 8, 16, 4  # batch, length, emb_dim, size of the `model` axis
@@ -39,7 +45,8 @@ def _batch():
 
 def _train(preset, steps=3, hlo=False):
     """Losses of `steps` steps under `preset`, and the compiled train step's HLO if asked."""
-    part = Partitioner(create_mesh(MODEL), logical_axis_rules=preset_rules(preset))
+    rules = preset_rules(preset) if isinstance(preset, str) else preset
+    part = Partitioner(create_mesh(MODEL), logical_axis_rules=rules)
     model = EncoderDecoderModel(CFG, optimizer=optimizers.AdamW(1e-2))
     tr = Trainer(model, part, batch_size=B, lengths={"inputs": L, "targets": L})
     batch, state = tr.global_batch(_batch()), tr.init_state()
@@ -100,6 +107,24 @@ def test_sequence_parallel(dp_losses):
     # Besides the gradients of weights replicated over `model` (norm scales, the token
     # embedding gathered for the lookup) and scalars, what remains is the vocab-parallel
     # cross-entropy's per-token max and sums over the vocabulary, [B/d, L].
+    assert _activations_reduced_over_model(hlo, part.mesh, tr) == {(B // 2, L): 3}
+
+
+def test_sequence_parallel_with_zero3_weights(dp_losses):
+    """Sequence parallelism over FSDP's table (weights' embed -> data): each block's shard_map
+    gathers its kernels over `data` itself, so their gradients leave reduce-scattered."""
+    rules = tuple(_sequence_parallel(list(standard_logical_axis_rules(1, 2))))
+    losses, hlo, part, _, tr = _train(rules, hlo=True)
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
+    # One per kernel, each to its shard [D/d, ...] x [.../m]: q, k, v of 3 attention layers
+    # [D/2, H/4, K], their `out` [H/4, K, D/2], and 7 [8, 8]: wi_0, wi_1, wo of 2 MLPs and the
+    # logits (D/2 x F/4, F/4 x D/2, D/2 x V/4).
+    assert _arrays("reduce-scatter", ("data",), hlo, part.mesh) == {
+        (D // 2, 1, 4): 9,
+        (1, 4, D // 2): 3,
+        (8, 8): 7,
+    }
+    assert _arrays("reduce-scatter", ("model",), hlo, part.mesh) == {(B // 2, L // MODEL, D): 12}
     assert _activations_reduced_over_model(hlo, part.mesh, tr) == {(B // 2, L): 3}
 
 
