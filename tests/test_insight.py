@@ -25,6 +25,7 @@ from t5lite.partitioning import (
     Partitioner,
     create_mesh,
     data_parallel_logical_axis_rules,
+    preset_rules,
     standard_logical_axis_rules,
 )
 from t5lite.trainer import Trainer
@@ -88,6 +89,54 @@ def test_analytic_communication_hand_computed():
     # 2 layers x 2 blocks x (forward + backward), + the vocab-parallel embedding lookup
     # (forward) and the logits' input gradient (backward), each one [B/2, L, D] fp32.
     assert a.model_axis_bytes == (2 * 2 * 2 + 1 + 1) * (B // 2) * L * D * 4
+
+
+def test_tensor_2d_layer_figures_against_summa_and_megatron():
+    require_devices(8)
+    model = tiny_lm()  # gated: wi_0, wi_1, wo, 3 matrices D x F
+    # data = model = 2: SUMMA's square grid.
+    part = Partitioner(
+        create_mesh(2, devices=jax.devices()[:4]), logical_axis_rules=preset_rules("tensor_2d")
+    )
+    tr = Trainer(model, part, batch_size=B, lengths={"targets": L})
+    fig = communication.tensor_2d_mlp_figures(tr)
+    # T = 16 x 8 = 128 tokens, D = 32, F = 64, q = 2. Rules-only 2D: 3 weights gathered over
+    # data to D·F/2 each (1/2 received), x gathered and the output reduce-scattered over model
+    # (T·D/2 each, 1/2 received): 1536 + 2048. SUMMA: (q-1)/q² · (2(T·D + D·F) + T·F + D·F).
+    # Megatron: one all-reduce of T·D/2, 2 · 1/2 received.
+    assert (fig.received_2d, fig.received_summa, fig.received_megatron) == (3584, 5632, 2048)
+    assert (fig.weights_2d, fig.weights_megatron) == (1536, 3072)
+    assert (fig.activations_2d, fig.activations_megatron) == (1024, 2048)
+    # inspect prints them under the model axis's compiled-vs-analytic row.
+    report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
+    a = communication.analytic_communication(tr, report)
+    lines = communication.format_comparison(communication.compare_communication([], a))
+    summa = next(x for x in lines if "SUMMA / Optimus q x q" in x)
+    assert summa.split()[-3:] == ["5,632", "1,536", "1,024"]
+    assert next(x for x in lines if "1D Megatron" in x).split()[-3:] == ["2,048", "3,072", "2,048"]
+    # Only 2D layouts get them.
+    megatron = trainer_for(model, 4, standard_logical_axis_rules())
+    assert communication.tensor_2d_mlp_figures(megatron) is None
+
+
+def test_sequence_parallel_analytic_is_megatron_volume_as_all_gather_and_reduce_scatter():
+    require_devices(8)
+    model = tiny_lm(num_layers=2)
+    sp = trainer_for(model, 4, preset_rules("sequence_parallel"))
+    mt = trainer_for(model, 4, preset_rules("megatron"))
+    figures = []
+    for tr in (sp, mt):
+        report = sharding_report(tr.partitioner, tr.abstract_state().params, tr.params_axes)
+        a = communication.analytic_communication(tr, report)
+        figures.append({e.kind: e for e in a.expected if e.axes == ("model",)})
+    sp_model, mt_model = figures
+    assert set(sp_model) == {"all-gather", "reduce-scatter"} and set(mt_model) == {"all-reduce"}
+    assert "sequence parallelism" in sp_model["reduce-scatter"].why
+    # Per block: an all-gather and a reduce-scatter where Megatron all-reduces, same bytes sent.
+    assert sp_model["all-gather"].count == sp_model["reduce-scatter"].count
+    assert sp_model["all-gather"].count == mt_model["all-reduce"].count
+    sent = sp_model["all-gather"].link_bytes + sp_model["reduce-scatter"].link_bytes
+    assert sent == pytest.approx(mt_model["all-reduce"].link_bytes)
 
 
 # --- compiled steps ---------------------------------------------------------------------------
@@ -241,6 +290,23 @@ def test_enumerate_layouts_dedupes_and_validates():
     assert len(layouts) == 1 + 4 + 3 * (len(PRESETS) - 2)
     with pytest.raises(ValueError, match="unknown preset 'zero'"):
         plan_lib.enumerate_layouts(8, presets=["zero"])
+
+
+def test_plan_compiles_one_rules_table_once():
+    """`tensor_2d` is `fully_sharded`'s table under another name: the same program."""
+    require_devices(8)
+    out, progress = io.StringIO(), io.StringIO()
+    ranked = plan_lib.plan(
+        model=tiny_lm(), task_feature_lengths={"targets": L}, batch_size=B, num_devices=8,
+        presets=["fully_sharded", "tensor_2d"], remat_policies=["none"], model_sizes=[2],
+        top_k=2, stream=out, progress=progress,
+    )  # fmt: skip
+    first, second = sorted(ranked, key=lambda c: c.status != "fits")
+    assert first.fits and first.compile_seconds > 0
+    assert second.status == f"same rules as {first.layout.preset}: not compiled again"
+    assert second.memory == first.memory and second.layout.preset != first.layout.preset
+    assert progress.getvalue().count("compiling...") == 1
+    assert f"{second.layout.name}: same rules as" in progress.getvalue()
 
 
 # --- full size, abstractly ------------------------------------------------------------------

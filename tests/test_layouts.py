@@ -2,9 +2,10 @@
 
 Each preset trains a tiny T5 on 8 fake CPU devices (data=2 x model=4) with the losses of pure
 data parallelism; the compiled train step shows the collectives the layout implies. XLA:CPU has
-no reduce-scatter creator, so a reduce-scatter appears as an all-reduce whose every use is a
-slice to this device's shard (tests/hlo_consumers.py); tests/test_layouts_tpu.py checks the TPU
-compiler's spelling.
+no reduce-scatter creator, so a reduce-scatter the partitioner writes appears as an all-reduce
+whose every use is a slice to this device's shard (tests/hlo_consumers.py; FSDP's gradients);
+sequence parallelism writes its own (t5lite/collectives.py). tests/test_layouts_tpu.py
+checks the TPU compiler's spelling.
 """
 
 import collections
@@ -21,7 +22,13 @@ from jax.sharding import PartitionSpec as P
 from t5lite.insight.hlo import parse_collectives
 from t5lite.model import layers, network, optimizers
 from t5lite.model.models import EncoderDecoderModel
-from t5lite.partitioning import Partitioner, create_mesh, preset_rules
+from t5lite.partitioning import (
+    Partitioner,
+    create_mesh,
+    preset_rules,
+    standard_logical_axis_rules,
+)
+from t5lite.partitioning.rules import _sequence_parallel
 from t5lite.trainer import Trainer, summarize
 
 B, L, D, MODEL = 8, 8, 16, 4  # batch, length, emb_dim, size of the `model` axis
@@ -38,7 +45,8 @@ def _batch():
 
 def _train(preset, steps=3, hlo=False):
     """Losses of `steps` steps under `preset`, and the compiled train step's HLO if asked."""
-    part = Partitioner(create_mesh(MODEL), logical_axis_rules=preset_rules(preset))
+    rules = preset_rules(preset) if isinstance(preset, str) else preset
+    part = Partitioner(create_mesh(MODEL), logical_axis_rules=rules)
     model = EncoderDecoderModel(CFG, optimizer=optimizers.AdamW(1e-2))
     tr = Trainer(model, part, batch_size=B, lengths={"inputs": L, "targets": L})
     batch, state = tr.global_batch(_batch()), tr.init_state()
@@ -48,7 +56,7 @@ def _train(preset, steps=3, hlo=False):
         with part.context():
             state, metrics = (step or tr.train_step)(state, batch)
         losses.append(summarize(metrics)["loss"])
-    return losses, (step.as_text() if hlo else None), part, batch
+    return losses, (step.as_text() if hlo else None), part, batch, tr
 
 
 @pytest.fixture(scope="module")
@@ -69,47 +77,78 @@ def _arrays(kind, axes, hlo, mesh):
     return out
 
 
+def _activations_reduced_over_model(hlo, mesh, trainer):
+    """Result shapes of the all-reduces whose groups span `model` (alone or with `data`), less
+    scalars and the gradients of weights (by shape, in any layout): activations."""
+    weights = {tuple(sorted(x.shape)) for x in jax.tree.leaves(trainer.state_abstract.params)}
+    defs, out = definitions(hlo), collections.Counter()
+    colls = [c for c in parse_collectives(hlo, mesh) if c.kind == "all-reduce"]
+    for name, c in zip(collective_names(hlo, "all-reduce"), colls, strict=True):
+        if "model" in (c.axes or ()):
+            out.update(s for s in shapes(defs[name][1]) if s and tuple(sorted(s)) not in weights)
+    return out
+
+
 def test_sequence_parallel(dp_losses):
-    losses, hlo, part, batch = _train("sequence_parallel", hlo=True)
+    losses, hlo, part, batch, tr = _train("sequence_parallel", hlo=True)
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
     # Batches follow the rules: positions split over `model` like the residual stream.
     assert batch["decoder_target_tokens"].sharding.spec == P("data", "model")
-    # The residual stream is gathered whole before each block's column-parallel matmuls: 5
-    # blocks (encoder attention and MLP; decoder self-, cross-attention and MLP) forward and
-    # backward, plus the encoder output that cross-attention reads (forward and backward).
+    # Megatron-SP's g / g-bar, written with shard_map (t5lite/collectives.py). Forward:
+    # each block's input [B/d, L/m, D] is all-gathered to [B/d, L, D] before its column-parallel
+    # matmuls (encoder attention and MLP; decoder self-, cross-attention and MLP), as are the
+    # encoder output that cross-attention's keys and values read and the input of the
+    # vocab-parallel logits (7); each block's output is reduce-scattered back to 1/m of the
+    # positions (5). Backward: the transposes, 7 reduce-scatters and 5 all-gathers.
+    shard = (B // 2, L // MODEL, D)
+    assert _arrays("reduce-scatter", ("model",), hlo, part.mesh) == {shard: 12}
     assert _arrays("all-gather", ("model",), hlo, part.mesh)[ACT] == 12
-    # Each block's partial sums over `model` are reduced and only their own 1/model of the
-    # positions is used: no use of such an all-reduce materialises a full-length activation
-    # (the reduce-scatter, spelled all-reduce + slice by XLA:CPU).
-    defs, reduced = definitions(hlo), 0
-    names = collective_names(hlo, "all-reduce")
-    colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
-    for name, c in zip(names, colls, strict=True):
-        if c.axes == ("model",) and ACT in shapes(defs[name][1]):
-            reduced += shapes(defs[name][1]).count(ACT)
-            uses = final_uses(hlo, name, defs)
-            # Every use is at most one device's shard [B/d, L/m, D] (in any shape; XLA may
-            # flatten batch and length), and some use is exactly that.
-            sizes = {math.prod(shape) for _, shape in uses}
-            assert uses and max(sizes) == math.prod(ACT) // MODEL, (name, uses)
-    assert reduced == 19  # measured (Megatron: 21 such all-reduces, each used whole)
+    # No all-reduce over `model` carries a layer's activation (Megatron: 21 of [B/d, L, D]).
+    # Besides the gradients of weights replicated over `model` (norm scales, the token
+    # embedding gathered for the lookup) and scalars, what remains is the vocab-parallel
+    # cross-entropy's per-token max and sums over the vocabulary, [B/d, L].
+    assert _activations_reduced_over_model(hlo, part.mesh, tr) == {(B // 2, L): 3}
+
+
+def test_sequence_parallel_with_zero3_weights(dp_losses):
+    """Sequence parallelism over FSDP's table (weights' embed -> data): each block's shard_map
+    gathers its kernels over `data` itself, so their gradients leave reduce-scattered."""
+    rules = tuple(_sequence_parallel(list(standard_logical_axis_rules(1, 2))))
+    losses, hlo, part, _, tr = _train(rules, hlo=True)
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
+    # One per kernel, each to its shard [D/d, ...] x [.../m]: q, k, v of 3 attention layers
+    # [D/2, H/4, K], their `out` [H/4, K, D/2], and 7 [8, 8]: wi_0, wi_1, wo of 2 MLPs and the
+    # logits (D/2 x F/4, F/4 x D/2, D/2 x V/4).
+    assert _arrays("reduce-scatter", ("data",), hlo, part.mesh) == {
+        (D // 2, 1, 4): 9,
+        (1, 4, D // 2): 3,
+        (8, 8): 7,
+    }
+    assert _arrays("reduce-scatter", ("model",), hlo, part.mesh) == {(B // 2, L // MODEL, D): 12}
+    assert _activations_reduced_over_model(hlo, part.mesh, tr) == {(B // 2, L): 3}
 
 
 def test_context_parallel(dp_losses):
-    losses, hlo, part, batch = _train("context_parallel", hlo=True)
+    losses, hlo, part, batch, tr = _train("context_parallel", hlo=True)
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
     assert batch["encoder_input_tokens"].sharding.spec == P("data", "model")
-    # Keys and values need every position: each attention layer (encoder self, decoder self,
-    # decoder cross) all-gathers the input its key and value projections share, once.
+    # Keys and values are projected on each device's own positions and gathered inside
+    # attention (t5lite/collectives.py): 3 attention layers (encoder self, decoder self,
+    # decoder cross) x (k, v) forward, [B/d, S, H, K]; their gradients reduce-scattered back.
+    kv, kv_shard = (B // 2, L, 4, 4), (B // 2, L // MODEL, 4, 4)
     gathered = _arrays("all-gather", ("model",), hlo, part.mesh)
-    assert gathered[ACT] == 3
+    assert gathered[kv] == 6
+    assert _arrays("reduce-scatter", ("model",), hlo, part.mesh) == {kv_shard: 6}
     # Nothing else of the activations is gathered over the context axis: queries, the MLP and
-    # the logits stay split by position.
-    assert not [s for s in gathered if len(s) >= 3 and s != ACT], gathered
+    # the logits stay split by position (what remains are [B/d, L] masks and tokens).
+    assert not [s for s in gathered if len(s) >= 3 and s != kv], gathered
+    # No activation is all-reduced over `model` (the key/value gradients were, whole, before):
+    # only the gradients of the weights, replicated over it, and scalars.
+    assert _activations_reduced_over_model(hlo, part.mesh, tr) == {}
 
 
 def test_tensor_2d(dp_losses):
-    losses, hlo, part, _ = _train("tensor_2d", hlo=True)
+    losses, hlo, part, _, _ = _train("tensor_2d", hlo=True)
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
     # Weights are split over both axes and gathered over `data` only (never over `model`).
     assert sum(_arrays("all-gather", ("data",), hlo, part.mesh).values()) > 0

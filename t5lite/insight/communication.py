@@ -114,6 +114,7 @@ class AnalyticCommunication:
     model_axis_bytes: int
     expected: tuple[ExpectedCollective, ...] = ()
     choices: tuple[CompilerChoice, ...] = ()
+    layer_formulas: tuple[str, ...] = ()  # 2D tensor parallelism: one MLP layer vs the papers
 
     def link_bytes_over(self, axes: Sequence[str]) -> float:
         return sum(e.link_bytes for e in self.expected if set(e.axes) == set(axes))
@@ -217,6 +218,11 @@ def _activation_collectives(
     )  # fmt: skip
     if split_acts:
         why = "activations split over model: all-gather before, reduce-scatter after a block"
+        if set(model_axes) & set(mesh_axes_of(act_spec[1])):
+            why = (
+                "sequence parallelism: each block's all-reduce as an all-gather before and a "
+                "reduce-scatter after it, Megatron's volume"
+            )
         ag = ExpectedCollective("all-gather", model_axes, count, fwd_bwd, size, why)
         rs = ExpectedCollective("reduce-scatter", model_axes, count, fwd_bwd // size, size, why)
         return [ag, rs], [
@@ -257,9 +263,11 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
         expected, choices = expected + more, choices + more_choices
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
+    figures = tensor_2d_mlp_figures(trainer)
     return AnalyticCommunication(
-        batch_axes, data_bytes, model_bytes, tuple(expected), tuple(choices)
-    )
+        batch_axes, data_bytes, model_bytes, tuple(expected), tuple(choices),
+        tuple(format_tensor_2d(figures)) if figures else (),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +284,7 @@ class AxisComparison:
     analytic: float
     explained: float
     differences: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # analytic context printed under the row (2D TP formulas)
 
     @property
     def ratio(self) -> float:
@@ -310,8 +319,19 @@ def compare_communication(
         names = [c.name for c in best[1]]
         if abs(compiled - best[0]) > 0.10 * max(best[0], 1):
             names += _kind_deltas(mine, exp)
-        out.append(AxisComparison(axes, compiled, expected, best[0], tuple(names)))
+        notes = (
+            analytic.layer_formulas
+            if analytic.layer_formulas and axes == _formula_axes(analytic)
+            else ()
+        )
+        out.append(AxisComparison(axes, compiled, expected, best[0], tuple(names), notes))
     return out
+
+
+def _formula_axes(analytic: AnalyticCommunication) -> tuple[str, ...] | None:
+    """The mesh axes whose row carries the per-layer formulas: the last ones compared."""
+    axes = [tuple(e.axes) for e in analytic.expected]
+    return axes[-1] if axes else None
 
 
 def _kind_deltas(rows: Sequence[CollectiveRow], expected: Sequence[ExpectedCollective]):
@@ -341,4 +361,77 @@ def format_comparison(comparisons: Sequence[AxisComparison]) -> list[str]:
             f"  {c.ratio:5.2f}  {verdict}"
         )
         lines += [f"      - {d}" for d in c.differences]
+        lines += list(c.notes)
     return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor2DFigures:
+    """One MLP layer's forward, per device, in elements: this 2D layout, SUMMA, 1D Megatron.
+
+    For `[T, D] x [D, F]` then `[T, F] x [F, D]` (a gated MLP has `n_in` input matrices) on a
+    `data = d` x `model = m` mesh. `received_*`: elements each device receives (ring
+    collectives: (n-1)/n of the gathered or reduced array). `weights_*` / `activations_*`:
+    weight and residual-stream elements each device holds.
+    """
+
+    d: int
+    m: int
+    tokens: int  # T: tokens of the global batch through the layer
+    emb: int  # D
+    mlp: int  # F
+    n_in: int
+    received_2d: float  # rules-only 2D (GSPMD): weights gathered over data, x over model
+    received_summa: float | None  # SUMMA on a q x q grid (None unless d == m)
+    received_megatron: float  # 1D: one all-reduce of [T/d, D] over model
+    weights_2d: int
+    weights_megatron: int
+    activations_2d: int
+    activations_megatron: int
+
+
+def tensor_2d_mlp_figures(trainer: Trainer) -> Tensor2DFigures | None:
+    """The figures when both the weights' `embed` and the activations' `embed` are split (the
+    `tensor_2d` / `fully_sharded` table) over mesh axes of size > 1; None otherwise."""
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    shape = dict(part.mesh.shape)
+    w_spec, _ = resolve_logical_axes(("embed", "mlp"), part.rules)
+    x_spec, _ = resolve_logical_axes(("batch", "length", "embed"), part.rules)
+    w_axes, x_axes = mesh_axes_of(w_spec[0]), mesh_axes_of(x_spec[2])
+    f_axes = mesh_axes_of(w_spec[1])
+    if not (w_axes and x_axes and f_axes == x_axes) or set(w_axes) & set(x_axes):
+        return None
+    d, m = _split(shape, w_axes), _split(shape, x_axes)
+    if d == 1 or m == 1:
+        return None
+    length = trainer.lengths.get("inputs") or trainer.lengths["targets"]
+    t, emb, f = trainer.batch_size * length, cfg.emb_dim, cfg.mlp_dim
+    n_in = len(cfg.mlp_activations)
+    weights = (n_in + 1) * emb * f
+    received_2d = (d - 1) / d * weights / m + 2 * (m - 1) / m * t * emb / d
+    summa = None
+    if d == m:
+        q = d
+        summa = (q - 1) / q**2 * (n_in * (t * emb + emb * f) + (t * f + emb * f))
+    return Tensor2DFigures(
+        d, m, t, emb, f, n_in, received_2d, summa, 2 * (m - 1) / m * t * emb / d,
+        weights // (d * m), weights // m, t * emb // (d * m), t * emb // d,
+    )  # fmt: skip
+
+
+def format_tensor_2d(x: Tensor2DFigures) -> list[str]:
+    """Lines for a report: one MLP layer forward, this layout against the papers' formulas."""
+
+    def row(name: str, received: float | None, weights: int, acts: int) -> str:
+        got = "-" if received is None else f"{received:,.0f}"
+        return f"      {name:<30}{got:>12}{weights:>12,}{acts:>12,}"
+
+    summa = "SUMMA / Optimus q x q" if x.received_summa is not None else "SUMMA (data = model only)"
+    return [
+        f"    2D TP, one MLP layer forward (T={x.tokens}, D={x.emb}, F={x.mlp}), per device:",
+        f"      {'layout':<30}{'received':>12}{'weights':>12}{'residual':>12}",
+        row(f"this (2D by rules) {x.d}x{x.m}", x.received_2d, x.weights_2d, x.activations_2d),
+        row(summa, x.received_summa, x.weights_2d, x.activations_2d),
+        row(f"1D Megatron, model={x.m}", x.received_megatron, x.weights_megatron,
+            x.activations_megatron),
+    ]  # fmt: skip

@@ -481,14 +481,25 @@ def _compile_winners(
     say: Callable[[str], None],
 ) -> list[Candidate]:
     """Compiles the candidates that could win; every other layout keeps its analytic figures
-    with the reason it was not compiled."""
+    with the reason it was not compiled. A preset whose rules table equals an already compiled
+    one's on the same mesh and remat (`tensor_2d` is `fully_sharded`'s table) is the same
+    program: it is not compiled again, and says so."""
     order, n_first = select_for_compile(screened, spec.memory_bytes, top_k)
     done: dict[Layout, Candidate] = {}
+    compiled: dict[tuple, Layout] = {}  # (mesh, remat, rules) -> the layout compiled for it
     say(f"plan: compiling the {n_first} analytically fastest of the {len(order)} layouts "
         "that could fit")  # fmt: skip
     for j, c in enumerate(order):
         if j >= n_first and any(d.fits for d in done.values()):
             break
+        key = (c.layout.data, c.layout.model, c.layout.remat, c.layout.rules())
+        if key in compiled:
+            twin = compiled[key]
+            status = f"same rules as {twin.preset}: not compiled again"
+            done[c.layout] = dataclasses.replace(done[twin], layout=c.layout, status=status)
+            say(f"[{j + 1}/{max(n_first, j + 1)}] {c.layout.name}: {status}")
+            continue
+        compiled[key] = c.layout
         say(f"[{j + 1}/{max(n_first, j + 1)}] {c.layout.name}: compiling...")
         d = compile_candidate(c, trainers[c.layout], spec)
         mem = f", {format_bytes(d.memory)} compiled" if d.memory is not None else ""

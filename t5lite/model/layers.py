@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import constraints
+from t5lite import collectives, constraints
 
 Array = jax.Array
 DType = Any
@@ -62,8 +62,9 @@ class DenseGeneral(nn.Module):
     kernel_init: Initializer = default_kernel_init
 
     @nn.compact
-    def __call__(self, inputs: Array) -> Array:
-        """Contracts `axis` of `inputs` with the kernel; output dims are appended last."""
+    def __call__(self, inputs: Array, *, kernel_only: bool = False) -> Array:
+        """Contracts `axis` of `inputs` with the kernel (output dims last); with `kernel_only`,
+        returns the kernel in `dtype` for the caller to contract (see `collectives`)."""
         features = _canonicalize_tuple(self.features)
         axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
         in_shape = tuple(inputs.shape[ax] for ax in axis)
@@ -83,6 +84,8 @@ class DenseGeneral(nn.Module):
             jnp.dtype(self.param_dtype),
         )
         kernel = jnp.asarray(constraints.weight(kernel), jnp.dtype(self.dtype))
+        if kernel_only:
+            return kernel
         inputs = jnp.asarray(inputs, jnp.dtype(self.dtype))
         if axis == tuple(range(inputs.ndim - n_in, inputs.ndim)):
             return constraints.dense(inputs, kernel, n_in)
@@ -439,30 +442,39 @@ class MultiHeadAttention(nn.Module):
                 return (kernel / np.sqrt(self.head_dim)).astype(dtype)
 
         dense = functools.partial(DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype)
-        q = dense(
+        kv_shape, kv_axes = (self.num_kv_heads, self.head_dim), ("embed", kv_axis, "kv")
+        q_kernel = dense(
             (self.num_heads, self.head_dim),
             ("embed", "heads", "kv"),
             kernel_init=query_init,
             name="query",
-        )(inputs_q_BLD)
-        k = dense(
-            (self.num_kv_heads, self.head_dim),
-            ("embed", kv_axis, "kv"),
-            kernel_init=self.kernel_init,
-            name="key",
-        )(inputs_kv_BSD)
-        v = dense(
-            (self.num_kv_heads, self.head_dim),
-            ("embed", kv_axis, "kv"),
-            kernel_init=self.kernel_init,
-            name="value",
-        )(inputs_kv_BSD)
+        )(inputs_q_BLD, kernel_only=True)
+        k_kernel = dense(kv_shape, kv_axes, kernel_init=self.kernel_init, name="key")(
+            inputs_kv_BSD, kernel_only=True
+        )
+        v_kernel = dense(kv_shape, kv_axes, kernel_init=self.kernel_init, name="value")(
+            inputs_kv_BSD, kernel_only=True)  # fmt: skip
+        q, k, v = self._project(inputs_q_BLD, inputs_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis)
         if self.use_rope:
             q = rotary_embedding(q, positions_q_BL, self.rope_theta, self.rope_scaling)
             k = rotary_embedding(k, positions_kv_BS, self.rope_theta, self.rope_scaling)
         if self.scale_logits:
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
         q = constraints.constrain(q, ("batch", "length", "heads", "kv"))
+        out_BLHK = None  # context parallelism: keys and values gathered inside attention
+        if not decode and (deterministic or self.dropout_rate == 0.0):
+            attend = functools.partial(dot_product_attention, dtype=jnp.dtype(self.dtype))
+            out_BLHK = collectives.context_attention(attend, q, k, v, bias_bHLS, mask_B1LS, kv_axis)
+        if out_BLHK is None:
+            out_BLHK = self._attend(q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode)
+        out_BLHK = constraints.constrain(out_BLHK, ("batch", "length", "heads", "kv"))
+        out_axes, axes_BLHK = ("heads", "kv", "embed"), ("batch", "length", "heads", "kv")
+        out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
+        out_BLHK = out_BLHK.astype(out_kernel.dtype)
+        return collectives.row_parallel(out_BLHK, axes_BLHK, out_kernel, out_axes, 2)
+
+    def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode):
+        """Attention with whole keys and values on each device (and the KV cache)."""
         # Key/value positions have a name of their own: context parallelism shards the queries'
         # `length` and keeps every key and value position on each device (all-gathered).
         k = constraints.constrain(k, ("batch", "kv_length", kv_axis, "kv"))
@@ -473,19 +485,20 @@ class MultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and self.dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
-        out_BLHK = dot_product_attention(
-            q,
-            k,
-            v,
-            bias_bHLS,
-            mask_B1LS,
-            dropout_rate=self.dropout_rate,
-            dropout_rng=dropout_rng,
-            deterministic=deterministic,
-            dtype=jnp.dtype(self.dtype),
-        )
-        out_BLHK = constraints.constrain(out_BLHK, ("batch", "length", "heads", "kv"))
-        return dense(emb, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out_BLHK)
+        return dot_product_attention(
+            q, k, v, bias_bHLS, mask_B1LS, dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng, deterministic=deterministic, dtype=jnp.dtype(self.dtype),
+        )  # fmt: skip
+
+    def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):
+        """q, k, v; an input read by several kernels is gathered once (`column_parallel`)."""
+        axes_BLD, kv_axes = ("batch", "length", "embed"), ("embed", kv_axis, "kv")
+        dtype = q_kernel.dtype
+        q, kv = [(q_kernel, ("embed", "heads", "kv"))], [(k_kernel, kv_axes), (v_kernel, kv_axes)]
+        if x_kv_BSD is x_q_BLD:  # self-attention
+            return tuple(collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q + kv))
+        (q_BLHK,) = collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q)
+        return (q_BLHK, *collectives.column_parallel(x_kv_BSD.astype(dtype), axes_BLD, kv))
 
     def _cached_kv(
         self, k_BLGK: Array, v_BLGK: Array, mask_B1LS: Array | None, kv_axis: str
@@ -565,15 +578,23 @@ class MlpBlock(nn.Module):
             param_dtype=self.param_dtype,
             kernel_init=self.kernel_init,
         )
-        h_BLF = None
+        kernels = []
         for idx, act in enumerate(self.activations):
             if act not in _ACTIVATIONS:
                 raise ValueError(f"unknown activation {act!r}; known: {sorted(_ACTIVATIONS)}")
             name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
-            y = _ACTIVATIONS[act](dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD))
-            h_BLF = y if h_BLF is None else h_BLF * y
+            wi = dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD, kernel_only=True)
+            kernels.append((wi, ("embed", "mlp")))
+        # Every wi reads the input: gathered once under sequence parallelism.
+        x_BLD = x_BLD.astype(kernels[0][0].dtype)
+        ys = collectives.column_parallel(x_BLD, ("batch", "length", "embed"), kernels)
+        h_BLF = functools.reduce(
+            jnp.multiply, [_ACTIVATIONS[a](y) for a, y in zip(self.activations, ys)]
+        )
         h_BLF = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
             h_BLF, deterministic=deterministic
         )
         h_BLF = constraints.constrain(h_BLF, ("batch", "length", "mlp"))
-        return dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF)
+        wo = dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF, kernel_only=True)
+        h_BLF, axes_BLF = h_BLF.astype(wo.dtype), ("batch", "length", "mlp")
+        return collectives.row_parallel(h_BLF, axes_BLF, wo, ("mlp", "embed"), 1)

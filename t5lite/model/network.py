@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import constraints
+from t5lite import collectives, constraints
 from t5lite.model import layers
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
@@ -336,14 +336,19 @@ def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) ->
             logits_BLV = logits_BLV / np.sqrt(cfg.emb_dim)
     else:
         kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-        logits_BLV = layers.DenseGeneral(
+        x_BLD = x_BLD.astype(jnp.float32)
+        kernel_DV = layers.DenseGeneral(
             cfg.vocab_size,
             ("embed", "vocab"),
             dtype=jnp.float32,
             param_dtype=cfg.policy.master,
             kernel_init=kernel_init,
             name="logits_dense",
-        )(x_BLD.astype(jnp.float32))
+        )(x_BLD, kernel_only=True)
+        # Vocab-parallel logits: under sequence parallelism the input is gathered by position
+        # here and its gradient reduce-scattered, like a block's.
+        axes_BLD, axes_DV = ("batch", "length", "embed"), ("embed", "vocab")
+        (logits_BLV,) = collectives.column_parallel(x_BLD, axes_BLD, [(kernel_DV, axes_DV)])
     logits_BLV = logits_BLV.astype(cfg.policy.output)
     return constraints.constrain(logits_BLV, ("batch", "length", "vocab"))
 

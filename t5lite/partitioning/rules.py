@@ -139,8 +139,8 @@ def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mes
     Between the blocks the residual stream [batch, length, embed] takes `model` on `length`
     (layer norms, dropout and the residual adds work on 1/model of the tokens); inside a block
     `heads` / `mlp` / `vocab` come first and take `model`, so `length` falls back to whole
-    there. The partitioner turns each block's all-reduce into a reduce-scatter (to the
-    length-sharded residual) and an all-gather (before the next block's column-parallel matmul).
+    there. Each block's all-reduce becomes an all-gather (before its column-parallel matmuls)
+    and a reduce-scatter (to the length-sharded residual), written by `collectives.py`.
     """
     return [(n, MODEL if n == "length" else a) for n, a in rules]
 
@@ -150,9 +150,10 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
 
     Queries, the MLP, norms and logits work on 1/model of the positions; keys and values
     (`kv_length`, replicated) are all-gathered inside attention and their gradients
-    reduce-scattered back. Weights are replicated over `model` (their gradients are summed over
-    data and context, as in Megatron's context parallelism); with the length rule first, no
-    activation dimension other than `length` can take `model`.
+    reduce-scattered back (`collectives.context_attention`). Weights are replicated over
+    `model` (their gradients are summed over data and context, as in Megatron's context
+    parallelism); with the length rule first, no activation dimension other than `length` can
+    take `model`.
     """
     front = [("length", MODEL)]
     rest = [(n, None if a == MODEL else a) for n, a in rules if n != "length"]
