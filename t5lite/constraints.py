@@ -93,17 +93,22 @@ def dense(inputs: Array, kernel: Array, n_in: int) -> Array:
     """The trailing `n_in` dims of `inputs` contracted with the leading `n_in` of `kernel`
     (a dense layer: output dims are the kernel's others, appended).
 
-    With no layout installed this is one 2-D matmul [tokens, in] x [in, out] (merging
-    contiguous dims is free): its weight gradient is then a plain [tokens, in]^T x [tokens, out]
-    dot, where contracting batch and length as two dims makes XLA:CPU copy every activation
-    gradient transposed first (17% of the T5.1.1-small train step before this,
-    benchmarks/train_throughput.py). On Explicit axes the dims stay as they are: a reshape
-    merging sharded dims cannot always be typed there."""
+    On one device (no mesh, or a mesh of one) this is one 2-D matmul [tokens, in] x [in, out]
+    (merging contiguous dims is free): its weight gradient is then a plain
+    [tokens, in]^T x [tokens, out] dot, where contracting batch and length as two dims makes
+    XLA:CPU copy every activation gradient transposed first (17% of the T5.1.1-small train
+    step, benchmarks/train_throughput.py). On a sharded mesh the dims stay as they are: merging
+    a sharded batch with length made the partitioner gather twice the 2D-tensor-parallel input
+    and replicate more under context parallelism (tests/test_layouts.py), and a reshape merging
+    sharded dims cannot always be typed on Explicit axes."""
     lead = inputs.ndim - n_in
     contract = ((tuple(range(lead, inputs.ndim)), tuple(range(n_in))), ((), ()))
     layout = _LAYOUT.get()
     if layout is not None:
         return layout.dot_general(inputs, kernel, contract)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        return jax.lax.dot_general(inputs, kernel, contract)
     k_in = math.prod(inputs.shape[lead:])
     out = kernel.shape[n_in:]
     y = jax.lax.dot_general(

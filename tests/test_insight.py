@@ -320,7 +320,8 @@ _XXL = textwrap.dedent(
     from t5lite.partitioning import Partitioner, create_mesh, standard_logical_axis_rules
     assert jax.device_count() == 256
     cfg = T5Config(emb_dim=4096, num_heads=64, mlp_dim=10240, num_encoder_layers=24,
-                   num_decoder_layers=24, dtype="bfloat16", remat_policy="full")
+                   num_decoder_layers=24, dtype="bfloat16", remat_policy="full",
+                   scan_layers=True)
     part = Partitioner(create_mesh(16), logical_axis_rules=standard_logical_axis_rules(1, 2))
     out = io.StringIO()
     sharding, step = rep.inspect(model=EncoderDecoderModel(network_config=cfg),
@@ -346,5 +347,7 @@ def test_t5_xxl_on_256_fake_devices_abstractly():
     params_per_dev, predicted, data_bytes, model_bytes = map(int, line.split()[1:])
     # 11.1e9 fp32 parameters over 256 devices, every weight split both ways (FSDP).
     assert params_per_dev == pytest.approx(11_135_332_352 * 4 / 256, rel=0.01)
-    assert predicted < 16 * 2**30  # with full remat it fits a 16 GiB chip
+    # Scanned with full remat it fits a 16 GiB chip (unscanned, XLA keeps more than the layer
+    # inputs: see t5lite/insight/memory.py).
+    assert predicted < 16 * 2**30
     assert data_bytes > 0 and model_bytes > 0
