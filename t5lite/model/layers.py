@@ -371,6 +371,11 @@ def dot_product_attention(
     return out.reshape(b, length, h, kd)
 
 
+# The collection of keys/values projected once per decode from inputs that do not change
+# (cross-attention to the encoder output); not part of the decoding loop's carry.
+CROSS_CACHE = "cross_cache"
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head / grouped-query attention with optional RoPE.
 
@@ -411,12 +416,17 @@ class MultiHeadAttention(nn.Module):
         positions_kv_BS: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
+        fixed_kv: bool = False,
     ) -> Array:
         """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D].
 
         With `decode=True` (causal self-attention only) the keys and values go through the KV
         cache of the 'cache' collection (see `_cached_kv`); `mask_B1LS` and `bias_bHLS` then
         span the cache length S, and a None mask means causal by the cache index.
+
+        With `decode=True, fixed_kv=True` (cross-attention to an encoding that does not change
+        while decoding) the keys and values are projected once and kept in the 'cross_cache'
+        collection (see `_fixed_kv`).
         """
         emb = inputs_q_BLD.shape[-1]
         kv_axis = "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
@@ -458,7 +468,11 @@ class MultiHeadAttention(nn.Module):
         # `length` and keeps every key and value position on each device (all-gathered).
         k = nn.with_logical_constraint(k, ("batch", "kv_length", kv_axis, "kv"))
         v = nn.with_logical_constraint(v, ("batch", "kv_length", kv_axis, "kv"))
-        if decode:
+        if decode and fixed_kv:
+            # Projected once per decode: the k/v computed above are then dead code (XLA drops
+            # them), so a step costs no [B, S, D] x [D, H, K] projections.
+            k, v = self._fixed_kv(k, v)
+        elif decode:
             k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
 
         dropout_rng = None
@@ -477,6 +491,22 @@ class MultiHeadAttention(nn.Module):
         )
         out_BLHK = nn.with_logical_constraint(out_BLHK, ("batch", "length", "heads", "kv"))
         return dense(emb, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out_BLHK)
+
+    def _fixed_kv(self, k_BSGK: Array, v_BSGK: Array) -> tuple[Array, Array]:
+        """Keys/values of fixed inputs from the 'cross_cache' collection.
+
+        A call where the collection is mutable stores this call's keys/values there
+        (`cached_key` / `cached_value` [B, S, G, K]); later calls (the collection passed in,
+        immutable) read them back. Without the collection they are used as computed, as
+        without `decode`.
+        """
+        if self.has_variable(CROSS_CACHE, "cached_key"):
+            key = self.get_variable(CROSS_CACHE, "cached_key")
+            return key, self.get_variable(CROSS_CACHE, "cached_value")
+        if self.is_mutable_collection(CROSS_CACHE):
+            self.put_variable(CROSS_CACHE, "cached_key", k_BSGK)
+            self.put_variable(CROSS_CACHE, "cached_value", v_BSGK)
+        return k_BSGK, v_BSGK
 
     def _cached_kv(
         self, k_BLGK: Array, v_BLGK: Array, mask_B1LS: Array | None, kv_axis: str

@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
                 dropout_rate=cfg.dropout_rate,
                 scale_logits=cfg.scale_attn_logits,
                 name="encoder_decoder_attention",
-            )(y, encoded_BSD, cross_mask_B1LS, deterministic=det)
+            )(y, encoded_BSD, cross_mask_B1LS, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
         y = _mlp(cfg)(y, deterministic=det)
@@ -181,7 +181,7 @@ def _layer_stack(
             layer_cls,
             # NOTE: the KV cache is stacked on axis 1 so that every cache array keeps the batch
             # first ([B, layers, ...]); decoding code can then expand / reorder it uniformly.
-            variable_axes={"params": 0, "cache": 1},
+            variable_axes={"params": 0, "cache": 1, layers.CROSS_CACHE: 1},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * len(args),
             length=num_layers,
