@@ -537,10 +537,14 @@ class MultiHeadAttention(nn.Module):
         index_B = cache_index.value
         positions_BL = index_B[:, None] + jnp.arange(length)[None]
         if length == 1:
-            # A select, not a one-hot matmul: exact in any dtype and at any matmul precision.
-            write_BS11 = (jnp.arange(s)[None] == index_B[:, None])[:, :, None, None]
-            new_k = jnp.where(write_BS11, k_BLGK.astype(cached_k.value.dtype), cached_k.value)
-            new_v = jnp.where(write_BS11, v_BLGK.astype(cached_v.value.dtype), cached_v.value)
+            # A per-row scatter of one position, in place in the decoding loop's carry: a
+            # select over the whole cache (or a one-hot matmul) would rewrite all S positions
+            # at every step. An index past the end (a finished row) writes nothing.
+            def write(cache_SGK: Array, x_GK: Array, i: Array) -> Array:
+                return cache_SGK.at[i].set(x_GK.astype(cache_SGK.dtype), mode="drop")
+
+            new_k = jax.vmap(write)(cached_k.value, k_BLGK[:, 0], index_B)
+            new_v = jax.vmap(write)(cached_v.value, v_BLGK[:, 0], index_B)
         else:
             zero = jnp.zeros((), jnp.int32)
             new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (zero,) * 4)
