@@ -575,10 +575,16 @@ def test_cache_sharded_by_its_logical_axes(scan):
     layer = cache["decoder"]["layers" if scan else "layers_0"]["self_attention"]
     kv = layer["cached_key"]
     lead = (None,) if scan else ()
-    # [batch, (layers,) length, kv_heads=4, kv]: batch over data, kv heads over model.
-    assert kv.shape == ((B, 2, L, 4, 4) if scan else (B, L, 4, 4))
+    # [batch, (layers,) kv_heads=4, length, kv]: batch over data, kv heads over model.
+    assert kv.shape == ((B, 2, 4, L, 4) if scan else (B, 4, L, 4))
     assert kv.sharding.is_equivalent_to(
-        NamedSharding(part.mesh, P("data", *lead, None, "model", None)), kv.ndim
+        NamedSharding(part.mesh, P("data", *lead, "model", None, None)), kv.ndim
+    )
+    # Values keep the contraction (length) last: [batch, (layers,) kv_heads, kv, length].
+    kv = layer["cached_value"]
+    assert kv.shape == ((B, 2, 4, 4, L) if scan else (B, 4, 4, L))
+    assert kv.sharding.is_equivalent_to(
+        NamedSharding(part.mesh, P("data", *lead, "model", None, None)), kv.ndim
     )
     got = jax.tree.map(lambda x: x.sharding, cache)
     same = jax.tree.map(lambda g, w, x: g.is_equivalent_to(w, x.ndim), got, want_sh, cache)

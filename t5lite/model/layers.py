@@ -495,17 +495,23 @@ class MultiHeadAttention(nn.Module):
     def _fixed_kv(self, k_BSGK: Array, v_BSGK: Array) -> tuple[Array, Array]:
         """Keys/values of fixed inputs from the 'cross_cache' collection.
 
-        A call where the collection is mutable stores this call's keys/values there
-        (`cached_key` / `cached_value` [B, S, G, K]); later calls (the collection passed in,
-        immutable) read them back. Without the collection they are used as computed, as
-        without `decode`.
+        A call where the collection is mutable stores this call's keys/values there; later
+        calls (the collection passed in, immutable) read them back. Without the collection
+        they are used as computed, as without `decode`.
+
+        NOTE: they are stored in the layouts the attention matmuls read, keys [B, G, S, K]
+        and values [B, G, K, S] (heads as a batch dimension, the contraction last): XLA does
+        not hoist loop-invariant transposes out of the decoding loop, so keys/values stored
+        as computed ([B, S, G, K]) were transposed again at every step. The transposes back
+        below cancel those the attention asks for; the numbers are the same.
         """
         if self.has_variable(CROSS_CACHE, "cached_key"):
-            key = self.get_variable(CROSS_CACHE, "cached_key")
-            return key, self.get_variable(CROSS_CACHE, "cached_value")
+            k_BGSK = self.get_variable(CROSS_CACHE, "cached_key")
+            v_BGKS = self.get_variable(CROSS_CACHE, "cached_value")
+            return k_BGSK.transpose(0, 2, 1, 3), v_BGKS.transpose(0, 3, 1, 2)
         if self.is_mutable_collection(CROSS_CACHE):
-            self.put_variable(CROSS_CACHE, "cached_key", k_BSGK)
-            self.put_variable(CROSS_CACHE, "cached_value", v_BSGK)
+            self.put_variable(CROSS_CACHE, "cached_key", k_BSGK.transpose(0, 2, 1, 3))
+            self.put_variable(CROSS_CACHE, "cached_value", v_BSGK.transpose(0, 2, 3, 1))
         return k_BSGK, v_BSGK
 
     def _cached_kv(
@@ -513,48 +519,65 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Array, Array, Array | None]:
         """Writes this call's keys/values into the KV cache; returns (keys, values, mask).
 
-        The 'cache' collection holds `cached_key` / `cached_value` [B, S, G, K] and
-        `cache_index` [B] (the next position to write, per row), all with logical axes, so the
-        cache is sharded like the activations (batch over data, heads over model). The first
-        call (the cache does not exist yet) creates it with S = this call's length and attends
-        over the inputs as usual. Afterwards a call with one token writes it at each row's
-        index and attends over the whole cache (causal by index unless a mask is given); a call
-        with L > 1 tokens is a prefill from position 0 (the cache must be fresh).
+        The 'cache' collection holds `cached_key` [B, G, S, K], `cached_value` [B, G, K, S]
+        and `cache_index` [B] (the next position to write, per row), all with logical axes,
+        so the cache is sharded like the activations (batch over data, heads over model). The
+        first call (the cache does not exist yet) creates it with S = this call's length and
+        attends over the inputs as usual. Afterwards a call with one token writes it at each
+        row's index and attends over the whole cache (causal by index unless a mask is given);
+        a call with L > 1 tokens is a prefill from position 0 (the cache must be fresh).
+
+        NOTE: keys and values are kept in the layouts the attention matmuls read (heads as a
+        batch dimension, the contraction last), so a decode step reads the cache as it is;
+        kept as computed ([B, S, G, K]), every step transposed each layer's whole cache.
+        Keys/values are returned as [B, S, G, K]: those transposes cancel the ones the
+        attention asks for, and the numbers are the same.
         """
-        axes = ("batch", "length", kv_axis, "kv")
-        b, length = k_BLGK.shape[:2]
+        k_axes = ("batch", kv_axis, "length", "kv")
+        v_axes = ("batch", kv_axis, "kv", "length")
+        b, length, g, kd = k_BLGK.shape
         initialized = self.has_variable("cache", "cached_key")
-        zeros = nn.with_logical_partitioning(jnp.zeros, axes)
-        cached_k = self.variable("cache", "cached_key", zeros, k_BLGK.shape, k_BLGK.dtype)
-        cached_v = self.variable("cache", "cached_value", zeros, v_BLGK.shape, v_BLGK.dtype)
+        cached_k = self.variable(
+            "cache", "cached_key", nn.with_logical_partitioning(jnp.zeros, k_axes),
+            (b, g, length, kd), k_BLGK.dtype,
+        )  # fmt: skip
+        cached_v = self.variable(
+            "cache", "cached_value", nn.with_logical_partitioning(jnp.zeros, v_axes),
+            (b, g, kd, length), v_BLGK.dtype,
+        )  # fmt: skip
         cache_index = self.variable(
             "cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ("batch",)),
             (b,), jnp.int32,
         )  # fmt: skip
         if not initialized:
             return k_BLGK, v_BLGK, mask_B1LS
-        s = cached_k.value.shape[1]
+        s = cached_k.value.shape[2]
         index_B = cache_index.value
         positions_BL = index_B[:, None] + jnp.arange(length)[None]
+        k_BGLK = k_BLGK.transpose(0, 2, 1, 3).astype(cached_k.value.dtype)
+        v_BGKL = v_BLGK.transpose(0, 2, 3, 1).astype(cached_v.value.dtype)
         if length == 1:
             # A per-row scatter of one position, in place in the decoding loop's carry: a
             # select over the whole cache (or a one-hot matmul) would rewrite all S positions
             # at every step. An index past the end (a finished row) writes nothing.
-            def write(cache_SGK: Array, x_GK: Array, i: Array) -> Array:
-                return cache_SGK.at[i].set(x_GK.astype(cache_SGK.dtype), mode="drop")
+            def write_k(cache_GSK: Array, x_GK: Array, i: Array) -> Array:
+                return cache_GSK.at[:, i].set(x_GK, mode="drop")
 
-            new_k = jax.vmap(write)(cached_k.value, k_BLGK[:, 0], index_B)
-            new_v = jax.vmap(write)(cached_v.value, v_BLGK[:, 0], index_B)
+            def write_v(cache_GKS: Array, x_GK: Array, i: Array) -> Array:
+                return cache_GKS.at[:, :, i].set(x_GK, mode="drop")
+
+            new_k = jax.vmap(write_k)(cached_k.value, k_BGLK[:, :, 0], index_B)
+            new_v = jax.vmap(write_v)(cached_v.value, v_BGKL[..., 0], index_B)
         else:
             zero = jnp.zeros((), jnp.int32)
-            new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (zero,) * 4)
-            new_v = jax.lax.dynamic_update_slice(cached_v.value, v_BLGK, (zero,) * 4)
-        cached_k.value = nn.with_logical_constraint(new_k, axes)
-        cached_v.value = nn.with_logical_constraint(new_v, axes)
+            new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BGLK, (zero,) * 4)
+            new_v = jax.lax.dynamic_update_slice(cached_v.value, v_BGKL, (zero,) * 4)
+        cached_k.value = nn.with_logical_constraint(new_k, k_axes)
+        cached_v.value = nn.with_logical_constraint(new_v, v_axes)
         cache_index.value = nn.with_logical_constraint(index_B + length, ("batch",))
         if mask_B1LS is None:
             mask_B1LS = (jnp.arange(s)[None, None] <= positions_BL[:, :, None])[:, None]
-        return cached_k.value, cached_v.value, mask_B1LS
+        return cached_k.value.transpose(0, 2, 1, 3), cached_v.value.transpose(0, 3, 1, 2), mask_B1LS
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {

@@ -401,6 +401,10 @@ class EncoderDecoderModel(BaseModel):
         # loop (t5x projects them again at every step): of this step only the projections are
         # used, XLA drops the rest of it.
         cross = call(cache, enc_BS, jnp.zeros((b, 1), jnp.int32))[1][layers.CROSS_CACHE]
+        # NOTE: they are stored transposed to the layouts the step's matmuls read; the barrier
+        # keeps XLA from cancelling that transpose against the one back in the step, which
+        # would move the transposes into the loop (one copy per step and layer).
+        cross = jax.lax.optimization_barrier(cross)
         # Samples / beams of one example share its encoding: repeat it once, up front.
         n = self._decodes_per_example()
         enc_n, cross = decoding.expand_batch((enc_BS, cross), n)
