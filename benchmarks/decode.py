@@ -13,7 +13,11 @@ inputs and lengths, greedy and beam 4, EOS disabled on both sides, `--threads` c
 as many torch threads; rounds alternate which side goes first. The greedy tokens must be
 identical (else the run fails); goal >= 1.5x transformers' tokens/s for both.
 
-  python benchmarks/decode.py [--smoke] [--reps N] [--threads 2] [--no_hf] [--out PATH]
+`--no_recompute` skips the first part (its recomputing baseline is the slow one) to iterate on
+the transformers comparison; the default runs both.
+
+  python benchmarks/decode.py [--smoke] [--reps N] [--threads 2] [--no_hf] [--no_recompute]
+                              [--out PATH]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import write_record
 
-from t5lite.model import decoding, models, network
+from t5lite.model import models, network
 
 SMALL = network.T5Config()  # T5.1.1 small
 SMOKE = network.T5Config(
@@ -52,35 +56,22 @@ NO_EOS = -1  # no token equals it: every row decodes the full length
 
 
 def _decoders(model: models.EncoderDecoderModel, length: int):
-    """(cached, recomputing) jitted greedy decoders: (params, inputs [B, S]) -> ids [B, length]."""
-    module = model.module()
+    """(cached, recomputing) jitted greedy decoders: (params, inputs [B, S]) -> ids [B, length].
 
-    def encode(params, enc):
-        return module.apply({"params": params}, enc, enable_dropout=False, method=module.encode)
+    The cached one is `predict_batch` itself (KV cache, cross-attention keys/values projected
+    once); the other runs the whole teacher-forced decoder again at every position.
+    """
+    module = model.module()
+    greedy = dataclasses.replace(model, eos_id=NO_EOS, decoding_method="greedy")
 
     def cached(params, enc):
-        encoded = encode(params, enc)
-        b = enc.shape[0]
-
-        def call(cache, tokens):
-            variables = {"params": params, **({"cache": cache} if cache is not None else {})}
-            return module.apply(
-                variables, encoded, enc, tokens, enable_dropout=False, decode=True,
-                max_decode_length=length, method=module.decode, mutable=["cache"],
-            )  # fmt: skip
-
-        cache = models._zero_cache(lambda: call(None, jnp.zeros((b, length), jnp.int32)))
-
-        def tokens_to_logits(state):
-            logits, variables = call(state.cache, state.cur_token)
-            return logits[:, -1], variables["cache"]
-
-        prompt = jnp.zeros((b, length), jnp.int32)
-        seqs, _ = decoding.greedy(prompt, cache, tokens_to_logits, eos_id=NO_EOS)
-        return seqs[:, 0]
+        dec = jnp.zeros((enc.shape[0], length), jnp.int32)
+        return greedy.predict_batch(
+            params, {"encoder_input_tokens": enc, "decoder_input_tokens": dec}
+        )
 
     def recompute(params, enc):
-        encoded = encode(params, enc)
+        encoded = module.apply({"params": params}, enc, enable_dropout=False, method=module.encode)
         b = enc.shape[0]
 
         def step(i, out):
@@ -177,25 +168,11 @@ def _vs_transformers(cfg, enc: np.ndarray, new: int, reps: int, threads: int) ->
     return {"times": times, "same_tokens": same, "tokens": b * new}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 16 tokens, 1 repetition")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per figure (median)")
-    ap.add_argument("--out", default="benchmarks/results/decode.json")
-    ap.add_argument("--threads", type=int, default=2, help="cores for XLA and torch threads")
-    ap.add_argument("--no_hf", action="store_true", help="skip the transformers comparison")
-    args = ap.parse_args(argv)
-    # Before JAX starts its CPU backend: XLA's thread pool then spans exactly these cores, and
-    # torch gets as many threads.
-    cores = sorted(os.sched_getaffinity(0))
-    if 0 < args.threads < len(cores):
-        os.sched_setaffinity(0, cores[: args.threads])
-    cfg = SMOKE if args.smoke else SMALL
-    batch, input_len, new = (8, 16, 16) if args.smoke else (8, 64, 128)
-    reps = 1 if args.smoke else max(3, args.reps)
-
+def _vs_recompute(cfg, enc: jax.Array, new: int, reps: int) -> tuple[list[dict], dict]:
+    """KV-cached `predict_batch` vs recomputing the decoder at every position (same tokens):
+    (figures, settings), and prints its table."""
     model = models.EncoderDecoderModel(network_config=cfg)
-    enc = jax.random.randint(jax.random.PRNGKey(1), (batch, input_len), 2, cfg.vocab_size)
+    batch = enc.shape[0]
     dummy = {
         "encoder_input_tokens": enc,
         "decoder_input_tokens": jnp.zeros((batch, new), jnp.int32),
@@ -217,6 +194,38 @@ def main(argv: list[str] | None = None) -> dict:
         {"name": "greedy_tokens_per_s_recompute", "value": round(tps_full, 1), "unit": "tokens/s",
          "reference": None, "ratio": None, "goal": None, "met": None},
     ]  # fmt: skip
+    print(f"{'decoder':<12} {'seconds':>9} {'tokens/s':>10}")
+    print(f"{'kv cache':<12} {t_cached:>9.3f} {tps_cached:>10.1f}")
+    print(f"{'recompute':<12} {t_full:>9.3f} {tps_full:>10.1f}")
+    print(f"speed-up {ratio:.1f}x (goal >= {GOAL}x): met={figures[0]['met']}; same tokens: {same}")
+    settings = {"same_tokens": same, "seconds_kv_cache": round(t_cached, 4),
+                "seconds_recompute": round(t_full, 4)}  # fmt: skip
+    return figures, settings
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 16 tokens, 1 repetition")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per figure (median)")
+    ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--threads", type=int, default=2, help="cores for XLA and torch threads")
+    ap.add_argument("--no_hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--no_recompute", action="store_true",
+                    help="skip KV cache vs recomputation (its slow baseline), e.g. to iterate on "
+                    "the transformers comparison")  # fmt: skip
+    args = ap.parse_args(argv)
+    # Before JAX starts its CPU backend: XLA's thread pool then spans exactly these cores, and
+    # torch gets as many threads.
+    cores = sorted(os.sched_getaffinity(0))
+    if 0 < args.threads < len(cores):
+        os.sched_setaffinity(0, cores[: args.threads])
+    cfg = SMOKE if args.smoke else SMALL
+    batch, input_len, new = (8, 16, 16) if args.smoke else (8, 64, 128)
+    reps = 1 if args.smoke else max(3, args.reps)
+    enc = jax.random.randint(jax.random.PRNGKey(1), (batch, input_len), 2, cfg.vocab_size)
+    figures, settings = [], {}
+    if not args.no_recompute:
+        figures, settings = _vs_recompute(cfg, enc, new, reps)
     hf = None
     if not args.no_hf:
         try:
@@ -226,7 +235,6 @@ def main(argv: list[str] | None = None) -> dict:
             print("transformers/torch not installed (pip install -e .[hf]): no HF comparison")
         else:
             hf = _vs_transformers(cfg, np.asarray(enc), new, reps, args.threads)
-            figures += _hf_figures(hf)
     device = jax.devices()[0]
     record = {
         "benchmark": "decode",
@@ -236,28 +244,22 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"python": platform.python_version(), "jax": jax.__version__,
                      "flax": flax.__version__},
         "settings": {"reps": reps, "smoke": args.smoke, "batch": batch, "inputs_length": input_len,
-                     "new_tokens": new, "config": dataclasses.asdict(cfg),
-                     "same_tokens": same, "seconds_kv_cache": round(t_cached, 4),
-                     "seconds_recompute": round(t_full, 4)},
+                     "new_tokens": new, "config": dataclasses.asdict(cfg), **settings},
         "figures": figures,
     }  # fmt: skip
     if hf is not None:
         import torch
         import transformers
 
+        hf_figures = _hf_figures(hf)
+        figures += hf_figures
         record["versions"].update(torch=torch.__version__, transformers=transformers.__version__)
         record["settings"].update(threads=args.threads, torch_threads=torch.get_num_threads(),
                                   same_tokens_as_hf=hf["same_tokens"],
                                   seconds_vs_hf={k: [round(x, 4) for x in v]
                                                  for k, v in hf["times"].items()})  # fmt: skip
-
-    print(f"{'decoder':<12} {'seconds':>9} {'tokens/s':>10}")
-    print(f"{'kv cache':<12} {t_cached:>9.3f} {tps_cached:>10.1f}")
-    print(f"{'recompute':<12} {t_full:>9.3f} {tps_full:>10.1f}")
-    print(f"speed-up {ratio:.1f}x (goal >= {GOAL}x): met={figures[0]['met']}; same tokens: {same}")
-    if hf is not None:
         print(f"\nvs transformers generate() ({args.threads} threads, same weights), tokens/s:")
-        for f in figures[2:]:
+        for f in hf_figures:
             print(f"  {f['name']:<32} {f['value']:>9.1f} vs {f['reference']:>9.1f} "
                   f"= {f['ratio']:.2f}x (goal {f['goal']}: met={f['met']})")  # fmt: skip
         print(f"  same tokens: {hf['same_tokens']}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -575,11 +576,53 @@ def test_cache_sharded_by_its_logical_axes(scan):
     layer = cache["decoder"]["layers" if scan else "layers_0"]["self_attention"]
     kv = layer["cached_key"]
     lead = (None,) if scan else ()
-    # [batch, (layers,) length, kv_heads=4, kv]: batch over data, kv heads over model.
-    assert kv.shape == ((B, 2, L, 4, 4) if scan else (B, L, 4, 4))
+    # [batch, (layers,) kv_heads=4, length, kv]: batch over data, kv heads over model.
+    assert kv.shape == ((B, 2, 4, L, 4) if scan else (B, 4, L, 4))
     assert kv.sharding.is_equivalent_to(
-        NamedSharding(part.mesh, P("data", *lead, None, "model", None)), kv.ndim
+        NamedSharding(part.mesh, P("data", *lead, "model", None, None)), kv.ndim
+    )
+    # Values keep the contraction (length) last: [batch, (layers,) kv_heads, kv, length].
+    kv = layer["cached_value"]
+    assert kv.shape == ((B, 2, 4, 4, L) if scan else (B, 4, 4, L))
+    assert kv.sharding.is_equivalent_to(
+        NamedSharding(part.mesh, P("data", *lead, "model", None, None)), kv.ndim
     )
     got = jax.tree.map(lambda x: x.sharding, cache)
     same = jax.tree.map(lambda g, w, x: g.is_equivalent_to(w, x.ndim), got, want_sh, cache)
     assert all(jax.tree.leaves(same)), (got, want_sh)
+
+
+# --- what a decode step costs: the compiled while body -------------------------------------
+
+
+def _while_body_ops(hlo: str) -> list[tuple[str, str, set[str]]]:
+    """(output shape, opcode, opcodes inside a fusion) of each instruction of the first
+    while loop's body in compiled HLO text."""
+    comps = {m[1]: m[2] for m in re.finditer(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+    body = re.search(r"body=(%[\w.\-]+)", hlo[hlo.index(" while(") :])[1]
+    ops = []
+    for line in comps[body].splitlines():
+        m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+\[[\d,]*\])\S* ([\w\-]+)\(", line)
+        if m:
+            called = re.search(r"calls=(%[\w.\-]+)", line)
+            fused = comps.get(called[1], "") if called else ""
+            ops.append((m[1], m[2], set(re.findall(r"= \S+ ([\w\-]+)\(", fused))))
+    return ops
+
+
+def test_decode_step_reads_caches_in_place_and_never_projects_the_encoder():
+    """The greedy loop body writes each self-attention cache by a scatter in place, copies or
+    transposes no cache (self or cross-attention), and holds no encoder-output projection."""
+    model = _model("t5", decoding_method="greedy")
+    hlo = jax.jit(model.predict_batch).lower(_params("t5")[0], _batch("t5")).compile().as_text()
+    h, k, d = T5_TINY.num_heads, T5_TINY.head_dim, T5_TINY.emb_dim
+    # Keys [B, H, length, K], values [B, H, K, length]: self (L) and cross-attention (S).
+    caches = {f"f32[{B},{h},{n},{k}]" for n in (L, S)} | {f"f32[{B},{h},{k},{n}]" for n in (L, S)}
+    ops = _while_body_ops(hlo)
+    on_caches = [(op, inner) for shape, op, inner in ops if shape in caches]
+    assert {op for op, _ in on_caches} == {"get-tuple-element", "fusion"}, on_caches
+    fusions = [inner for op, inner in on_caches if op == "fusion"]
+    # One scatter per self-attention cache array (keys and values of each layer), no more.
+    assert len(fusions) == 2 * T5_TINY.num_decoder_layers
+    assert all("scatter" in inner and not inner & {"copy", "transpose"} for inner in fusions)
+    assert not [op for shape, op, _ in ops if shape == f"f32[{B},{S},{d}]"]  # encoder output

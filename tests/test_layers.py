@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite.model import layers
+from t5lite.model import layers, positions
 
 
 def test_rms_norm_is_fp32_with_eps():
@@ -23,12 +23,12 @@ def test_rms_norm_is_fp32_with_eps():
 
 def test_relative_position_buckets_match_t5():
     rel = np.arange(-200, 201)
-    bi = layers.relative_position_bucket(rel, True, 32, 128)
+    bi = positions.relative_position_bucket(rel, True, 32, 128)
     # Bidirectional: 16 buckets per direction, 8 exact offsets, then log-spaced up to 128.
     assert bi[rel == 0] == 0 and bi[rel == 1] == 17 and bi[rel == -1] == 1
     assert bi[rel == 7] == 23 and bi[rel == -7] == 7
     assert bi[rel == 8] == 24 and bi[rel == 200] == 31 and bi[rel == -200] == 15
-    causal = layers.relative_position_bucket(rel, False, 32, 128)
+    causal = positions.relative_position_bucket(rel, False, 32, 128)
     # Causal: future offsets all map to bucket 0; 16 exact past offsets.
     assert set(causal[rel >= 0]) == {0}
     assert causal[rel == -15] == 15 and causal[rel == -16] == 16 and causal[rel == -200] == 31
@@ -41,8 +41,8 @@ def test_rope_depends_only_on_offsets():
     k = jax.random.normal(k2, (1, 1, 1, 8))
 
     def score(pq, pk):
-        rq = layers.rotary_embedding(q, jnp.array([[pq]]))
-        rk = layers.rotary_embedding(k, jnp.array([[pk]]))
+        rq = positions.rotary_embedding(q, jnp.array([[pq]]))
+        rk = positions.rotary_embedding(k, jnp.array([[pk]]))
         return float(jnp.sum(rq * rk))
 
     np.testing.assert_allclose(score(5, 2), score(13, 10), rtol=1e-5)

@@ -12,9 +12,8 @@ R=H // G (query heads per kv head), K=kv (head width), F=mlp, V=vocab, N=relpos_
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import numpy as np
 from flax import linen as nn
 
 from t5lite import collectives, constraints
+from t5lite.model.positions import NO_ROPE_SCALING, RopeScaling, rotary_embedding
 
 Array = jax.Array
 DType = Any
@@ -160,167 +160,6 @@ class RMSNorm(nn.Module):
         return (y * jnp.asarray(scale, jnp.float32)).astype(jnp.dtype(self.dtype))
 
 
-def relative_position_bucket(
-    relative_position: np.ndarray, bidirectional: bool, num_buckets: int, max_distance: int
-) -> np.ndarray:
-    """T5 relative-position bucketing (static numpy; matches mesh-tf / HF `T5Attention`).
-
-    Args:
-      relative_position: int array, memory_position - query_position.
-      bidirectional: whether positive and negative offsets get separate buckets.
-      num_buckets: total number of buckets N.
-      max_distance: offsets at or beyond this share the last bucket.
-
-    Returns:
-      int32 array of bucket ids in [0, N), same shape as `relative_position`.
-    """
-    ret = np.zeros_like(relative_position, dtype=np.int32)
-    n = relative_position.astype(np.int64)
-    if bidirectional:
-        num_buckets //= 2
-        ret += (n > 0).astype(np.int32) * num_buckets
-        n = np.abs(n)
-    else:
-        n = -np.minimum(n, 0)
-    max_exact = num_buckets // 2
-    is_small = n < max_exact
-    # NOTE: computed in float32 exactly like the PyTorch reference so bucket edges agree.
-    with np.errstate(divide="ignore"):
-        scaled = (
-            np.log(n.astype(np.float32) / np.float32(max_exact))
-            / np.float32(np.log(max_distance / max_exact))
-            * np.float32(num_buckets - max_exact)
-        ).astype(np.float32)
-    large = max_exact + np.where(is_small, 0, scaled).astype(np.int32)
-    large = np.minimum(large, num_buckets - 1)
-    return ret + np.where(is_small, n, large).astype(np.int32)
-
-
-class RelativePositionBiases(nn.Module):
-    """T5 relative position bias, shared by all layers of a stack.
-
-    Attributes:
-      num_buckets: N (32 for T5).
-      max_distance: 128 for T5.
-      num_heads: H.
-      bidirectional: True in the encoder, False (causal) in the decoder.
-    """
-
-    num_buckets: int
-    max_distance: int
-    num_heads: int
-    bidirectional: bool
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
-    embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
-
-    @nn.compact
-    def __call__(self, q_len: int, k_len: int, query_positions_BL: Array | None = None) -> Array:
-        """Returns the bias [1, H, L, S] (fp32) added to attention logits.
-
-        With `query_positions_BL` (int [B, L], decoding at a per-row cache index) the queries sit
-        at those positions instead of 0..L-1 and the bias is [B, H, L, S].
-        """
-        rel_HN = self.param(
-            "rel_embedding",
-            nn.with_logical_partitioning(self.embedding_init, ("heads", "relpos_buckets")),
-            (self.num_heads, self.num_buckets),
-            jnp.dtype(self.param_dtype),
-        )
-        rel_HN = jnp.asarray(constraints.weight(rel_HN), jnp.float32)
-        memory = np.arange(k_len)[None, :]
-        if query_positions_BL is not None:
-            # Buckets of every offset memory - query in (-S, S) from the same static numpy
-            # bucketing, looked up at the traced positions: identical to the full-length bias.
-            table = relative_position_bucket(
-                np.arange(-(k_len - 1), k_len), self.bidirectional, self.num_buckets,
-                self.max_distance,
-            )  # fmt: skip
-            offset_BLS = memory[None] - query_positions_BL[:, :, None] + (k_len - 1)
-            buckets_BLS = jnp.asarray(table)[jnp.clip(offset_BLS, 0, 2 * k_len - 2)]
-            one_hot_BLSN = jax.nn.one_hot(buckets_BLS, self.num_buckets, dtype=jnp.float32)
-            return jnp.einsum("hn,blsn->bhls", rel_HN, one_hot_BLSN)
-        context = np.arange(q_len)[:, None]
-        buckets_LS = relative_position_bucket(
-            memory - context, self.bidirectional, self.num_buckets, self.max_distance
-        )
-        # Gather as a one-hot contraction: stays sharded over heads and is cheap (N=32). The
-        # one-hot is [N, L, S], so the gradient contracts the gradient's trailing (L, S) with the
-        # one-hot's: a plain [H, L*S] x [N, L*S]^T matmul, where [L, S, N] made XLA:CPU
-        # transpose the [H, L, S] gradient first (3% of the T5.1.1-small train step).
-        one_hot_NLS = jax.nn.one_hot(buckets_LS, self.num_buckets, dtype=jnp.float32, axis=0)
-        bias_HLS = jax.lax.dot_general(rel_HN, one_hot_NLS, (((1,), (0,)), ((), ())))
-        return bias_HLS[None]
-
-
-class RopeScaling(NamedTuple):
-    """RoPE frequency scaling (HF `rope_scaling`); hashable, so a module attribute."""
-
-    kind: str = "none"  # 'none' | 'linear' | 'llama3'
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-
-NO_ROPE_SCALING = RopeScaling()
-
-
-def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling = NO_ROPE_SCALING
-) -> Array:
-    """fp32 inverse frequencies [K/2] of RoPE, scaled as HF's `ROPE_INIT_FUNCTIONS` do."""
-    # NOTE: computed in fp32 in the same order as transformers, so that logits agree to ~1e-6.
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling.kind == "none":
-        return inv_freq
-    if scaling.kind == "linear":  # positions / factor, i.e. frequencies / factor
-        return inv_freq / scaling.factor
-    if scaling.kind != "llama3":
-        raise ValueError(f"unknown RoPE scaling {scaling.kind!r} (want 'none', 'linear', 'llama3')")
-    # Llama 3.1: long wavelengths (beyond what pre-training saw) are interpolated by `factor`,
-    # short ones are kept, and the band in between is blended smoothly.
-    old_len = scaling.original_max_position
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def rotary_embedding(
-    x_BLHK: Array,
-    positions_BL: Array,
-    theta: float = 10000.0,
-    scaling: RopeScaling = NO_ROPE_SCALING,
-) -> Array:
-    """Applies RoPE in the 'rotate half' layout of HF Llama (pairs (i, i + K/2)).
-
-    Args:
-      x_BLHK: queries or keys [B, L, H, K], K even.
-      positions_BL: int positions [B, L].
-      theta: RoPE base frequency.
-      scaling: long-context frequency scaling ('linear', 'llama3'; default none).
-
-    Returns:
-      Rotated array, same shape and dtype; the rotation is computed in fp32.
-    """
-    k = x_BLHK.shape[-1]
-    inv_freq = rope_inverse_frequencies(k, theta, scaling)
-    freqs_BLk = positions_BL.astype(jnp.float32)[..., None] * inv_freq
-    cos = jnp.cos(freqs_BLk)[:, :, None, :]
-    sin = jnp.sin(freqs_BLk)[:, :, None, :]
-    x = x_BLHK.astype(jnp.float32)
-    x1, x2 = x[..., : k // 2], x[..., k // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BLHK.dtype)
-
-
 def make_attention_mask(
     query_input: Array, key_input: Array, pairwise_fn: Callable = jnp.multiply
 ) -> Array:
@@ -383,6 +222,11 @@ def dot_product_attention(
     return out.reshape(b, length, h, kd)
 
 
+# The collection of keys/values projected once per decode from inputs that do not change
+# (cross-attention to the encoder output); not part of the decoding loop's carry.
+CROSS_CACHE = "cross_cache"
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head / grouped-query attention with optional RoPE.
 
@@ -423,12 +267,17 @@ class MultiHeadAttention(nn.Module):
         positions_kv_BS: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
+        fixed_kv: bool = False,
     ) -> Array:
         """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D].
 
         With `decode=True` (causal self-attention only) the keys and values go through the KV
         cache of the 'cache' collection (see `_cached_kv`); `mask_B1LS` and `bias_bHLS` then
         span the cache length S, and a None mask means causal by the cache index.
+
+        With `decode=True, fixed_kv=True` (cross-attention to an encoding that does not change
+        while decoding) the keys and values are projected once and kept in the 'cross_cache'
+        collection (see `_fixed_kv`).
         """
         emb = inputs_q_BLD.shape[-1]
         kv_axis = "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
@@ -466,20 +315,26 @@ class MultiHeadAttention(nn.Module):
             attend = functools.partial(dot_product_attention, dtype=jnp.dtype(self.dtype))
             out_BLHK = collectives.context_attention(attend, q, k, v, bias_bHLS, mask_B1LS, kv_axis)
         if out_BLHK is None:
-            out_BLHK = self._attend(q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode)
+            out_BLHK = self._attend(
+                q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode, fixed_kv
+            )
         out_BLHK = constraints.constrain(out_BLHK, ("batch", "length", "heads", "kv"))
         out_axes, axes_BLHK = ("heads", "kv", "embed"), ("batch", "length", "heads", "kv")
         out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
         out_BLHK = out_BLHK.astype(out_kernel.dtype)
         return collectives.row_parallel(out_BLHK, axes_BLHK, out_kernel, out_axes, 2)
 
-    def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode):
+    def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode, fixed_kv):
         """Attention with whole keys and values on each device (and the KV cache)."""
         # Key/value positions have a name of their own: context parallelism shards the queries'
         # `length` and keeps every key and value position on each device (all-gathered).
         k = constraints.constrain(k, ("batch", "kv_length", kv_axis, "kv"))
         v = constraints.constrain(v, ("batch", "kv_length", kv_axis, "kv"))
-        if decode:
+        if decode and fixed_kv:
+            # Projected once per decode: the k/v computed above are then dead code (XLA drops
+            # them), so a step costs no [B, S, D] x [D, H, K] projections.
+            k, v = self._fixed_kv(k, v)
+        elif decode:
             k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
 
         dropout_rng = None
@@ -500,49 +355,92 @@ class MultiHeadAttention(nn.Module):
         (q_BLHK,) = collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q)
         return (q_BLHK, *collectives.column_parallel(x_kv_BSD.astype(dtype), axes_BLD, kv))
 
+    def _fixed_kv(self, k_BSGK: Array, v_BSGK: Array) -> tuple[Array, Array]:
+        """Keys/values of fixed inputs from the 'cross_cache' collection.
+
+        A call where the collection is mutable stores this call's keys/values there; later
+        calls (the collection passed in, immutable) read them back. Without the collection
+        they are used as computed, as without `decode`.
+
+        NOTE: they are stored in the layouts the attention matmuls read, keys [B, G, S, K]
+        and values [B, G, K, S] (heads as a batch dimension, the contraction last): XLA does
+        not hoist loop-invariant transposes out of the decoding loop, so keys/values stored
+        as computed ([B, S, G, K]) were transposed again at every step. The transposes back
+        below cancel those the attention asks for; the numbers are the same.
+        """
+        if self.has_variable(CROSS_CACHE, "cached_key"):
+            k_BGSK = self.get_variable(CROSS_CACHE, "cached_key")
+            v_BGKS = self.get_variable(CROSS_CACHE, "cached_value")
+            return k_BGSK.transpose(0, 2, 1, 3), v_BGKS.transpose(0, 3, 1, 2)
+        if self.is_mutable_collection(CROSS_CACHE):
+            self.put_variable(CROSS_CACHE, "cached_key", k_BSGK.transpose(0, 2, 1, 3))
+            self.put_variable(CROSS_CACHE, "cached_value", v_BSGK.transpose(0, 2, 3, 1))
+        return k_BSGK, v_BSGK
+
     def _cached_kv(
         self, k_BLGK: Array, v_BLGK: Array, mask_B1LS: Array | None, kv_axis: str
     ) -> tuple[Array, Array, Array | None]:
         """Writes this call's keys/values into the KV cache; returns (keys, values, mask).
 
-        The 'cache' collection holds `cached_key` / `cached_value` [B, S, G, K] and
-        `cache_index` [B] (the next position to write, per row), all with logical axes, so the
-        cache is sharded like the activations (batch over data, heads over model). The first
-        call (the cache does not exist yet) creates it with S = this call's length and attends
-        over the inputs as usual. Afterwards a call with one token writes it at each row's
-        index and attends over the whole cache (causal by index unless a mask is given); a call
-        with L > 1 tokens is a prefill from position 0 (the cache must be fresh).
+        The 'cache' collection holds `cached_key` [B, G, S, K], `cached_value` [B, G, K, S]
+        and `cache_index` [B] (the next position to write, per row), all with logical axes,
+        so the cache is sharded like the activations (batch over data, heads over model). The
+        first call (the cache does not exist yet) creates it with S = this call's length and
+        attends over the inputs as usual. Afterwards a call with one token writes it at each
+        row's index and attends over the whole cache (causal by index unless a mask is given);
+        a call with L > 1 tokens is a prefill from position 0 (the cache must be fresh).
+
+        NOTE: keys and values are kept in the layouts the attention matmuls read (heads as a
+        batch dimension, the contraction last), so a decode step reads the cache as it is;
+        kept as computed ([B, S, G, K]), every step transposed each layer's whole cache.
+        Keys/values are returned as [B, S, G, K]: those transposes cancel the ones the
+        attention asks for, and the numbers are the same.
         """
-        axes = ("batch", "length", kv_axis, "kv")
-        b, length = k_BLGK.shape[:2]
+        k_axes = ("batch", kv_axis, "length", "kv")
+        v_axes = ("batch", kv_axis, "kv", "length")
+        b, length, g, kd = k_BLGK.shape
         initialized = self.has_variable("cache", "cached_key")
-        zeros = nn.with_logical_partitioning(jnp.zeros, axes)
-        cached_k = self.variable("cache", "cached_key", zeros, k_BLGK.shape, k_BLGK.dtype)
-        cached_v = self.variable("cache", "cached_value", zeros, v_BLGK.shape, v_BLGK.dtype)
+        cached_k = self.variable(
+            "cache", "cached_key", nn.with_logical_partitioning(jnp.zeros, k_axes),
+            (b, g, length, kd), k_BLGK.dtype,
+        )  # fmt: skip
+        cached_v = self.variable(
+            "cache", "cached_value", nn.with_logical_partitioning(jnp.zeros, v_axes),
+            (b, g, kd, length), v_BLGK.dtype,
+        )  # fmt: skip
         cache_index = self.variable(
             "cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ("batch",)),
             (b,), jnp.int32,
         )  # fmt: skip
         if not initialized:
             return k_BLGK, v_BLGK, mask_B1LS
-        s = cached_k.value.shape[1]
+        s = cached_k.value.shape[2]
         index_B = cache_index.value
         positions_BL = index_B[:, None] + jnp.arange(length)[None]
+        k_BGLK = k_BLGK.transpose(0, 2, 1, 3).astype(cached_k.value.dtype)
+        v_BGKL = v_BLGK.transpose(0, 2, 3, 1).astype(cached_v.value.dtype)
         if length == 1:
-            # A select, not a one-hot matmul: exact in any dtype and at any matmul precision.
-            write_BS11 = (jnp.arange(s)[None] == index_B[:, None])[:, :, None, None]
-            new_k = jnp.where(write_BS11, k_BLGK.astype(cached_k.value.dtype), cached_k.value)
-            new_v = jnp.where(write_BS11, v_BLGK.astype(cached_v.value.dtype), cached_v.value)
+            # A per-row scatter of one position, in place in the decoding loop's carry: a
+            # select over the whole cache (or a one-hot matmul) would rewrite all S positions
+            # at every step. An index past the end (a finished row) writes nothing.
+            def write_k(cache_GSK: Array, x_GK: Array, i: Array) -> Array:
+                return cache_GSK.at[:, i].set(x_GK, mode="drop")
+
+            def write_v(cache_GKS: Array, x_GK: Array, i: Array) -> Array:
+                return cache_GKS.at[:, :, i].set(x_GK, mode="drop")
+
+            new_k = jax.vmap(write_k)(cached_k.value, k_BGLK[:, :, 0], index_B)
+            new_v = jax.vmap(write_v)(cached_v.value, v_BGKL[..., 0], index_B)
         else:
             zero = jnp.zeros((), jnp.int32)
-            new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (zero,) * 4)
-            new_v = jax.lax.dynamic_update_slice(cached_v.value, v_BLGK, (zero,) * 4)
-        cached_k.value = constraints.constrain(new_k, axes)
-        cached_v.value = constraints.constrain(new_v, axes)
+            new_k = jax.lax.dynamic_update_slice(cached_k.value, k_BGLK, (zero,) * 4)
+            new_v = jax.lax.dynamic_update_slice(cached_v.value, v_BGKL, (zero,) * 4)
+        cached_k.value = constraints.constrain(new_k, k_axes)
+        cached_v.value = constraints.constrain(new_v, v_axes)
         cache_index.value = constraints.constrain(index_B + length, ("batch",))
         if mask_B1LS is None:
             mask_B1LS = (jnp.arange(s)[None, None] <= positions_BL[:, :, None])[:, None]
-        return cached_k.value, cached_v.value, mask_B1LS
+        return cached_k.value.transpose(0, 2, 1, 3), cached_v.value.transpose(0, 3, 1, 2), mask_B1LS
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {

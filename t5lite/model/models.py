@@ -18,7 +18,7 @@ import numpy as np
 from flax.core import meta
 
 from t5lite import constraints
-from t5lite.model import decoding, losses, network
+from t5lite.model import decoding, layers, losses, network
 from t5lite.model.lora import BASE_PATTERN, LoRA, add_adapters, merge
 from t5lite.model.optimizers import AdamW, FrozenParams, Optimizer
 
@@ -385,22 +385,33 @@ class EncoderDecoderModel(BaseModel):
             {"params": params}, enc_BS, enable_dropout=False, method=module.encode
         )
 
-        def call(cache: PyTree, encoded: Array, enc: Array, tokens: Array):
+        def call(cache: PyTree, enc: Array, tokens: Array, cross: PyTree = None):
+            # Without `cross` (the cross-attention keys/values) the call computes and returns
+            # them in the CROSS_CACHE collection; with it, they are read, not recomputed.
             variables = {"params": params, **({"cache": cache} if cache is not None else {})}
+            if cross is not None:
+                variables[layers.CROSS_CACHE] = cross
+            mutable = ["cache"] if cross is not None else ["cache", layers.CROSS_CACHE]
             return module.apply(
-                variables, encoded, enc, tokens, enable_dropout=False, decode=True,
-                max_decode_length=length, method=module.decode, mutable=["cache"],
+                variables, encoded_BSD, enc, tokens, enable_dropout=False, decode=True,
+                max_decode_length=length, method=module.decode, mutable=mutable,
             )  # fmt: skip
 
-        cache = _zero_cache(
-            lambda: call(None, encoded_BSD, enc_BS, jnp.zeros((b, length), jnp.int32))
-        )
+        cache = _zero_cache(lambda: call(None, enc_BS, jnp.zeros((b, length), jnp.int32)))
+        # The cross-attention keys/values of every decoder layer, projected once before the
+        # loop (t5x projects them again at every step): of this step only the projections are
+        # used, XLA drops the rest of it.
+        cross = call(cache, enc_BS, jnp.zeros((b, 1), jnp.int32))[1][layers.CROSS_CACHE]
+        # NOTE: they are stored transposed to the layouts the step's matmuls read; the barrier
+        # keeps XLA from cancelling that transpose against the one back in the step, which
+        # would move the transposes into the loop (one copy per step and layer).
+        cross = jax.lax.optimization_barrier(cross)
         # Samples / beams of one example share its encoding: repeat it once, up front.
         n = self._decodes_per_example()
-        encoded_n, enc_n = decoding.expand_batch((encoded_BSD, enc_BS), n)
+        enc_n, cross = decoding.expand_batch((enc_BS, cross), n)
 
         def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
-            logits_B1V, variables = call(state.cache, encoded_n, enc_n, state.cur_token)
+            logits_B1V, variables = call(state.cache, enc_n, state.cur_token, cross)
             return logits_B1V[:, -1], variables["cache"]
 
         prompt_BL = jnp.full((b, length), self.pad_id, jnp.int32)  # no prompt: BOS only

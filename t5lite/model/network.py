@@ -28,7 +28,7 @@ import numpy as np
 from flax import linen as nn
 
 from t5lite import collectives, constraints
-from t5lite.model import layers
+from t5lite.model import layers, positions
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
 from t5lite.model.config import AnyConfig, DecoderOnlyConfig, T5Config
@@ -65,10 +65,10 @@ def _attention(cfg: AnyConfig, name: str) -> layers.MultiHeadAttention:
     )
 
 
-def _rope_scaling(cfg: AnyConfig) -> layers.RopeScaling:
+def _rope_scaling(cfg: AnyConfig) -> positions.RopeScaling:
     if not cfg.use_rope:
         return layers.NO_ROPE_SCALING
-    return layers.RopeScaling(
+    return positions.RopeScaling(
         cfg.rope_scaling,
         cfg.rope_scaling_factor,
         cfg.rope_low_freq_factor,
@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
                 dropout_rate=cfg.dropout_rate,
                 scale_logits=cfg.scale_attn_logits,
                 name="encoder_decoder_attention",
-            )(y, encoded_BSD, cross_mask_B1LS, deterministic=det)
+            )(y, encoded_BSD, cross_mask_B1LS, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
         y = _mlp(cfg)(y, deterministic=det)
@@ -182,7 +182,7 @@ def _layer_stack(
             layer_cls,
             # NOTE: the KV cache is stacked on axis 1 so that every cache array keeps the batch
             # first ([B, layers, ...]); decoding code can then expand / reorder it uniformly.
-            variable_axes={"params": 0, "cache": 1},
+            variable_axes={"params": 0, "cache": 1, layers.CROSS_CACHE: 1},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * len(args),
             length=num_layers,
@@ -202,7 +202,7 @@ def _relpos_bias(
     k_len: int,
     query_positions_BL: Array | None = None,
 ) -> Array:
-    return layers.RelativePositionBiases(
+    return positions.RelativePositionBiases(
         num_buckets=cfg.relpos_num_buckets,
         max_distance=cfg.relpos_max_distance,
         num_heads=cfg.num_heads,
