@@ -183,7 +183,7 @@ def test_t5_import_copies_spiece_model_and_keeps_ids(tmp_path, monkeypatch):
     text = (out / "model.gin").read_text()
     assert "EncoderDecoderModel.eos_id = 3" in text
     assert "EncoderDecoderModel.decoder_start_token_id = 0" in text
-    assert "HF_VOCABULARY = @hf/SentencePieceVocabulary()" in text
+    assert "HF_VOCABULARY = @hf/seqio_lite.SentencePieceVocabulary()" in text
     gin = _parse_model_gin(out / "model.gin")
     try:
         vocab = gin.query_parameter("%HF_VOCABULARY").scoped_configurable_fn()

@@ -115,9 +115,11 @@ def vocabulary_gin(out_dir: str | Path, copied: list[str], encoder_decoder: bool
         *lines,
         f"# {sp_name} + {extra_ids} sentinels gives the ids of the HF tokenizer; as a task's",
         "# vocabulary: `JsonlTask.vocabulary = %HF_VOCABULARY` (any task kind).",
-        "HF_VOCABULARY = @hf/SentencePieceVocabulary()",
-        f"hf/SentencePieceVocabulary.model_file = {str(out_dir / sp_name)!r}",
-        f"hf/SentencePieceVocabulary.extra_ids = {extra_ids}",
+        # Module-qualified: a process that also read a t5x gin file (`import seqio`, the
+        # stand-in) knows the short name twice, and gin refuses an ambiguous selector.
+        "HF_VOCABULARY = @hf/seqio_lite.SentencePieceVocabulary()",
+        f"hf/seqio_lite.SentencePieceVocabulary.model_file = {str(out_dir / sp_name)!r}",
+        f"hf/seqio_lite.SentencePieceVocabulary.extra_ids = {extra_ids}",
     ]
 
 
