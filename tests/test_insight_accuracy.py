@@ -137,6 +137,11 @@ def _off(ratio, why):
     return pytest.mark.xfail(strict=True, reason=f"predicted/compiled {ratio}: {why}")
 
 
+def _cases(keys, misses):
+    """(family, preset, remat) parameters, the known misses as strict xfails with their ratio."""
+    return [pytest.param(*k, marks=_off(*misses[k])) if k in misses else k for k in keys]
+
+
 _SHARD_MAP = "sequence/context parallelism's shard_map blocks (t5lite/collectives.py) keep "
 _SHARD_MAP += "buffers the analytic model does not count yet"
 # Scanned layouts measured outside 10% (predicted / compiled) since sequence and context
@@ -153,11 +158,9 @@ _SCANNED_MISSES = {
 @pytest.mark.slow  # 48 compilations of ~10-60 s each on 2 cores
 @pytest.mark.parametrize(
     "family,preset,remat",
-    [
-        pytest.param(*k, marks=_off(*_SCANNED_MISSES[k])) if k in _SCANNED_MISSES else k
-        for k in [(f, p, r) for f in ("t5", "lm") for p in PRESETS for r in REMAT_POLICIES]
-    ],
-)
+    _cases([(f, p, r) for f in ("t5", "lm") for p in PRESETS for r in REMAT_POLICIES],
+           _SCANNED_MISSES),
+)  # fmt: skip
 def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat):
     require_devices(8)
     _check_memory(family, preset, remat)
@@ -189,10 +192,7 @@ _UNSCANNED = [
 @pytest.mark.slow  # 28 compilations of ~50-140 s each on 2 busy cores
 @pytest.mark.parametrize(
     "family,preset,remat",
-    [
-        pytest.param(*k, marks=_off(*_UNSCANNED_MISSES[k])) if k in _UNSCANNED_MISSES else k
-        for k in _UNSCANNED
-    ],
+    _cases(_UNSCANNED, _UNSCANNED_MISSES),
 )
 def test_predicted_memory_within_ten_percent_unscanned(family, preset, remat):
     """Unscanned layers (`scan_layers=False`, the shipped configs' default); the layouts known
