@@ -195,7 +195,15 @@ class Trainer:
 
             return jax.grad(normalised, has_aux=True)(params, batch, rng)
         else:
-            mbs = {n: x.reshape(k, x.shape[0] // k, *x.shape[1:]) for n, x in batch.items()}
+            # Microbatch i is rows i, i+k, i+2k, ...: each device's contiguous block of the
+            # batch holds its share of every microbatch, so splitting moves no data (t5x's
+            # contiguous slices made the partitioner shuffle rows between devices every step,
+            # and Explicit axes cannot slice a sharded dimension at all). The gradient is a sum
+            # over all rows either way.
+            mbs = {
+                n: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+                for n, x in batch.items()
+            }
 
             def body(carry, i_mb):
                 acc, msum = carry
@@ -204,7 +212,9 @@ class Trainer:
                 acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), acc, g)
                 return (acc, jax.tree_util.tree_map(jnp.add, msum, m)), None
 
-            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            # zeros_like keeps each parameter's sharding: on Explicit axes the scan's carry
+            # must have the type the accumulated gradients come back with.
+            zeros = jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, jnp.float32), params)
             m_abstract = jax.eval_shape(
                 lambda: grad_fn(params, {n: x[0] for n, x in mbs.items()}, rng)[1]
             )
