@@ -29,10 +29,11 @@ SMALL = network.T5Config(
 STEPS = 3
 
 
-def _train(preset: str, shard_mode: str, cfg=SMALL, num_microbatches: int = 1, **model_kw):
+def _train(preset: str, shard_mode: str, cfg=SMALL, num_microbatches: int = 1, mesh_kw=None,
+           data_axis="data", **model_kw):  # fmt: skip
     part = Partitioner(
-        num_partitions=4, logical_axis_rules=partitioning.preset_rules(preset),
-        shard_mode=shard_mode,
+        **(mesh_kw or {"num_partitions": 4}), shard_mode=shard_mode,
+        logical_axis_rules=partitioning.preset_rules(preset, data_axis=data_axis),
     )  # fmt: skip
     model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2), **model_kw)
     tr = Trainer(model, part, batch_size=16, lengths={"inputs": 8, "targets": 8},
@@ -86,27 +87,38 @@ def test_explicit_mode_trains_like_auto_mode(preset):
     [
         "scanned_microbatched",
         pytest.param("lora", marks=pytest.mark.slow),
+        pytest.param("multislice", marks=pytest.mark.slow),
     ],
 )
 def test_explicit_mode_with_what_real_runs_add(variant):
     """What a real run adds to the quickstart, on Explicit axes under FSDP's table: layers under
     nn.scan with gradient accumulation over microbatches (the split must not slice a sharded
-    dimension), or LoRA adapters over a frozen base (LoRA needs unscanned layers). Losses equal
+    dimension), LoRA adapters over a frozen base (LoRA needs unscanned layers), or README's
+    multi-slice recipe (a hybrid DCN x ICI mesh, batch over replica and data). Losses equal
     auto mode's; parameters sit where auto mode puts them."""
     require_devices(8)
     if variant == "lora":
         kw = dict(lora=LoRA(rank=2, alpha=4.0))
+    elif variant == "multislice":  # README's recipe: 2 slices (DCN) x 4 devices over `model`
+        mesh_kw = {"ici_mesh_shape": (1, 1, 4), "dcn_mesh_shape": (2, 1, 1)}
+        kw = dict(mesh_kw=mesh_kw, data_axis=("replica", "data"))
     else:
         cfg = dataclasses.replace(SMALL, num_encoder_layers=2, num_decoder_layers=2,
                                   scan_layers=True)  # fmt: skip
         kw = dict(cfg=cfg, num_microbatches=2)
     _, auto_placed, auto_losses = _train("fsdp", "auto", **kw)
     tr, placed, losses = _train("fsdp", "explicit", **kw)
-    assert tr.partitioner.mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
+    assert set(tr.partitioner.mesh.axis_types) == {AxisType.Explicit}
     assert [s.spec for s in jax.tree_util.tree_leaves(placed)] == [
         s.spec for s in jax.tree_util.tree_leaves(auto_placed)
     ]
-    if variant == "lora":
+    if variant == "multislice":
+        assert dict(tr.partitioner.mesh.shape) == {"replica": 2, "data": 1, "model": 4}
+        # The batch spans both slices; FSDP's weight split stays inside a slice (never over DCN).
+        assert tr.batch_shardings["encoder_input_tokens"].spec == P(("replica", "data"), None)
+        wi = placed["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"].spec
+        assert wi == P("data", "model")
+    elif variant == "lora":
         lora_a = placed["encoder"]["layers_0"]["attention"]["query"]["kernel_lora_a"].spec
         assert lora_a == P("data", None)  # the kernel's input axis (embed), then lora_rank
     else:  # the stacked layers' leading axis is unsharded, the rest as the rules say
