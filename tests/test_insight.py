@@ -218,9 +218,10 @@ def test_inspect_prints_memory_collectives_and_analytic(tmp_path):
     # wo (32x64) on 8 devices, 512 B and 1 KiB each; the logits' 32x128, 2 KiB. A ring
     # reduce-scatter over 4 devices sends 3 times its result.
     assert (
-        "ZeRO-3 over data (4 devices), each dense kernel's gradient reduce-scattered:\n"
-        "  per layer, results per device: decoder/layers_N 5.00 KiB, "
-        "decoder/logits_dense 2.00 KiB\n"
+        "ZeRO-3 over data (4 devices), each dense kernel's gradient reduce-scattered; results "
+        "per device:\n"
+        "  decoder/layers_N                   5.00 KiB\n"
+        "  decoder/logits_dense               2.00 KiB\n"
         "  analytic: 8 reduce-scatters, 7.00 KiB (21.00 KiB sent)\n"
         "  compiled: 8 reduce-scatters, 7.00 KiB (21.00 KiB sent): ratio 1.00, agrees\n"
     ) in text

@@ -9,6 +9,7 @@ checks the TPU compiler's spelling.
 """
 
 import collections
+import dataclasses
 import math
 
 import jax
@@ -37,19 +38,21 @@ CFG = network.T5Config(vocab_size=32, emb_dim=D, num_heads=4, num_encoder_layers
 ACT = (B // 2, L, D)  # a residual-stream activation on one data shard, all positions
 
 
-def _batch():
-    tokens = np.random.default_rng(0).integers(2, 32, size=(B, L)).astype(np.int32)
+def _batch(b=B):
+    tokens = np.random.default_rng(0).integers(2, 32, size=(b, L)).astype(np.int32)
     return {"encoder_input_tokens": tokens, "decoder_target_tokens": tokens[:, ::-1].copy(),
             "decoder_input_tokens": np.pad(tokens[:, ::-1], ((0, 0), (1, 0)))[:, :-1]}  # fmt: skip
 
 
-def _train(preset, steps=3, hlo=False):
+def _train(preset, steps=3, hlo=False, cfg=CFG, microbatches=1):
     """Losses of `steps` steps under `preset`, and the compiled train step's HLO if asked."""
     rules = preset_rules(preset) if isinstance(preset, str) else preset
     part = Partitioner(create_mesh(MODEL), logical_axis_rules=rules)
-    model = EncoderDecoderModel(CFG, optimizer=optimizers.AdamW(1e-2))
-    tr = Trainer(model, part, batch_size=B, lengths={"inputs": L, "targets": L})
-    batch, state = tr.global_batch(_batch()), tr.init_state()
+    model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    b = B * microbatches
+    tr = Trainer(model, part, batch_size=b, lengths={"inputs": L, "targets": L},
+                 num_microbatches=microbatches)  # fmt: skip
+    batch, state = tr.global_batch(_batch(b)), tr.init_state()
     step = tr.train_step.lower(state, batch).compile() if hlo else None
     losses = []
     for _ in range(steps):
@@ -223,3 +226,22 @@ def test_fsdp_weight_gradients_are_reduce_scattered():
     # (norm scales, relative-position biases, the token embedding) and scalars remain.
     reduced = _arrays("all-reduce", ("data",), hlo, part.mesh)
     assert not [s for s in reduced if math.prod(s) >= 64 * 64], reduced
+
+
+@pytest.mark.slow  # two scanned, rematerialized compiles: ~165 s on 2 busy cores
+def test_fsdp_scanned_rematerialized_microbatched_equals_data_parallel():
+    """ZeRO-3's shard_maps inside `nn.scan` (scan_layers), under full remat and two microbatches:
+    the losses of data parallelism with the same model, and each of the 19 kernels' gradients
+    reduce-scattered over `data` (in the scanned body: once per layer and microbatch)."""
+    require_devices(8)
+    cfg = dataclasses.replace(CFG, scan_layers=True, remat_policy="full")
+    dp = _train("data_parallel", cfg=cfg, microbatches=2)[0]
+    losses, hlo, part, _, _ = _train("fsdp", hlo=True, cfg=cfg, microbatches=2)
+    np.testing.assert_allclose(losses, dp, rtol=1e-5)
+    # data=2 x model=4: q, k, v [D/2, H/4, K] (3 attentions), out [H/4, K, D/2], and wi_0, wi_1,
+    # wo of 2 MLPs and the logits (D/2 x F/4, F/4 x D/2, D/2 x V/4), each 8x8.
+    assert _arrays("reduce-scatter", ("data",), hlo, part.mesh) == {
+        (D // 2, 1, 4): 9,
+        (1, 4, D // 2): 3,
+        (8, 8): 7,
+    }

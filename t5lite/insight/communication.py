@@ -325,13 +325,13 @@ def format_zero3(z: Zero3Figures, rows: Sequence[CollectiveRow] | None) -> list[
     """Lines for a report: the per-layer ZeRO-3 volume and, compiled, the step's reduce-scatters
     over the same axes beside it."""
     axes, sent = "+".join(z.axes), (z.group_size - 1)
-    per = ", ".join(
-        f"{name} {format_bytes(b)}" + (f" (x{n})" if n > 1 else "") for name, n, b in z.layers
-    )
     lines = [
         f"ZeRO-3 over {axes} ({z.group_size} devices), each dense kernel's gradient "
-        "reduce-scattered:",
-        f"  per layer, results per device: {per}",
+        "reduce-scattered; results per device:",
+        *(
+            f"  {name:<32}{format_bytes(b):>11}" + (f"  per layer, x{n}" if n > 1 else "")
+            for name, n, b in z.layers
+        ),
         f"  analytic: {z.count} reduce-scatters, {format_bytes(z.bytes)} "
         f"({format_bytes(sent * z.bytes)} sent)",
     ]
