@@ -1,4 +1,4 @@
-"""Sequence and context parallelism's collectives, written explicitly with `jax.shard_map`.
+"""Sequence and context parallelism's and ZeRO-3's collectives, written with `jax.shard_map`.
 
 Megatron's sequence parallelism (Korthikanti et al. 2022) keeps the residual stream split by
 position over the tensor-parallel axis and turns each block's all-reduce into an all-gather
@@ -16,14 +16,20 @@ transpose reduce-scatters its gradient there.
   transpose all-gathers the output gradient.
 - `context_attention`: context parallelism's attention: keys and values computed on each
   device's positions and gathered inside, so their gradients are reduce-scattered back.
+- ZeRO-3 (`_zero3`, taken by `column_parallel` and `row_parallel` when sequence parallelism is
+  not in force): a kernel split over a mesh axis that also splits the activation's batch (FSDP's
+  `embed` -> `data`) is gathered inside the layer's shard_map where it is used, so its gradient
+  leaves through a reduce-scatter over that axis, not the partitioner's all-reduce + slice
+  (XLA:CPU has no pass that turns that pair into a reduce-scatter). The token embedding (a
+  lookup, and the tied logits) is not a dense layer and stays with the partitioner.
 
 Model code calls them with logical axes only. The current rules table and mesh (those of
 `Partitioner.context`) decide: when the rules split the activation's `length` over the same mesh
 axes as the block's features (`heads`, `mlp`, `vocab`) take inside the block, or (context
 parallelism) keep `kv_length` whole while splitting `length`, the explicit path runs; otherwise
-(every other layout, no mesh, no rules, a dimension that does not divide) each call is the
-plain `dot_general` the partitioner lays out, exactly as before. Only the `length` dimension is
-handled: 2D activations (`embed` split over `model`) keep the partitioner's collectives.
+(no mesh or one device, no rules, Explicit axes, a dimension that does not divide, a layout
+that is neither) each call is the plain contraction (`constraints.dense`) the partitioner lays
+out, exactly as before.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Sequence parallel, context parallel and 2D tensor parallel presets: losses and compiled HLO.
+"""Sequence parallel, context parallel, 2D tensor parallel and FSDP presets: losses and HLO.
 
 Each preset trains a tiny T5 on 8 fake CPU devices (data=2 x model=4) with the losses of pure
 data parallelism; the compiled train step shows the collectives the layout implies. XLA:CPU has
-no reduce-scatter creator, so a reduce-scatter the partitioner writes appears as an all-reduce
-whose every use is a slice to this device's shard (tests/hlo_consumers.py; FSDP's gradients);
-sequence parallelism writes its own (t5lite/collectives.py). tests/test_layouts_tpu.py
-checks the TPU compiler's spelling.
+no reduce-scatter creator, so a reduce-scatter the partitioner writes would stay an all-reduce
+whose uses slice out this device's shard; sequence parallelism's block boundaries and ZeRO-3's
+per-use kernel gathers are written with shard_map (t5lite/collectives.py), whose transposes are
+real reduce-scatters. tests/test_layouts_tpu.py checks the TPU compiler's spelling.
 """
 
 import collections
