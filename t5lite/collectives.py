@@ -260,10 +260,9 @@ def _zero3(
     # ZeRO-3 holds a gathered kernel only while it is used, so nothing inside is saved for the
     # backward pass: it may gather each kernel again from the shard (the contraction needs only
     # x and the kernel, so nothing else is recomputed; XLA may still reuse the forward gather in
-    # an unscanned step). Saving what the body computes made
-    # the shard_map copy it out as residuals: a scanned 2-layer LM's step took 81.7 MB against
-    # 73.7 MB with the partitioner's gathers (tests/test_insight_accuracy.py's lm/fsdp/none);
-    # with this, 73.7 MB.
+    # an unscanned step). Saving what the body computes made the shard_map copy it out as
+    # residuals: a scanned 2-layer LM's step took 81.7 MB against 73.7 MB with the
+    # partitioner's gathers (tests/test_insight_accuracy.py's lm/fsdp/none); with this, 73.7 MB.
     @jax.checkpoint
     def body(x_local: jax.Array, *ks: jax.Array) -> list[jax.Array]:
         for i, axes in enumerate(x_gather):
