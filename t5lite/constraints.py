@@ -64,6 +64,12 @@ def installed(layout: Layout | None) -> Iterator[None]:
         _LAYOUT.reset(token)
 
 
+def layout_installed() -> bool:
+    """Whether a layout (Explicit axes) states array shardings: `collectives` then leaves the
+    weights to `weight` (which gathers them per use there) rather than gathering them itself."""
+    return _LAYOUT.get() is not None
+
+
 def constrain(x: Array, logical_axes: LogicalAxes) -> Array:
     """`x` laid out as its logical axes say under the rules in force (one name per dimension)."""
     layout = _LAYOUT.get()

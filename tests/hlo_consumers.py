@@ -1,10 +1,5 @@
-"""Who consumes a collective's result in compiled HLO text (test helper).
-
-XLA:CPU has no reduce-scatter creator: the partitioner's reduce-scatter stays an all-reduce whose
-every use is a slice to this device's shard (often fused with its consumer). These helpers find
-those uses, so a test can tell a reduce-scatter spelled that way from an all-reduce whose whole
-sum is used.
-"""
+"""Instructions of compiled HLO text by name: collectives of a kind and their result shapes
+(test helper)."""
 
 from __future__ import annotations
 
@@ -28,30 +23,6 @@ def definitions(hlo_text: str) -> dict[str, tuple[str, str, str]]:
         m = _DEF_RE.match(line)
         if m:
             out[m.group("name")] = (m.group("op"), m.group("shape"), line)
-    return out
-
-
-def users(hlo_text: str, name: str) -> list[str]:
-    """Names of the instructions that take `%name` as an operand."""
-    pat = re.compile(rf"%{re.escape(name)}(?=[,)\s])")
-    out = []
-    for line in hlo_text.splitlines():
-        m = _DEF_RE.match(line)
-        if m and m.group("name") != name and pat.search(line.split("=", 1)[1]):
-            out.append(m.group("name"))
-    return out
-
-
-def final_uses(hlo_text: str, name: str, defs: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(op, first result shape) of each use of `name`, looking through get-tuple-element."""
-    out = []
-    for u in users(hlo_text, name):
-        op, shape, _ = defs[u]
-        if op in ("get-tuple-element", "bitcast"):
-            out += final_uses(hlo_text, u, defs)
-        else:
-            found = shapes(shape)
-            out.append((op, found[0] if found else ()))
     return out
 
 

@@ -211,7 +211,20 @@ def test_inspect_prints_memory_collectives_and_analytic(tmp_path):
     for s in ("temporaries", "of 1.00 GiB", "fits", "all-gather",
               "≈ parameters", "≈ activations of split layers", "bytes/dev"):  # fmt: skip
         assert s in text, s
-    assert re.search(r"reduce-scatter\s+\(any\)\s+0\s+0 B", text)  # CPU XLA: all-reduces
+    # ZeRO-3: the 8 kernels' gradients reduce-scattered over `data` (t5lite/collectives.py), to
+    # their shards: wi_0, wi_1, wo 8x32, q, k, v, out 8x2x8, logits 8x64 (7.00 KiB of fp32).
+    assert re.search(r"reduce-scatter\s+data\s+8\s+7.00 KiB", text)
+    # Beside ZeRO-3's figure, by hand: a layer's q, k, v, out (32x4x8 fp32 each) and wi_0, wi_1,
+    # wo (32x64) on 8 devices, 512 B and 1 KiB each; the logits' 32x128, 2 KiB. A ring
+    # reduce-scatter over 4 devices sends 3 times its result.
+    assert (
+        "ZeRO-3 over data (4 devices), each dense kernel's gradient reduce-scattered; results "
+        "per device:\n"
+        "  decoder/layers_N                   5.00 KiB\n"
+        "  decoder/logits_dense               2.00 KiB\n"
+        "  analytic: 8 reduce-scatters, 7.00 KiB (21.00 KiB sent)\n"
+        "  compiled: 8 reduce-scatters, 7.00 KiB (21.00 KiB sent): ratio 1.00, agrees\n"
+    ) in text
     assert step.memory.fits and step.count("all-gather", ("data",)) > 0
     assert (tmp_path / "r.json").stat().st_size > 0
 

@@ -1,14 +1,15 @@
-"""Sequence parallel, context parallel and 2D tensor parallel presets: losses and compiled HLO.
+"""Sequence parallel, context parallel, 2D tensor parallel and FSDP presets: losses and HLO.
 
 Each preset trains a tiny T5 on 8 fake CPU devices (data=2 x model=4) with the losses of pure
 data parallelism; the compiled train step shows the collectives the layout implies. XLA:CPU has
-no reduce-scatter creator, so a reduce-scatter the partitioner writes appears as an all-reduce
-whose every use is a slice to this device's shard (tests/hlo_consumers.py; FSDP's gradients);
-sequence parallelism writes its own (t5lite/collectives.py). tests/test_layouts_tpu.py
-checks the TPU compiler's spelling.
+no reduce-scatter creator, so a reduce-scatter the partitioner writes would stay an all-reduce
+whose uses slice out this device's shard; sequence parallelism's block boundaries and ZeRO-3's
+per-use kernel gathers are written with shard_map (t5lite/collectives.py), whose transposes are
+real reduce-scatters. tests/test_layouts_tpu.py checks the TPU compiler's spelling.
 """
 
 import collections
+import dataclasses
 import math
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices
-from hlo_consumers import collective_names, definitions, final_uses, shapes
+from hlo_consumers import collective_names, definitions, shapes
 from jax.sharding import PartitionSpec as P
 
 from t5lite.insight.hlo import parse_collectives
@@ -37,19 +38,21 @@ CFG = network.T5Config(vocab_size=32, emb_dim=D, num_heads=4, num_encoder_layers
 ACT = (B // 2, L, D)  # a residual-stream activation on one data shard, all positions
 
 
-def _batch():
-    tokens = np.random.default_rng(0).integers(2, 32, size=(B, L)).astype(np.int32)
+def _batch(b=B):
+    tokens = np.random.default_rng(0).integers(2, 32, size=(b, L)).astype(np.int32)
     return {"encoder_input_tokens": tokens, "decoder_target_tokens": tokens[:, ::-1].copy(),
             "decoder_input_tokens": np.pad(tokens[:, ::-1], ((0, 0), (1, 0)))[:, :-1]}  # fmt: skip
 
 
-def _train(preset, steps=3, hlo=False):
+def _train(preset, steps=3, hlo=False, cfg=CFG, microbatches=1):
     """Losses of `steps` steps under `preset`, and the compiled train step's HLO if asked."""
     rules = preset_rules(preset) if isinstance(preset, str) else preset
     part = Partitioner(create_mesh(MODEL), logical_axis_rules=rules)
-    model = EncoderDecoderModel(CFG, optimizer=optimizers.AdamW(1e-2))
-    tr = Trainer(model, part, batch_size=B, lengths={"inputs": L, "targets": L})
-    batch, state = tr.global_batch(_batch()), tr.init_state()
+    model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    b = B * microbatches
+    tr = Trainer(model, part, batch_size=b, lengths={"inputs": L, "targets": L},
+                 num_microbatches=microbatches)  # fmt: skip
+    batch, state = tr.global_batch(_batch(b)), tr.init_state()
     step = tr.train_step.lower(state, batch).compile() if hlo else None
     losses = []
     for _ in range(steps):
@@ -156,7 +159,8 @@ def test_tensor_2d(dp_losses):
 
 def test_tensor_2d_mlp_volume_matches_the_formula():
     """Per MLP block forward on a d x m mesh: the weights gathered over `data` (D·F/m elements
-    each), the input gathered over `model` and the output reduced over `model` (T·D/d each)."""
+    each), the input gathered over `model` and the output reduce-scattered over `model` (T·D/d
+    each, results 1/m of that)."""
     require_devices(8)
     d, m, t, emb, f = 2, 4, 8 * 4, 32, 64
     part = Partitioner(create_mesh(m), logical_axis_rules=preset_rules("tensor_2d"))
@@ -174,14 +178,18 @@ def test_tensor_2d_mlp_volume_matches_the_formula():
     assert dict(volume) == {
         ("all-gather", ("data",)): 3 * emb * f // m,  # wi_0, wi_1, wo: gathered to 1/m each
         ("all-gather", ("model",)): t * emb // d,  # the input, before the wi matmuls
-        ("all-reduce", ("model",)): t * emb // d,  # wo's partial sums (reduce-scatter on TPU)
+        # wo's partial sums, T·D/d per device, reduce-scattered to the output's 1/m over
+        # `model` inside the layer's shard_map (t5lite/collectives.py): the formula's volume.
+        ("reduce-scatter", ("model",)): t * emb // (d * m),
     }
 
 
-def test_fsdp_weight_gradients_are_reduce_scatters_in_cpu_spelling():
-    """ZeRO-3 on XLA:CPU: each weight gradient is summed over `data` and only this device's
-    1/data of the sum is used. XLA:CPU has no reduce-scatter creator, so the sum is an all-reduce
-    (twice a reduce-scatter's traffic); TPU fuses it (tests/test_layouts_tpu.py)."""
+def test_fsdp_weight_gradients_are_reduce_scattered():
+    """ZeRO-3 on XLA:CPU: each weight matrix split over `data` is gathered inside its layer's
+    shard_map (t5lite/collectives.py), so its gradient leaves through a real reduce-scatter over
+    `data` to this device's shard, and no weight gradient is all-reduced whole over `data` (the
+    partitioner's spelling, all-reduce + slice: twice ZeRO-3's traffic). TPU: test_layouts_tpu.py.
+    """
     require_devices(8)
     data, model = 4, 2
     cfg = network.T5Config(vocab_size=128, emb_dim=64, num_heads=4, head_dim=32, mlp_dim=256,
@@ -196,25 +204,44 @@ def test_fsdp_weight_gradients_are_reduce_scatters_in_cpu_spelling():
         part.placements(tr.state_abstract.params, tr.params_axes),
         is_leaf=lambda x: hasattr(x, "shard_shape"),
     )
-    # The weight matrices split over `data` (the token embedding's gradient is a scatter-add of
-    # looked-up rows, computed from gathered lookups instead), as each model shard holds them.
+    # The weight matrices split over `data`: 3 attentions x (q, k, v, out), 2 MLPs x (wi_0,
+    # wi_1, wo) and the logits. The token embedding's gradient is a scatter-add of looked-up
+    # rows, computed from gathered lookups instead (collectives.py leaves embeddings alone).
     kernels = [
-        tuple(n // model if e == "model" else n for n, e in zip(p.shape, p.spec))
+        p
         for p in placements
         if len(p.shape) >= 2 and "data" in p.spec and not p.path.startswith("token_embedder")
     ]
     assert len(kernels) == 19
-    defs = definitions(hlo)
-    colls = [c for c in parse_collectives(hlo, part.mesh) if c.kind == "all-reduce"]
-    summed = []
-    for name, c in zip(collective_names(hlo, "all-reduce"), colls, strict=True):
-        # Weight-sized results only: the smallest kernel has 64 x 64 elements, the largest
-        # activation here 2 x 4 x 64.
-        big = [s for s in shapes(defs[name][1]) if math.prod(s) >= 64 * 64]
-        if c.axes != ("data",) or not big:
-            continue
-        summed += big
-        uses = final_uses(hlo, name, defs)
-        assert uses and max(math.prod(s) for _, s in uses) <= max(map(math.prod, big)) // data
-    # Every weight gradient exactly once (XLA may lay a kernel out transposed).
-    assert sorted(tuple(sorted(s)) for s in summed) == sorted(tuple(sorted(k)) for k in kernels)
+    # Exactly one reduce-scatter over `data` per kernel, to the shard the rules give it (XLA may
+    # lay a kernel out transposed): ZeRO-3's volume, 1/data of each model shard per device.
+    scattered = _arrays("reduce-scatter", ("data",), hlo, part.mesh)
+    assert sorted(tuple(sorted(s)) for s in scattered.elements()) == sorted(
+        tuple(sorted(p.shard_shape)) for p in kernels
+    )
+    per_model = sum(math.prod(p.shape) // model for p in kernels)
+    assert sum(math.prod(s) for s in scattered.elements()) * data == per_model
+    # Nothing weight-sized is all-reduced over `data` (the smallest kernel's model shard has
+    # 64 x 64 elements, the largest activation here 2 x 4 x 64): only the small parameters
+    # (norm scales, relative-position biases, the token embedding) and scalars remain.
+    reduced = _arrays("all-reduce", ("data",), hlo, part.mesh)
+    assert not [s for s in reduced if math.prod(s) >= 64 * 64], reduced
+
+
+@pytest.mark.slow  # two scanned, rematerialized compiles: ~165 s on 2 busy cores
+def test_fsdp_scanned_rematerialized_microbatched_equals_data_parallel():
+    """ZeRO-3's shard_maps inside `nn.scan` (scan_layers), under full remat and two microbatches:
+    the losses of data parallelism with the same model, and each of the 19 kernels' gradients
+    reduce-scattered over `data` (in the scanned body: once per layer and microbatch)."""
+    require_devices(8)
+    cfg = dataclasses.replace(CFG, scan_layers=True, remat_policy="full")
+    dp = _train("data_parallel", cfg=cfg, microbatches=2)[0]
+    losses, hlo, part, _, _ = _train("fsdp", hlo=True, cfg=cfg, microbatches=2)
+    np.testing.assert_allclose(losses, dp, rtol=1e-5)
+    # data=2 x model=4: q, k, v [D/2, H/4, K] (3 attentions), out [H/4, K, D/2], and wi_0, wi_1,
+    # wo of 2 MLPs and the logits (D/2 x F/4, F/4 x D/2, D/2 x V/4), each 8x8.
+    assert _arrays("reduce-scatter", ("data",), hlo, part.mesh) == {
+        (D // 2, 1, 4): 9,
+        (1, 4, D // 2): 3,
+        (8, 8): 7,
+    }

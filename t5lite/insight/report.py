@@ -34,6 +34,7 @@ from t5lite.insight.communication import (
     communication_seconds,
     compare_communication,
     format_comparison,
+    format_zero3,
 )
 from t5lite.insight.estimate import StepEstimate, estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
@@ -179,6 +180,8 @@ class StepReport:
         if self.memory is not None:  # compiled: bytes sent per mesh axes, each gap named
             lines += ["", "bytes sent per device, compiled vs analytic:"]
             lines += format_comparison(compare_communication(self.collectives, a))
+        if a.zero3 is not None:
+            lines += ["", *format_zero3(a.zero3, self.collectives if self.memory else None)]
         if self.flops is not None:
             est = f"{self.flops / 1e9:,.4g} GFLOP per device"
             if self.step_seconds is not None:
