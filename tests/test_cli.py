@@ -105,12 +105,13 @@ def test_missing_required_value(capsys):
 
 
 def test_console_script_end_to_end(tmp_path):
-    """The real entry point in a fresh process, with --host_device_count."""
+    """The real entry point in a fresh process, with --host_device_count. Analytic only: the
+    same program compiled is test_readme_inspect.py's first command (a minute of the suite)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run(
         [sys.executable, "-m", "t5lite.cli.main", "inspect", "--gin_file=inspect.gin",
-         "--host_device_count=8"],
+         "--host_device_count=8", "--gin.inspect.compile=False"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

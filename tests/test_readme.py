@@ -3,45 +3,29 @@
 The README's blocks chain: the quickstart trains `/tmp/t5lite_quickstart`, and eval, infer,
 convert and the TensorStore snippet read its checkpoint. The quickstart's `pip install` half is
 not repeated here (CI's `.ci/run` runs that install); everything else runs verbatim in bash.
+The blocks that do not read the quickstart's checkpoint run from their own files
+(test_readme_inspect.py, test_readme_own_data.py, test_walkthrough.py), so that
+`--dist loadfile` can run them beside this chain instead of after it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from readme_blocks import blocks as _blocks
+from readme_blocks import run as _run
 
 pytestmark = pytest.mark.slow  # the quickstart trains for minutes; the README test command runs it
 
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-# What the commands write (all under /tmp, as the README says); cleared first so that a rerun
-# of the suite starts like a fresh machine (infer refuses to overwrite a complete output).
+# What this file's commands write (all under /tmp, as the README says); cleared first so that a
+# rerun of the suite starts like a fresh machine (infer refuses to overwrite a complete output).
+# The other README test files clear their own outputs, which may be in use meanwhile.
 OUTPUTS = ["/tmp/t5lite_quickstart", "/tmp/t5lite_predictions.jsonl", "/tmp/t5lite_hf",
-           "/tmp/t5lite_imported", "/tmp/t5lite_finetune", "/tmp/t5lite_2proc",
-           "/tmp/t5lite_mydata"]  # fmt: skip
-
-
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
-
-
-def _run(script: str, **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # the commands choose their own device counts
-    bindir = str(Path(sys.executable).parent)  # `t5lite` is installed beside this interpreter
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    out = subprocess.run(
-        ["bash", "-e", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, **kwargs
-    )
-    assert out.returncode == 0, f"{script}\n--- stderr ---\n{out.stderr[-4000:]}"
-    return out
+           "/tmp/t5lite_imported", "/tmp/t5lite_finetune"]  # fmt: skip
 
 
 def test_no_command_is_a_placeholder():
@@ -76,16 +60,6 @@ def test_quickstart_learns_and_checkpoints(quickstart):
     assert "predictions:" in quickstart
 
 
-def test_inspect_and_plan_commands(quickstart):
-    out = _run(_blocks("bash")[1], timeout=1200)
-    assert out.stdout.count("train step per device") == 2  # inspect on CPU, then on v5e:4x4
-    assert "TPU v5 lite" in out.stdout
-    # Summaries first, judged as a v5p chip (the first) and a v5e (the topology's).
-    assert out.stdout.count("  verdict: ") == 2 and " on TPU v5: " in out.stdout
-    assert "[16/16]" in out.stderr and ": compiling..." in out.stderr  # plan's progress
-    assert "best: " in out.stdout
-
-
 def test_eval_and_infer_commands(quickstart):
     _run(_blocks("bash")[2], timeout=1200)
     records = [
@@ -107,26 +81,3 @@ def test_tensorstore_snippet(quickstart):
     scope: dict = {}
     exec(_blocks("python")[0], scope)
     assert scope["w"].shape == tuple(scope["meta"]["shape"])
-
-
-def test_multi_process_command(quickstart):
-    shutil.rmtree("/tmp/t5lite_2proc", ignore_errors=True)  # as on a fresh machine, right here
-    _run(_blocks("bash")[6], timeout=1200)
-    assert (Path("/tmp/t5lite_2proc") / "checkpoint_60" / "COMMIT").is_file()
-
-
-def test_own_data_commands():
-    """'Train on your own data': a JSONL file the block writes, a task in gin, train, eval,
-    then the cache job and training from the cache."""
-    shutil.rmtree("/tmp/t5lite_mydata", ignore_errors=True)
-    out = _run(_blocks("bash")[3], timeout=1200)
-    model = Path("/tmp/t5lite_mydata/model")
-    result = json.loads((model / "eval" / "step_400.json").read_text())
-    metrics = result["metrics"]["my_qa"]
-    assert metrics["exact_match"] > 50 and 1.0 <= metrics["perplexity"] < 2.0, metrics
-    assert (model / "checkpoint_400" / "COMMIT").is_file()
-    assert "my_qa/exact_match" in out.stderr  # printed by train's evaluation and by eval
-    _run(_blocks("bash")[4], timeout=1200)
-    cache = Path("/tmp/t5lite_mydata/cache/my_qa")
-    assert (cache / "COMPLETED").is_file() and list(cache.glob("train.array_record-*"))
-    assert (Path("/tmp/t5lite_mydata/model_cached") / "checkpoint_20" / "COMMIT").is_file()

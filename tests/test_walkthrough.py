@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_readme import README, _run
+from readme_blocks import blocks
+from readme_blocks import run as run_block
 
 pytestmark = pytest.mark.slow  # two imports, two fine-tunes, two evals, two exports
 pytest.importorskip("transformers", reason="needs the [hf] extra (the block writes HF models)")
@@ -23,10 +24,9 @@ MARKER = "mkdir -p /tmp/t5lite_walkthrough"
 
 
 def _block() -> str:
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", README, flags=re.S)
-              if b.startswith(MARKER)]  # fmt: skip
-    assert len(blocks) == 1, "README has one walkthrough block"
-    return blocks[0]
+    found = [b for b in blocks("bash") if b.startswith(MARKER)]
+    assert len(found) == 1, "README has one walkthrough block"
+    return found[0]
 
 
 def _losses(run: str) -> list[float]:
@@ -36,7 +36,7 @@ def _losses(run: str) -> list[float]:
 
 def test_walkthrough_imports_finetunes_evaluates_and_exports():
     shutil.rmtree(ROOT, ignore_errors=True)  # as on a fresh machine
-    out = _run(_block(), timeout=1800)
+    out = run_block(_block(), timeout=1800)
     assert "transformers loads both" in out.stdout
     for run in ("t5_ft", "llama_lora"):
         assert (ROOT / run / "checkpoint_30" / "COMMIT").is_file()

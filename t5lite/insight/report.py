@@ -211,11 +211,37 @@ class StepReport:
         return ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
 
 
+# XLA:CPU options for a compile that is only read (memory, HLO, FLOPs), never run: LLVM's
+# optimisation level and its expensive passes only change the machine code, which none of those
+# figures read (buffer assignment and the optimised HLO come before code generation), and they
+# are most of a CPU compile's time. tests/test_insight.py checks the figures are identical.
+INSPECTION_CPU_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
+
+
+def inspection_compiler_options(mesh: Mesh) -> dict[str, Any] | None:
+    """Compiler options for compiling on `mesh`'s devices only to read the figures: the cheap
+    code generation on CPU; None (the defaults) elsewhere, e.g. a TPU topology's compiler,
+    whose option names differ."""
+    platform = mesh.devices.flat[0].platform
+    return dict(INSPECTION_CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+
+
 def compile_train_step(
-    trainer: Trainer, progress: Callable[[str], None] | None = None
+    trainer: Trainer,
+    progress: Callable[[str], None] | None = None,
+    *,
+    for_inspection: bool = True,
 ) -> CompiledFunction:
     """Lowers and compiles `trainer.train_step` ahead of time on abstract state and batch,
-    saying which stage it is in through `progress` (large models take minutes)."""
+    saying which stage it is in through `progress` (large models take minutes).
+
+    `for_inspection` (the default: `inspect` and `plan` only read the compiled figures) compiles
+    with `inspection_compiler_options`: the same memory, HLO and FLOPs, generated faster as
+    slower machine code; False compiles as `train` does.
+    """
     say = progress or (lambda _: None)
     part = trainer.partitioner
     t0 = time.perf_counter()
@@ -224,8 +250,9 @@ def compile_train_step(
         lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.batch_abstract)
     t1 = time.perf_counter()
     say(f"lowered in {t1 - t0:.0f} s; compiling with XLA (SPMD partitioning, buffer assignment)...")
+    options = inspection_compiler_options(part.mesh) if for_inspection else None
     with part.context():
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
     say(f"compiled in {time.perf_counter() - t1:.0f} s")
     return CompiledFunction(compiled, part)
 
