@@ -150,9 +150,10 @@ RESTORE_PHASES = [
     ("read_s", "  of which preadv from the page cache (thread-summed)"),
     ("crc_s", "  of which crc32c (thread-summed)"),
     ("copy_s", "  of which copies of non-contiguous chunks (thread-summed)"),
+    ("finite_s", "  of which NaN/Inf checks of each chunk (thread-summed)"),
     ("cast_s", "cast to the target dtypes"),
     ("device_put_s", "device_put of every shard (one call)"),
-    ("finite_s", "NaN/Inf check (one jitted reduction)"),
+    ("finite_check_s", "NaN/Inf verdict (+ jitted check of arrays not checked above)"),
 ]
 RESTORE_COUNTS = ("chunks", "chunks_copied", "direct_arrays", "tensorstore_arrays", "bytes")
 

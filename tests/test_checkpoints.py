@@ -621,3 +621,80 @@ def test_all_zero_arrays_round_trip(tmp_path):
     np.testing.assert_array_equal(restored["zeros"], np.zeros((16, 32), np.float32))
     assert restored["zeros"].sharding == sh
     assert int(restored["count"]) == 0
+
+
+def _write_with_tensorstore(path: Path, x: np.ndarray, chunks, codecs=None) -> None:
+    spec = tsio.array_spec(str(path), x.shape, x.dtype)
+    spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
+    if codecs is not None:
+        spec["metadata"]["codecs"] = codecs
+    ts.open(spec, create=True).result().write(x).result()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_direct_reads_place_check_and_flag_every_chunk(tmp_path, dtype):
+    """The direct reader fills every shard as TensorStore would (whole chunks read in place,
+    clipped and padded edge chunks copied) and flags a NaN or Inf in whichever chunk it lies,
+    per array; a codec it does not decode goes through TensorStore, unchecked."""
+    m = mesh((2, 4))
+    x = (np.random.default_rng(5).standard_normal((24, 10)) * 4).astype(dtype)
+    _write_with_tensorstore(tmp_path / "x", x, (4, 10))  # whole rows: some read in place
+    _write_with_tensorstore(tmp_path / "e", x, (5, 4))  # edge chunks padded in both dims
+    zstd = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]
+    _write_with_tensorstore(tmp_path / "z", x, (6, 5), zstd)
+    shardings = [
+        NamedSharding(m, s) for s in (P("model", None), P(None, "data"), P(("data", "model")))
+    ]
+    ctx = tsio.make_context()
+    items = [(str(tmp_path / "x"), x.shape, dtype, s) for s in shardings]
+    items += [(str(tmp_path / "e"), x.shape, dtype, s) for s in shardings]
+    items += [
+        (str(tmp_path / "x"), x.shape, dtype, None),
+        (str(tmp_path / "z"), x.shape, dtype, shardings[0]),
+    ]
+    stats, finite = {}, []
+    got = tsio.read_arrays(items, ctx, stats=stats, finite=finite)
+    for y, (*_, sh) in zip(got, items):
+        assert np.asarray(y).tobytes() == x.tobytes()
+        if sh is not None:
+            assert y.sharding == sh
+    assert (stats["direct_arrays"], stats["tensorstore_arrays"]) == (7, 1)
+    assert 0 < stats["chunks_copied"] < stats["chunks"]
+    assert finite == [True] * 7 + [None]
+    for i, bad in [(0, np.nan), (23, np.inf), (13, -np.inf)]:  # first, padded edge, middle rows
+        y = x.copy()
+        y[i, 9 - i % 3] = bad
+        _write_with_tensorstore(tmp_path / f"bad{i}", y, (5, 4))
+        flags: list = []
+        items = [(str(tmp_path / f"bad{i}"), y.shape, dtype, s) for s in shardings]
+        items.append((str(tmp_path / "x"), x.shape, dtype, shardings[1]))
+        tsio.read_arrays(items, ctx, finite=flags)
+        assert flags == [False, False, False, True]
+
+
+def test_non_finite_after_a_cast_is_refused(tmp_path):
+    """Stored values are finite but overflow the target dtype: the reader does not check casts,
+    the jitted check after it does."""
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, {"w": jnp.array([1.0, 7e4], jnp.float32)})
+    with pytest.raises(CheckpointError, match=r"array 'w' holds NaN or Inf"):
+        mgr.restore({"w": jax.ShapeDtypeStruct((2,), jnp.float16, sharding=None)})
+    got, _ = mgr.restore({"w": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=None)})
+    assert np.asarray(got["w"]).tolist() == [1.0, 7e4]
+
+
+def test_bad_corrupt_chunk_read_into_a_copy_names_the_file(saved):
+    """A chunk that is not one contiguous block of its shard is read into a scratch buffer: its
+    checksum is checked there too, and the one-line error names the array and the file."""
+    mgr, state, d = saved
+    f = chunk_files(d)[2]
+    data = bytearray(f.read_bytes())
+    data[-9] ^= 0x01
+    f.write_bytes(bytes(data))
+    m = mesh((2, 4))
+    target = abstract(state, lambda k: P("model", None) if "'w'" in k else P(), m)
+    with pytest.raises(CheckpointError) as e:
+        mgr.restore(target)
+    msg = str(e.value)
+    assert "\n" not in msg and "array 'params/w' cannot be read" in msg
+    assert f"chunk {f}: crc32c digest mismatch" in msg

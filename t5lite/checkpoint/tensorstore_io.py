@@ -414,6 +414,7 @@ def read_arrays(
     context: ts.Context,
     threads: int = READ_THREADS,
     stats: dict[str, float] | None = None,
+    finite: list[bool | None] | None = None,
 ) -> list[Any]:
     """Reads arrays onto shardings; each process reads only what its devices hold.
 
@@ -434,7 +435,11 @@ def read_arrays(
         which overlap them: `preadv` calls, crc32c, copies of chunks that are not one contiguous
         block of their shard), `chunks_s` (wall time until every chunk is read and checked, and
         TensorStore's reads are done), `cast_s`, `device_put_s`, `chunks`, `chunks_copied`,
-        `direct_arrays`, `tensorstore_arrays`, `bytes`.
+        `direct_arrays`, `tensorstore_arrays`, `bytes`; and `finite_s` (thread-summed).
+      finite: when given, set to one entry per item: whether the values this process read are
+        all finite, checked by the reader threads on each chunk as it lands, or None where
+        this was not checked (TensorStore reads, non-float dtypes, stored dtype cast to
+        another).
 
     Returns:
       One array per item, in order.
@@ -450,9 +455,15 @@ def read_arrays(
         for k, (path, *_) in enumerate(items)
         if infos[k] is None
     }
-    plans, jobs = [], []
-    for k, (_, shape, _dtype, sharding) in enumerate(items):
+    plans, jobs, owner = [], [], []
+    for k, (_, shape, dtype, sharding) in enumerate(items):
         info = infos[k]
+        check = (
+            finite is not None
+            and info is not None
+            and info.dtype == np.dtype(dtype)  # casts (fp32 -> fp16) can overflow: not here
+            and zr.finite_checkable(info.dtype)
+        )
         store = stores[k].result() if info is None else None
         stored_shape = tuple(info.shape if store is None else store.shape)
         if stored_shape != tuple(shape):
@@ -469,7 +480,9 @@ def read_arrays(
         for idx in set(dev_index.values()):
             buf = aligned_empty(tuple(b - a for a, b in idx), stored)
             if store is None:
-                jobs += zr.plan_reads(info, idx, buf)
+                planned = zr.plan_reads(info, idx, buf, check)
+                jobs += planned
+                owner += [k] * len(planned)
                 reads[idx] = (buf, None)
             else:
                 # TensorStore copies each chunk straight into our aligned buffer (`store.read()`
@@ -494,8 +507,10 @@ def read_arrays(
     t_read = time.perf_counter()
     out: list[Any] = [None] * len(items)
     puts, put_devices = [], []
-    for k, ((dev_index, reads), (_, shape, dtype, sharding)) in enumerate(zip(plans, items)):
-        host = {idx: buf.astype(dtype, copy=False) for idx, (buf, _) in reads.items()}
+    for k, ((dev_index, reads), (_, _, dtype, sharding)) in enumerate(zip(plans, items)):
+        # An overflowing cast (fp32 -> fp16) gives Inf, which the restore's NaN/Inf check names.
+        with np.errstate(over="ignore"):
+            host = {idx: buf.astype(dtype, copy=False) for idx, (buf, _) in reads.items()}
         if sharding is None:
             out[k] = next(iter(host.values()))
         else:
@@ -509,10 +524,17 @@ def read_arrays(
         if sharding is not None:
             bufs = [next(on_device) for _ in dev_index]
             out[k] = jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+    if finite is not None:
+        checked = {k for k, j in zip(owner, jobs) if j.check_finite}
+        finite[:] = [True if k in checked else None for k in range(len(items))]
+        for k, r in zip(owner, done):
+            if k in checked and not r[4]:
+                finite[k] = False
     if stats is not None:
-        sums = [sum(x) for x in zip(*done)] if done else [0.0, 0.0, 0.0]
+        sums = [sum(x) for x in zip(*done)] if done else [0.0] * 5
         stats.update(
             plan_s=t_planned - t_start, read_s=sums[0], crc_s=sums[1], copy_s=sums[2],
+            finite_s=sums[3],
             chunks_s=t_read - t_planned, cast_s=t_cast - t_read,
             device_put_s=time.perf_counter() - t_cast, chunks=len(jobs),
             chunks_copied=sum(not j.direct for j in jobs),
