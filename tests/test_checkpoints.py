@@ -27,6 +27,7 @@ from t5lite.checkpoint import (
     CheckpointError,
     CheckpointManager,
     committed_steps,
+    restore_checkpoint,
 )
 from t5lite.checkpoint import tensorstore_io as tsio
 
@@ -683,18 +684,29 @@ def test_non_finite_after_a_cast_is_refused(tmp_path):
     assert np.asarray(got["w"]).tolist() == [1.0, 7e4]
 
 
-def test_bad_corrupt_chunk_read_into_a_copy_names_the_file(saved):
-    """A chunk that is not one contiguous block of its shard is read into a scratch buffer: its
-    checksum is checked there too, and the one-line error names the array and the file."""
-    mgr, state, d = saved
+@pytest.mark.parametrize(
+    "mesh_shape,spec,reads,copied",
+    # (2048, 1024) in chunks of (512, 512), read once per distinct shard range, and `b`'s one.
+    [((2, 4), P("model", None), 4 * 2 + 1, 0), ((8, 1), P(None, "data"), 8 * 4 + 1, 8 * 4)],
+    ids=["read_in_place_row_by_row", "read_whole_and_copied_in_part"],
+)
+def test_bad_corrupt_chunk_names_the_file(saved, mesh_shape, spec, reads, copied):
+    """A chunk narrower than its shard is read in place as one block per row; a chunk wider
+    than its shard is read into a scratch buffer and copied in part: the checksum is checked
+    either way, and the one-line error names the array and the file."""
+    _, state, d = saved
     f = chunk_files(d)[2]
     data = bytearray(f.read_bytes())
     data[-9] ^= 0x01
     f.write_bytes(bytes(data))
-    m = mesh((2, 4))
-    target = abstract(state, lambda k: P("model", None) if "'w'" in k else P(), m)
+    target = abstract(state, lambda k: spec if "'w'" in k else P(), mesh(mesh_shape))
+    stats: dict = {}
     with pytest.raises(CheckpointError) as e:
-        mgr.restore(target)
+        restore_checkpoint(d, target, stats=stats)
     msg = str(e.value)
     assert "\n" not in msg and "array 'params/w' cannot be read" in msg
     assert f"chunk {f}: crc32c digest mismatch" in msg
+    f.write_bytes(bytes(data[:-9]) + bytes([data[-9] ^ 0x01]) + bytes(data[-8:]))
+    got, _ = restore_checkpoint(d, target, stats=stats)
+    assert_bit_equal(got, state)
+    assert (stats["chunks"], stats["chunks_copied"]) == (reads, copied)

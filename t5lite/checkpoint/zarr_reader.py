@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -33,6 +34,9 @@ import numpy as np
 from t5lite.checkpoint.zarr_writer import _DTYPES
 
 Index = tuple[tuple[int, int], ...]  # per dimension [start, stop)
+
+# Buffers one `preadv` takes (Linux's IOV_MAX); a chunk made of more blocks is read in batches.
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 
 # `zarr.json` keys that do not change how chunk bytes decode.
 _INERT_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "codecs",
@@ -98,7 +102,7 @@ class ChunkRead:
     src: tuple[slice, ...]  # the part, in chunk coordinates
     dst: tuple[slice, ...]  # the same part, in `dest` coordinates
     dest: np.ndarray
-    direct: bool  # the chunk is one contiguous block of `dest`: read straight into it
+    direct: bool  # the part is the whole chunk: read straight into `dest`
     check_finite: bool = False  # also say whether the placed values are all finite
 
 
@@ -130,12 +134,31 @@ def plan_reads(
         src = tuple(slice(x - i * c, y - i * c) for x, y, i, c in zip(lo, hi, pos, info.chunks))
         dst = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, index))
         # Direct when the part is the whole chunk (not clipped by the range or padded at the
-        # array's edge) and one contiguous block of `dest`.
-        whole = tuple(y - x for x, y in zip(lo, hi)) == info.chunks
-        direct = whole and dest[dst].flags.c_contiguous
+        # array's edge): it is read straight into `dest`.
+        direct = tuple(y - x for x, y in zip(lo, hi)) == info.chunks
         key = "c/" + "/".join(map(str, pos))
         out.append(ChunkRead(info, key, src, dst, dest, direct, check_finite))
     return out
+
+
+def _runs(region: np.ndarray) -> list[np.ndarray]:
+    """`region` (a view into a C-order array) as the contiguous blocks it is made of, in C
+    order: one per index of its leading dimensions, as few of them as make each block
+    contiguous."""
+    lead = next(i for i in range(region.ndim + 1) if region[(0,) * i].flags.c_contiguous)
+    return [region[idx].reshape(-1) for idx in np.ndindex(*region.shape[:lead])]
+
+
+# Per reader thread, a scratch buffer for chunks read whole and copied out in part: fresh
+# memory for each would cost a page fault per 4 KiB again and again.
+_scratch = threading.local()
+
+
+def _scratch_bytes(n: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.nbytes < n:
+        buf = _scratch.buf = np.empty(n, np.uint8)
+    return buf[:n]
 
 
 def read_chunk(r: ChunkRead) -> tuple[float, float, float, float, bool]:
@@ -144,13 +167,19 @@ def read_chunk(r: ChunkRead) -> tuple[float, float, float, float, bool]:
     `r.check_finite`): checked here, while the chunk is in this core's cache, at a fraction of
     a second pass over the restored arrays.
 
+    A whole chunk is read straight into its place in `dest` (one `preadv` with a buffer per
+    contiguous block of it, e.g. a row of a chunk narrower than its shard), the rest into a
+    scratch buffer and copied out.
+
     Raises:
       ValueError: the chunk file is missing, has the wrong size, or fails its checksum.
     """
     info, name = r.info, os.path.join(r.info.path, r.key)
     n = info.chunk_nbytes
     t0 = time.perf_counter()
-    data = r.dest[r.dst].reshape(-1).view(np.uint8) if r.direct else np.empty(n, np.uint8)
+    region = r.dest[r.dst] if r.direct else None
+    # Bytes, not elements: buffer views of ml_dtypes (bfloat16) are refused by memoryview.
+    runs = [b.view(np.uint8) for b in _runs(region)] if r.direct else [_scratch_bytes(n)]
     tail = bytearray(4 if info.crc else 0)
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
@@ -163,9 +192,9 @@ def read_chunk(r: ChunkRead) -> tuple[float, float, float, float, bool]:
                 f"chunk {name} has {size} bytes, expected {n + len(tail)} (truncated or not a "
                 "t5lite chunk)"
             )
-        views, got = [memoryview(data), memoryview(tail)], 0
-        while got < size:  # a short read (rare on local files): go on from where it stopped
-            done = os.preadv(fd, _skip(views, got), got)
+        views, got = [memoryview(b) for b in runs] + [memoryview(tail)], 0
+        while got < size:  # short reads (rare on local files), or more buffers than IOV_MAX
+            done = os.preadv(fd, _skip(views, got)[:_IOV_MAX], got)
             if done == 0:
                 raise ValueError(f"chunk {name} is truncated (file shrank while read)")
             got += done
@@ -173,15 +202,20 @@ def read_chunk(r: ChunkRead) -> tuple[float, float, float, float, bool]:
         os.close(fd)
     t1 = time.perf_counter()
     if info.crc:
-        stored, computed = int.from_bytes(tail, "little"), crc32c.crc32c(data)
+        computed = 0
+        for b in runs:
+            computed = crc32c.crc32c(b, computed)
+        stored = int.from_bytes(tail, "little")
         if stored != computed:
             raise ValueError(
                 f"chunk {name}: crc32c digest mismatch (stored {stored:#010x}, computed "
                 f"{computed:#010x}): the file is corrupt"
             )
     t2 = time.perf_counter()
-    part = data.view(info.dtype) if r.direct else data.view(info.dtype).reshape(info.chunks)[r.src]
-    if not r.direct:
+    if r.direct:
+        part = region
+    else:
+        part = runs[0].view(info.dtype).reshape(info.chunks)[r.src]
         r.dest[r.dst] = part
     t3 = time.perf_counter()
     finite = all_finite(part) if r.check_finite else True
