@@ -492,6 +492,41 @@ def test_two_processes_save_one_restores(tmp_path):
     assert extra == {"step": 7, "pid_count": 2}
 
 
+@pytest.mark.parametrize("nan_row", [None, 40], ids=["finite", "nan_in_one_process_half"])
+def test_two_processes_restore_and_agree_on_non_finite(tmp_path, nan_row):
+    """Each process reads and checks only its own half of the rows; a NaN in one half makes
+    both processes refuse the checkpoint with the same error (the verdicts are combined)."""
+    from checkpoint_helper import state_at
+
+    m = mesh((2, 4))
+    state = state_at(7, m, n=4)
+    if nan_row is not None:
+        w = np.asarray(state["params"]["w2"]).copy()
+        w[nan_row, 5] = np.nan
+        state["params"]["w2"] = jax.device_put(w, state["params"]["w2"].sharding)
+    CheckpointManager(tmp_path, async_save=False).save(7, state)
+    outs = [p.communicate(timeout=120) for p in _two_helper_processes("multi_restore", tmp_path)]
+    # (Gloo prints its own lines to stdout.)
+    lines = [
+        next((x for x in out.splitlines() if x.startswith(("RESTORED", "REFUSED"))), err[-2000:])
+        for out, err in outs
+    ]
+    if nan_row is None:
+        total = sum(float(np.asarray(v).sum()) for v in state["params"].values())
+        assert all(line.startswith("RESTORED ") for line in lines), lines
+        assert sum(float(line.split()[1]) for line in lines) == pytest.approx(total, rel=1e-6)
+    else:
+        assert (
+            lines[0]
+            == lines[1]
+            == (
+                f"REFUSED checkpoint {tmp_path / 'checkpoint_7'}: array 'params/w2' holds NaN or "
+                "Inf (a diverged run?); restore an earlier checkpoint, or pass "
+                "allow_non_finite=True to read it anyway"
+            )
+        ), lines
+
+
 def test_a_failed_write_on_one_process_fails_the_save_everywhere(tmp_path):
     """No process waits forever for a peer whose write failed, and nothing is committed."""
     procs = _two_helper_processes("multi_fail", tmp_path)
