@@ -1,7 +1,7 @@
 """Raw array I/O on TensorStore: one jax.Array <-> one zarr3 array on disk.
 
-This module knows nothing about steps, commits or trees (that is `checkpoints.py`); it only turns
-sharded arrays into TensorStore writes and TensorStore reads back into sharded arrays.
+This module knows nothing about steps, commits or trees (that is `manager.py`); it only turns
+sharded arrays into chunk writes and chunk reads back into sharded arrays.
 
 On-disk array format (plain zarr v3, readable with `tensorstore` alone):
   - driver `zarr3`, codecs `bytes` (little endian, uncompressed) + `crc32c` (a checksum per chunk,
@@ -15,7 +15,9 @@ On-disk array format (plain zarr v3, readable with `tensorstore` alone):
 
 Writes: each process writes only its addressable shards whose `replica_id == 0`, so no element is
 written twice. Reads: each process reads only the index ranges its own devices need, once per
-distinct range (replicas share one read).
+distinct range (replicas share one read). Both go straight to the chunk files where they can
+(`zarr_writer`, `zarr_reader`: the same bytes TensorStore writes and reads), and through
+TensorStore otherwise (chunks shared between processes on save, other formats on restore).
 """
 
 from __future__ import annotations
