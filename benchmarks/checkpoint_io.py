@@ -146,10 +146,10 @@ def phase_table(stats: list[dict], size_gib: float) -> dict:
 # The restore's phases (see `tsio.read_arrays` and `restore_checkpoint`'s `stats`).
 RESTORE_PHASES = [
     ("plan_s", "plan: zarr.json files, shard buffers, chunk plans"),
-    ("chunks_s", "chunks read, checksummed, placed (wall)"),
+    ("chunks_s", "chunks read in place, checksummed, NaN/Inf-checked (wall)"),
     ("read_s", "  of which preadv from the page cache (thread-summed)"),
     ("crc_s", "  of which crc32c (thread-summed)"),
-    ("copy_s", "  of which copies of non-contiguous chunks (thread-summed)"),
+    ("copy_s", "  of which copies of clipped or padded chunks (thread-summed)"),
     ("finite_s", "  of which NaN/Inf checks of each chunk (thread-summed)"),
     ("cast_s", "cast to the target dtypes"),
     ("device_put_s", "device_put of every shard (one call)"),
