@@ -13,7 +13,8 @@ save's blocking time (t5lite: staging into fresh memory) is reported on its own.
 cache is not dropped (it is shared with other users of the machine): restores read warm files
 on both sides alike. After the figures, a table says where t5lite's save spends its time
 (staging copies, chunk plans, copies and checksums, writes, fsyncs, commit; medians over
-repetitions) with the file and chunk-write counts and the settings that shaped them.
+repetitions) with the file and chunk-write counts and the settings that shaped them, and a
+second table where its restore does (chunk reads, checksums, copies, device_put, NaN check).
 
     python benchmarks/checkpoint_io.py [--size_gib 1] [--reps 9] [--smoke] [--out PATH]
 """
@@ -142,9 +143,46 @@ def phase_table(stats: list[dict], size_gib: float) -> dict:
     return {"seconds": {k: round(v, 4) for k, v in med.items()}, **counts, **limits}
 
 
-def t5lite_restore(target, d: Path):
+# The restore's phases (see `tsio.read_arrays` and `restore_checkpoint`'s `stats`).
+RESTORE_PHASES = [
+    ("plan_s", "plan: zarr.json files, shard buffers, chunk plans"),
+    ("chunks_s", "chunks read in place, checksummed, NaN/Inf-checked (wall)"),
+    ("read_s", "  of which preadv from the page cache (thread-summed)"),
+    ("crc_s", "  of which crc32c (thread-summed)"),
+    ("copy_s", "  of which copies of clipped or padded chunks (thread-summed)"),
+    ("finite_s", "  of which NaN/Inf checks of each chunk (thread-summed)"),
+    ("cast_s", "cast to the target dtypes"),
+    ("device_put_s", "device_put of every shard (one call)"),
+    ("finite_check_s", "NaN/Inf verdict (+ jitted check of arrays not checked above)"),
+]
+RESTORE_COUNTS = ("chunks", "chunks_copied", "direct_arrays", "tensorstore_arrays", "bytes")
+
+
+def restore_phase_table(stats: list[dict], size_gib: float) -> dict:
+    """Median of each restore phase over the repetitions, with the counts."""
+    from t5lite.checkpoint import tensorstore_io as tsio
+
+    med = {
+        k: statistics.median(s[k] for s in stats)
+        for k, _ in RESTORE_PHASES
+        if all(k in s for s in stats)
+    }
+    counts = {k: stats[0][k] for k in RESTORE_COUNTS if k in stats[0]}
+    print(f"\nt5lite restore phases ({size_gib:.3f} GiB, checksums on, medians of {len(stats)}):")
+    for k, label in RESTORE_PHASES:
+        if k in med:
+            print(f"  {label:58s} {med[k]:7.3f} s")
+    print(f"  counts {counts}; settings {{'reader_threads': {tsio.READ_THREADS}}}")
+    return {
+        "seconds": {k: round(v, 4) for k, v in med.items()},
+        **counts,
+        "reader_threads": tsio.READ_THREADS,
+    }
+
+
+def t5lite_restore(target, d: Path, stats: dict | None = None):
     t0 = time.perf_counter()
-    out, _ = restore_checkpoint(d, target, with_extra=False)
+    out, _ = restore_checkpoint(d, target, with_extra=False, stats=stats)
     jax.block_until_ready(out)
     return time.perf_counter() - t0, out
 
@@ -247,6 +285,7 @@ def main(argv=None) -> dict:
     }
     checks = {}
     phase_stats: list[dict] = []
+    restore_stats: list[dict] = []
     managers = {
         who: CheckpointManager(scratch / who, async_save=True, checksum=who == "ours")
         for who in ("ours", "ours_nocrc")
@@ -273,7 +312,10 @@ def main(argv=None) -> dict:
                     t[f"{key}_block"].append(block)
                     if rep == 0:
                         checks[f"{who}_readable_by_new_process"] = readable_by_new_process(d)
-                    el, out = t5lite_restore(target, d)
+                    rstats: dict = {}
+                    el, out = t5lite_restore(target, d, rstats)
+                    if who == "ours":
+                        restore_stats.append(rstats)
                     t[f"{key}_restore"].append(el)
                     if rep == 0:
                         checks[f"{who}_bit_exact"] = bit_equal(out, tree)
@@ -379,6 +421,7 @@ def main(argv=None) -> dict:
         goal = "" if f["goal"] is None else f"{f['goal']} {'met' if f['met'] else 'NOT met'}"
         print(f"{f['name']:36s} {f['value']:9.3f} {f['unit']:8s} {ref:>9s} {ratio:>7s} {goal}")
     record["save_phases"] = phase_table(phase_stats, size)
+    record["restore_phases"] = restore_phase_table(restore_stats, size)
     write_record(record, args.out)
     return record
 

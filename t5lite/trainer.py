@@ -24,7 +24,7 @@ from seqio_lite.feature_converters import complete_features
 from t5lite.model import optimizers
 from t5lite.model.models import FEATURE_AXES, BaseModel
 from t5lite.partitioning import Partitioner, logical_axes_of
-from t5lite.pytree import path_str
+from t5lite.pytree import finite_by_array, path_str
 
 PyTree = Any
 Array = jax.Array
@@ -354,20 +354,6 @@ def _rows_of_this_process(batch, layout):
     """This process's rows of a batch that every process holds in full."""
     lo = layout.shard_id * layout.per_process_batch_size
     return {k: np.asarray(v)[lo : lo + layout.per_process_batch_size] for k, v in batch.items()}
-
-
-def finite_by_array(tree: PyTree) -> Array:
-    """A bool vector, one entry per floating-point leaf of `tree` in tree order (see
-    `inexact_leaf_paths`): every element of that leaf is finite."""
-    # One fused reduction per array: x * 0 is 0 where x is finite and NaN where it is not (inf
-    # too), and a sum keeps a NaN. `all(isfinite(x))` first writes a bool array on XLA:CPU
-    # (about 1% of the T5.1.1-small train step).
-    flags = [
-        jnp.isfinite(jnp.sum(x * 0, dtype=jnp.float32))
-        for x in jax.tree_util.tree_leaves(tree)
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
-    return jnp.stack(flags) if flags else jnp.ones([0], bool)
 
 
 def inexact_leaf_paths(tree: PyTree) -> list[str]:

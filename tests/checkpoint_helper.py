@@ -5,6 +5,8 @@
     python checkpoint_helper.py exit DIR        start an async save of step 3 and exit at once
     python checkpoint_helper.py multi DIR PORT PID   one of 2 processes x 4 devices saving step 7
     python checkpoint_helper.py multi_fail DIR PORT PID   the same, with process 1's write failing
+    python checkpoint_helper.py multi_restore DIR PORT PID   one of 2 processes restoring
+        `state_at(7, n=4)`'s params onto the 2 x 4 mesh (each reads its own half)
 
 The state at step s is `state_at(s)`, so the parent can check a restored step bit for bit.
 """
@@ -56,11 +58,25 @@ def main() -> None:
     mode, directory = sys.argv[1], sys.argv[2]
     from t5lite.checkpoint import CheckpointManager
 
-    if mode in ("multi", "multi_fail"):
+    if mode in ("multi", "multi_fail", "multi_restore"):
         port, pid = int(sys.argv[3]), int(sys.argv[4])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid)
         mesh = jax.make_mesh((2, 4), ("data", "model"))
+        if mode == "multi_restore":
+            from t5lite.checkpoint import CheckpointError
+
+            sh = NamedSharding(mesh, P("data", "model"))
+            target = {"params": {f"w{i}": jax.ShapeDtypeStruct((64, 256), np.float32, sharding=sh)
+                                 for i in range(4)}}  # fmt: skip
+            try:
+                got, _ = CheckpointManager(directory).restore(target)
+            except CheckpointError as e:
+                print(f"REFUSED {e}", flush=True)
+                return
+            shards = [s for v in got["params"].values() for s in v.addressable_shards]
+            print(f"RESTORED {sum(float(np.asarray(s.data).sum()) for s in shards)}", flush=True)
+            return
         if mode == "multi_fail" and pid == 1:  # process 1's disk write fails
             from t5lite.checkpoint import tensorstore_io
 

@@ -27,6 +27,7 @@ from t5lite.checkpoint import (
     CheckpointError,
     CheckpointManager,
     committed_steps,
+    restore_checkpoint,
 )
 from t5lite.checkpoint import tensorstore_io as tsio
 
@@ -491,6 +492,41 @@ def test_two_processes_save_one_restores(tmp_path):
     assert extra == {"step": 7, "pid_count": 2}
 
 
+@pytest.mark.parametrize("nan_row", [None, 40], ids=["finite", "nan_in_one_process_half"])
+def test_two_processes_restore_and_agree_on_non_finite(tmp_path, nan_row):
+    """Each process reads and checks only its own half of the rows; a NaN in one half makes
+    both processes refuse the checkpoint with the same error (the verdicts are combined)."""
+    from checkpoint_helper import state_at
+
+    m = mesh((2, 4))
+    state = state_at(7, m, n=4)
+    if nan_row is not None:
+        w = np.asarray(state["params"]["w2"]).copy()
+        w[nan_row, 5] = np.nan
+        state["params"]["w2"] = jax.device_put(w, state["params"]["w2"].sharding)
+    CheckpointManager(tmp_path, async_save=False).save(7, state)
+    outs = [p.communicate(timeout=120) for p in _two_helper_processes("multi_restore", tmp_path)]
+    # (Gloo prints its own lines to stdout.)
+    lines = [
+        next((x for x in out.splitlines() if x.startswith(("RESTORED", "REFUSED"))), err[-2000:])
+        for out, err in outs
+    ]
+    if nan_row is None:
+        total = sum(float(np.asarray(v).sum()) for v in state["params"].values())
+        assert all(line.startswith("RESTORED ") for line in lines), lines
+        assert sum(float(line.split()[1]) for line in lines) == pytest.approx(total, rel=1e-6)
+    else:
+        assert (
+            lines[0]
+            == lines[1]
+            == (
+                f"REFUSED checkpoint {tmp_path / 'checkpoint_7'}: array 'params/w2' holds NaN or "
+                "Inf (a diverged run?); restore an earlier checkpoint, or pass "
+                "allow_non_finite=True to read it anyway"
+            )
+        ), lines
+
+
 def test_a_failed_write_on_one_process_fails_the_save_everywhere(tmp_path):
     """No process waits forever for a peer whose write failed, and nothing is committed."""
     procs = _two_helper_processes("multi_fail", tmp_path)
@@ -621,3 +657,91 @@ def test_all_zero_arrays_round_trip(tmp_path):
     np.testing.assert_array_equal(restored["zeros"], np.zeros((16, 32), np.float32))
     assert restored["zeros"].sharding == sh
     assert int(restored["count"]) == 0
+
+
+def _write_with_tensorstore(path: Path, x: np.ndarray, chunks, codecs=None) -> None:
+    spec = tsio.array_spec(str(path), x.shape, x.dtype)
+    spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
+    if codecs is not None:
+        spec["metadata"]["codecs"] = codecs
+    ts.open(spec, create=True).result().write(x).result()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_direct_reads_place_check_and_flag_every_chunk(tmp_path, dtype):
+    """The direct reader fills every shard as TensorStore would (whole chunks read in place,
+    clipped and padded edge chunks copied) and flags a NaN or Inf in whichever chunk it lies,
+    per array; a codec it does not decode goes through TensorStore, unchecked."""
+    m = mesh((2, 4))
+    x = (np.random.default_rng(5).standard_normal((24, 10)) * 4).astype(dtype)
+    _write_with_tensorstore(tmp_path / "x", x, (4, 10))  # whole rows: some read in place
+    _write_with_tensorstore(tmp_path / "e", x, (5, 4))  # edge chunks padded in both dims
+    zstd = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]
+    _write_with_tensorstore(tmp_path / "z", x, (6, 5), zstd)
+    shardings = [
+        NamedSharding(m, s) for s in (P("model", None), P(None, "data"), P(("data", "model")))
+    ]
+    ctx = tsio.make_context()
+    items = [(str(tmp_path / "x"), x.shape, dtype, s) for s in shardings]
+    items += [(str(tmp_path / "e"), x.shape, dtype, s) for s in shardings]
+    items += [
+        (str(tmp_path / "x"), x.shape, dtype, None),
+        (str(tmp_path / "z"), x.shape, dtype, shardings[0]),
+    ]
+    stats, finite = {}, []
+    got = tsio.read_arrays(items, ctx, stats=stats, finite=finite)
+    for y, (*_, sh) in zip(got, items):
+        assert np.asarray(y).tobytes() == x.tobytes()
+        if sh is not None:
+            assert y.sharding == sh
+    assert (stats["direct_arrays"], stats["tensorstore_arrays"]) == (7, 1)
+    assert 0 < stats["chunks_copied"] < stats["chunks"]
+    assert finite == [True] * 7 + [None]
+    for i, bad in [(0, np.nan), (23, np.inf), (13, -np.inf)]:  # first, padded edge, middle rows
+        y = x.copy()
+        y[i, 9 - i % 3] = bad
+        _write_with_tensorstore(tmp_path / f"bad{i}", y, (5, 4))
+        flags: list = []
+        items = [(str(tmp_path / f"bad{i}"), y.shape, dtype, s) for s in shardings]
+        items.append((str(tmp_path / "x"), x.shape, dtype, shardings[1]))
+        tsio.read_arrays(items, ctx, finite=flags)
+        assert flags == [False, False, False, True]
+
+
+def test_non_finite_after_a_cast_is_refused(tmp_path):
+    """Stored values are finite but overflow the target dtype: the reader does not check casts,
+    the jitted check after it does."""
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, {"w": jnp.array([1.0, 7e4], jnp.float32)})
+    with pytest.raises(CheckpointError, match=r"array 'w' holds NaN or Inf"):
+        mgr.restore({"w": jax.ShapeDtypeStruct((2,), jnp.float16, sharding=None)})
+    got, _ = mgr.restore({"w": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=None)})
+    assert np.asarray(got["w"]).tolist() == [1.0, 7e4]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,spec,reads,copied",
+    # (2048, 1024) in chunks of (512, 512), read once per distinct shard range, and `b`'s one.
+    [((2, 4), P("model", None), 4 * 2 + 1, 0), ((8, 1), P(None, "data"), 8 * 4 + 1, 8 * 4)],
+    ids=["read_in_place_row_by_row", "read_whole_and_copied_in_part"],
+)
+def test_bad_corrupt_chunk_names_the_file(saved, mesh_shape, spec, reads, copied):
+    """A chunk narrower than its shard is read in place as one block per row; a chunk wider
+    than its shard is read into a scratch buffer and copied in part: the checksum is checked
+    either way, and the one-line error names the array and the file."""
+    _, state, d = saved
+    f = chunk_files(d)[2]
+    data = bytearray(f.read_bytes())
+    data[-9] ^= 0x01
+    f.write_bytes(bytes(data))
+    target = abstract(state, lambda k: spec if "'w'" in k else P(), mesh(mesh_shape))
+    stats: dict = {}
+    with pytest.raises(CheckpointError) as e:
+        restore_checkpoint(d, target, stats=stats)
+    msg = str(e.value)
+    assert "\n" not in msg and "array 'params/w' cannot be read" in msg
+    assert f"chunk {f}: crc32c digest mismatch" in msg
+    f.write_bytes(bytes(data[:-9]) + bytes([data[-9] ^ 0x01]) + bytes(data[-8:]))
+    got, _ = restore_checkpoint(d, target, stats=stats)
+    assert_bit_equal(got, state)
+    assert (stats["chunks"], stats["chunks_copied"]) == (reads, copied)

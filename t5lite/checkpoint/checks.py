@@ -12,6 +12,7 @@ import numpy as np
 
 from t5lite.checkpoint import layout
 from t5lite.checkpoint.layout import CheckpointError
+from t5lite.pytree import finite_by_array
 
 
 def _castable(src: np.dtype, dst: np.dtype) -> bool:
@@ -21,14 +22,45 @@ def _castable(src: np.dtype, dst: np.dtype) -> bool:
     return jax.dtypes.issubdtype(src, np.floating) and jax.dtypes.issubdtype(dst, np.floating)
 
 
-def check_finite(p: Path, names: Sequence[str], values: Sequence[Any]) -> None:
-    """Raises CheckpointError naming the first restored array that holds NaN or Inf."""
-    floats = [(n, v) for n, v in zip(names, values) if jnp.issubdtype(v.dtype, jnp.inexact)]
-    on_device = [v for _, v in floats if isinstance(v, jax.Array)]
+def check_finite(
+    p: Path,
+    names: Sequence[str],
+    values: Sequence[Any],
+    known: Sequence[bool | None] | None = None,
+) -> None:
+    """Raises CheckpointError naming the first restored array that holds NaN or Inf.
+
+    Args:
+      p: the checkpoint directory (for the message).
+      names: the arrays' paths in the checkpoint.
+      values: the restored arrays.
+      known: per array, whether this process's part of it was already found all finite (the
+        restore's reader checks chunks as they land), or None to check it here. With several
+        processes the known flags are combined across processes first, so every process
+        reaches the same verdict.
+    """
+    known = list(known) if known is not None else [None] * len(values)
+    if jax.process_count() > 1 and any(k is not None for k in known):
+        from jax.experimental import multihost_utils
+
+        # Which entries are known is the same on every process (it depends on the stored
+        # format and dtypes only); their verdicts are not.
+        local = np.array([k is not False for k in known])
+        every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(known))
+        known = [None if k is None else bool(ok) for k, ok in zip(known, every.all(axis=0))]
+    floats = [
+        (n, v, k) for n, v, k in zip(names, values, known) if jnp.issubdtype(v.dtype, jnp.inexact)
+    ]
+    on_device = [v for _, v, k in floats if isinstance(v, jax.Array) and k is None]
     # One jitted reduction per array on its own shards; only the booleans reach the host.
     flags = iter(jax.device_get(_finite_flags(on_device)) if on_device else [])
-    for name, v in floats:
-        ok = bool(next(flags)) if isinstance(v, jax.Array) else bool(np.isfinite(v).all())
+    for name, v, k in floats:
+        if k is not None:
+            ok = k
+        elif isinstance(v, jax.Array):
+            ok = bool(next(flags))
+        else:
+            ok = bool(np.isfinite(v).all())
         if not ok:
             raise CheckpointError(
                 f"checkpoint {p}: array '{name}' holds NaN or Inf (a diverged run?); restore an "
@@ -36,9 +68,8 @@ def check_finite(p: Path, names: Sequence[str], values: Sequence[Any]) -> None:
             )
 
 
-@jax.jit
-def _finite_flags(arrays: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.all(jnp.isfinite(a)) for a in arrays]
+# The train step's check (one fused reduction per array), jitted here on its own.
+_finite_flags = jax.jit(finite_by_array)
 
 
 def checked_target(

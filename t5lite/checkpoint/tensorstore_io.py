@@ -1,7 +1,7 @@
 """Raw array I/O on TensorStore: one jax.Array <-> one zarr3 array on disk.
 
-This module knows nothing about steps, commits or trees (that is `checkpoints.py`); it only turns
-sharded arrays into TensorStore writes and TensorStore reads back into sharded arrays.
+This module knows nothing about steps, commits or trees (that is `manager.py`); it only turns
+sharded arrays into chunk writes and chunk reads back into sharded arrays.
 
 On-disk array format (plain zarr v3, readable with `tensorstore` alone):
   - driver `zarr3`, codecs `bytes` (little endian, uncompressed) + `crc32c` (a checksum per chunk,
@@ -15,7 +15,9 @@ On-disk array format (plain zarr v3, readable with `tensorstore` alone):
 
 Writes: each process writes only its addressable shards whose `replica_id == 0`, so no element is
 written twice. Reads: each process reads only the index ranges its own devices need, once per
-distinct range (replicas share one read).
+distinct range (replicas share one read). Both go straight to the chunk files where they can
+(`zarr_writer`, `zarr_reader`: the same bytes TensorStore writes and reads), and through
+TensorStore otherwise (chunks shared between processes on save, other formats on restore).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from t5lite.checkpoint import zarr_reader as zr
 from t5lite.checkpoint import zarr_writer as zw
 
 # Chunks of at most 4 MiB: large enough that per-file costs stay small against disk bandwidth,
@@ -43,6 +46,10 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 # Writer threads of the direct chunk path: enough fsyncs in flight for the file system to batch
 # its journal commits; the copies and checksums they also run release the GIL.
 WRITE_THREADS = 8
+
+# Reader threads of the direct chunk path: `preadv` from the page cache and crc32c both release
+# the GIL, so a few threads per core keep both cores busy while others wait on the disk.
+READ_THREADS = 8
 
 Index = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
@@ -407,29 +414,62 @@ def aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> np.ndarr
 def read_arrays(
     items: Sequence[tuple[str, tuple[int, ...], Any, jax.sharding.Sharding | None]],
     context: ts.Context,
+    threads: int = READ_THREADS,
+    stats: dict[str, float] | None = None,
+    finite: list[bool | None] | None = None,
 ) -> list[Any]:
     """Reads arrays onto shardings; each process reads only what its devices hold.
+
+    Arrays in the format `zarr_reader` knows (everything t5lite writes, except 0-d arrays) are
+    read chunk file by chunk file on `threads` threads, each chunk once, checksummed and placed
+    from the same buffer; the rest through TensorStore, whose reads run alongside. Either way a
+    range needed by several devices (replicas) is read once, into a 64-byte aligned buffer that
+    `device_put` on CPU adopts without a copy.
 
     Args:
       items: (array directory, expected shape, target dtype, target sharding or None). With a
         sharding the result is a global jax.Array; with None, a host numpy array of the whole
         array. The stored dtype is cast to the target dtype after reading.
-      context: from `make_context`.
+      context: from `make_context` (used by the TensorStore reads).
+      threads: reader threads of the direct path.
+      stats: when given, filled with where the time went (seconds, counts): `plan_s` (metadata,
+        buffers, TensorStore opens), `read_s`, `crc_s`, `copy_s` (summed over the reader threads,
+        which overlap them: `preadv` calls, crc32c, copies of chunks that are not one contiguous
+        block of their shard), `chunks_s` (wall time until every chunk is read and checked, and
+        TensorStore's reads are done), `cast_s`, `device_put_s`, `chunks`, `chunks_copied`,
+        `direct_arrays`, `tensorstore_arrays`, `bytes`; and `finite_s` (thread-summed).
+      finite: when given, set to one entry per item: whether the values this process read are
+        all finite, checked by the reader threads on each chunk as it lands, or None where
+        this was not checked (TensorStore reads, non-float dtypes, stored dtype cast to
+        another).
 
     Returns:
       One array per item, in order.
 
     Raises:
-      ValueError: from TensorStore, for a missing, truncated or corrupt array or chunk.
+      ValueError: for a missing, truncated or corrupt array or chunk (naming the chunk file).
     """
-    stores = [
-        ts.open(array_spec(path), open=True, read=True, context=context) for path, *_ in items
-    ]
-    plans = []
-    for fut, (_, shape, _dtype, sharding) in zip(stores, items):
-        store = fut.result()
-        if tuple(store.shape) != tuple(shape):
-            raise ValueError(f"stored shape {tuple(store.shape)} != expected {tuple(shape)}")
+    t_start = time.perf_counter()
+    infos = [zr.array_info(path) for path, *_ in items]
+    # TensorStore's opens and reads are issued first: they run on its own threads meanwhile.
+    stores = {
+        k: ts.open(array_spec(path), open=True, read=True, context=context)
+        for k, (path, *_) in enumerate(items)
+        if infos[k] is None
+    }
+    plans, jobs, owner = [], [], []
+    for k, (_, shape, dtype, sharding) in enumerate(items):
+        info = infos[k]
+        check = (
+            finite is not None
+            and info is not None
+            and info.dtype == np.dtype(dtype)  # casts (fp32 -> fp16) can overflow: not here
+            and zr.finite_checkable(info.dtype)
+        )
+        store = stores[k].result() if info is None else None
+        stored_shape = tuple(info.shape if store is None else store.shape)
+        if stored_shape != tuple(shape):
+            raise ValueError(f"stored shape {stored_shape} != expected {tuple(shape)}")
         if sharding is None:
             dev_index = {None: tuple((0, d) for d in shape)}
         else:
@@ -437,30 +477,70 @@ def read_arrays(
                 d: _index(i, shape)
                 for d, i in sharding.addressable_devices_indices_map(shape).items()
             }
-        # Replicas of a range share one read. TensorStore copies each chunk straight into a
-        # buffer of ours, aligned so that `device_put` can adopt it without another copy
-        # (measured for 1 GiB on a 2x4 CPU mesh: 0.29-0.42 s, against 0.47-0.96 s for
-        # `store.read()`, whose arrays come back unaligned and fresh each time).
-        stored = store.dtype.numpy_dtype
+        stored = info.dtype if store is None else store.dtype.numpy_dtype
         reads = {}
         for idx in set(dev_index.values()):
             buf = aligned_empty(tuple(b - a for a, b in idx), stored)
-            dst = ts.array(buf, copy=False, write=True, context=context)
-            reads[idx] = (buf, dst.write(store[_slices(idx)]))
+            if store is None:
+                planned = zr.plan_reads(info, idx, buf, check)
+                jobs += planned
+                owner += [k] * len(planned)
+                reads[idx] = (buf, None)
+            else:
+                # TensorStore copies each chunk straight into our aligned buffer (`store.read()`
+                # returns unaligned arrays, fresh each time).
+                dst = ts.array(buf, copy=False, write=True, context=context)
+                reads[idx] = (buf, dst.write(store[_slices(idx)]))
         plans.append((dev_index, reads))
-
-    def finish(k: int) -> Any:
-        (dev_index, reads), (_, shape, dtype, sharding) = plans[k], items[k]
-        host = {}
-        for idx, (buf, done) in reads.items():
-            done.result()
-            host[idx] = buf.astype(dtype, copy=False)
+    t_planned = time.perf_counter()
+    try:
+        done = parallel_map(zr.read_chunk, jobs, threads)
+    finally:
+        # Let TensorStore's reads settle before the buffers go (or an error propagates).
+        for _, reads in plans:
+            for _, fut in reads.values():
+                if fut is not None:
+                    with contextlib.suppress(Exception):
+                        fut.result()
+    for _, reads in plans:
+        for _, fut in reads.values():
+            if fut is not None:
+                fut.result()
+    t_read = time.perf_counter()
+    out: list[Any] = [None] * len(items)
+    puts, put_devices = [], []
+    for k, ((dev_index, reads), (_, _, dtype, sharding)) in enumerate(zip(plans, items)):
+        # An overflowing cast (fp32 -> fp16) gives Inf, which the restore's NaN/Inf check names.
+        with np.errstate(over="ignore"):
+            host = {idx: buf.astype(dtype, copy=False) for idx, (buf, _) in reads.items()}
         if sharding is None:
-            return next(iter(host.values()))
-        devices = list(dev_index)
-        bufs = jax.device_put([host[dev_index[d]] for d in devices], devices)
-        return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
-
-    # Host->device copies of finished arrays overlap the reads still in flight, whatever order
-    # TensorStore completes them in.
-    return parallel_map(finish, range(len(items)), 4)
+            out[k] = next(iter(host.values()))
+        else:
+            puts += [host[dev_index[d]] for d in dev_index]
+            put_devices += list(dev_index)
+    t_cast = time.perf_counter()
+    # One `device_put` for every shard of every array: on CPU each aligned buffer is adopted, so
+    # this is bookkeeping; elsewhere the runtime batches the transfers.
+    on_device = iter(jax.device_put(puts, put_devices) if puts else [])
+    for k, ((dev_index, _), (_, shape, _, sharding)) in enumerate(zip(plans, items)):
+        if sharding is not None:
+            bufs = [next(on_device) for _ in dev_index]
+            out[k] = jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+    if finite is not None:
+        checked = {k for k, j in zip(owner, jobs) if j.check_finite}
+        finite[:] = [True if k in checked else None for k in range(len(items))]
+        for k, r in zip(owner, done):
+            if k in checked and not r[4]:
+                finite[k] = False
+    if stats is not None:
+        sums = [sum(x) for x in zip(*done)] if done else [0.0] * 5
+        stats.update(
+            plan_s=t_planned - t_start, read_s=sums[0], crc_s=sums[1], copy_s=sums[2],
+            finite_s=sums[3],
+            chunks_s=t_read - t_planned, cast_s=t_cast - t_read,
+            device_put_s=time.perf_counter() - t_cast, chunks=len(jobs),
+            chunks_copied=sum(not j.direct for j in jobs),
+            direct_arrays=sum(i is not None for i in infos), tensorstore_arrays=len(stores),
+            bytes=sum(buf.nbytes for _, reads in plans for buf, _ in reads.values()),
+        )  # fmt: skip
+    return out
