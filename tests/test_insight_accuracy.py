@@ -142,16 +142,13 @@ def _cases(keys, misses):
     return [pytest.param(*k, marks=_off(*misses[k])) if k in misses else k for k in keys]
 
 
-_SHARD_MAP = "sequence/context parallelism's shard_map blocks (t5lite/collectives.py) keep "
-_SHARD_MAP += "buffers the analytic model does not count yet"
-# Scanned layouts measured outside 10% (predicted / compiled) since sequence and context
-# parallelism write their block boundaries with shard_map.
+# Scanned layouts measured outside 10% (predicted / compiled). T5 with remat on 8 data-parallel
+# ways (data parallel, context parallel) is predicted at the optimizer update moment, 13 MiB
+# under the compiler for data parallel (0.929, still inside) and 19 MiB under for context
+# parallel, whose gathered keys and values that moment does not hold; with `minimal` the
+# backward moment (gathered keys, values and cotangents) just passes it.
 _SCANNED_MISSES = {
-    ("t5", "sequence_parallel", "none"): (0.870, _SHARD_MAP),
-    ("t5", "context_parallel", "none"): (0.876, _SHARD_MAP),
-    ("t5", "context_parallel", "minimal"): (0.900, _SHARD_MAP),
-    ("t5", "context_parallel", "full"): (0.900, _SHARD_MAP),
-    ("lm", "sequence_parallel", "none"): (0.836, _SHARD_MAP),
+    ("t5", "context_parallel", "full"): (0.900, "T5's update moment runs short (see above)"),
 }
 
 
@@ -171,11 +168,11 @@ _HOISTED = "full remat: the model assumes every layer's recomputation is hoisted
 
 # Unscanned layouts measured outside 10% (predicted / compiled), and why.
 _UNSCANNED_MISSES = {
-    ("lm", "megatron", "full"): (1.194, _HOISTED),
-    ("lm", "activations_2d", "full"): (1.308, _HOISTED),
-    ("lm", "fully_sharded", "full"): (1.256, _HOISTED),
-    ("lm", "tensor_2d", "full"): (1.256, _HOISTED),
-    ("t5", "megatron", "full"): (1.208, _HOISTED),
+    ("lm", "megatron", "full"): (1.146, _HOISTED),
+    ("lm", "activations_2d", "full"): (1.240, _HOISTED),
+    ("lm", "fully_sharded", "full"): (1.248, _HOISTED),
+    ("lm", "tensor_2d", "full"): (1.248, _HOISTED),
+    ("t5", "megatron", "full"): (1.170, _HOISTED),
     ("t5", "fsdp", "minimal"): (
         0.894,
         "unscanned T5 runs a few MiB short of the compiler (unexplained)",

@@ -74,6 +74,25 @@ def _bytes_per_device(
     return math.prod(shape) * itemsize // max(split, 1)
 
 
+def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
+    """(sequence parallel, context parallel): whether the rules split activations' `length`
+    and the blocks' features over the same mesh axes (Megatron-3's layout, where
+    `collectives.column_parallel` gathers each block's input), or split `length` and keep
+    `kv_length` whole (`collectives.context_attention` gathers keys and values)."""
+
+    def axes(names: tuple[str | None, ...], dim: int) -> set[str]:
+        spec, _ = resolve_logical_axes(names, partitioner.rules)
+        return set(mesh_axes_of(spec[dim])) & set(partitioner.mesh.shape)
+
+    length = axes(("batch", "length", "embed"), 1)
+    if not length:
+        return False, False
+    features = axes(("batch", "length", "heads", "kv"), 2) | axes(("batch", "length", "mlp"), 2)
+    sp = length <= features
+    cp = not sp and not axes(("batch", "kv_length", "kv_heads", "kv"), 1)
+    return sp, cp
+
+
 def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int]):
     """Per-device bytes of one layer's activations: {name: bytes} by logical layout."""
     act = np.dtype(cfg.policy.compute).itemsize
@@ -82,10 +101,27 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
         return _bytes_per_device(partitioner, axes, shape, itemsize)
 
+    x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
+    sp, cp = _sequence_layout(partitioner)
+    # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
+    # block's input whole over `length` and save it for the kernels' gradients: the
+    # self-attention's and the MLP's input, and a cross-attention's query input and keys'
+    # source (the encoder output, [B, S, D]).
+    block_inputs = [x_gathered] * 2
+    for s in kv_lens[1:]:
+        block_inputs += [x_gathered, of(("batch", None, None), (b, s, cfg.emb_dim))]
     return {
         "x": of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim)),
+        "sp_gathered": sum(block_inputs) if sp else 0,
+        # Context parallelism's attention gathers every key and value over `length` inside its
+        # shard_map: whole-length k and v per attention.
+        "kv_gathered": (
+            sum(2 * of(("batch", "kv_length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens)
+            if cp
+            else 0
+        ),
         # a block's matmul input, gathered over whatever splits activations' length or embed
-        "x_gathered": of(("batch", None, None), (b, q_len, cfg.emb_dim)),
+        "x_gathered": x_gathered,
         "q": of(("batch", "length", "heads", "kv"), (b, q_len, h, k)),
         "kv": sum(2 * of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens),
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
@@ -143,9 +179,10 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"]
         + _KV * a["kv"]
+        + a["kv_gathered"]
         + (_SCORES_SAVED if scores is None else scores) * a["scores"],
         "mlp": _HIDDEN * a["h"],
-        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"],
+        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
     }
 
 
@@ -252,9 +289,16 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
     # inputs are gathered over the axes that split activations (2D activations, sequence
     # parallelism), so its [B, L, D] buffers are counted at their gathered size.
-    gathered = remat != "none"
+    # Sequence parallelism's blocks differentiate their gathered inputs whatever the policy
+    # (the cotangent is whole until the reduce-scatter); context parallelism's attention holds
+    # the gathered keys and values and their whole cotangents.
+    gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
     works = [
-        _saved({**a, "x": a["x_gathered"]} if gathered else a, "none", _SCORES_WORKING)
+        _saved(
+            {**a, "x": a["x_gathered" if gathered else "x"], "kv_gathered": 2 * a["kv_gathered"]},
+            "none",
+            _SCORES_WORKING,
+        )
         for _, a in layers
     ]
     work = max(works, key=lambda w: sum(w.values()))
