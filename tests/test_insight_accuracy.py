@@ -10,7 +10,7 @@ from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.report import compile_train_step
 from t5lite.insight.sharding import sharding_report
 from t5lite.model.config import REMAT_POLICIES
-from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
+from t5lite.model.models import DecoderOnlyModel
 from t5lite.model.network import DecoderOnlyConfig, T5Config
 from t5lite.partitioning import PRESETS, Partitioner, create_mesh, preset_rules
 from t5lite.programs.metrics_writer import Throughput
@@ -81,26 +81,8 @@ def test_throughput_without_peak_says_so():
 # --- memory: analytic prediction against XLA's compiled figure ----------------------------------
 
 
-def _family(name, remat, scan=True):
-    """Small-but-not-tiny models: shapes dominate XLA's fixed overheads; two layers a stack."""
-    if name == "t5":
-        cfg = T5Config(
-            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
-        )  # fmt: skip
-        return EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
-    cfg = DecoderOnlyConfig(
-        vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
-        remat_policy=remat, scan_layers=scan,
-    )  # fmt: skip
-    return DecoderOnlyModel(network_config=cfg), {"targets": 128}
-
-
 def _trainer(family, preset, remat, batch_size=16, scan=True):
-    model, lengths = _family(family, remat, scan)
-    model_parallel = 1 if PRESETS[preset] is None else 4
-    part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
-    return Trainer(model, part, batch_size=batch_size, lengths=lengths)
+    return memory.accuracy_trainer(family, preset, remat, scan=scan, batch_size=batch_size)
 
 
 # Each program is compiled once per test session, whichever test asks first (compiling is

@@ -342,6 +342,43 @@ def _unreduced_gradient_bytes(trainer: Trainer) -> int:
     return total
 
 
+# --- the models the accuracy is stated on ----------------------------------------------------
+
+ACCURACY_FAMILIES = ("t5", "lm")
+
+
+def accuracy_trainer(
+    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16
+) -> Trainer:
+    """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
+    (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
+    fixed overheads, two layers a stack; `family` is "t5" (T5.1.1-like encoder-decoder) or
+    "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without model parallelism).
+    """
+    # Imported here: the models are only needed by whoever measures accuracy.
+    from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
+    from t5lite.model.network import DecoderOnlyConfig, T5Config
+    from t5lite.partitioning import PRESETS, create_mesh, preset_rules
+
+    if family == "t5":
+        cfg = T5Config(
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
+            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
+        )  # fmt: skip
+        model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
+    elif family == "lm":
+        cfg = DecoderOnlyConfig(
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
+            remat_policy=remat, scan_layers=scan,
+        )  # fmt: skip
+        model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
+    else:
+        raise ValueError(f"family {family!r}: one of {ACCURACY_FAMILIES}")
+    model_parallel = 1 if PRESETS[preset] is None else 4
+    part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
+    return Trainer(model, part, batch_size=batch_size, lengths=lengths)
+
+
 def rule_of(partitioner: Partitioner, name: str) -> Any:
     for n, axis in partitioner.rules:
         if n == name:
