@@ -86,13 +86,14 @@ def _trainer(family, preset, remat, batch_size=16, scan=True):
 
 
 # Each program is compiled once per test session, whichever test asks first (compiling is
-# nearly all of this file's time).
+# nearly all of this file's time); presets with the same rules table and mesh (fully_sharded
+# and tensor_2d are t5x's same 2/2 table) are one program.
 _COMPILED: dict[tuple, memory.MemoryReport] = {}
 
 
 def _check_memory(family, preset, remat, scan=True):
     tr = _trainer(family, preset, remat, scan=scan)
-    key = (family, preset, remat, scan)
+    key = (family, preset_rules(preset), PRESETS[preset] is None, remat, scan)
     if key not in _COMPILED:
         _COMPILED[key] = memory.memory_report(compile_train_step(tr))
     compiled = _COMPILED[key]

@@ -228,7 +228,8 @@ class PredictedMemory:
     but T5 under context parallelism with `full` remat (0.900: its peak is the update moment,
     which the model puts short for every T5 layout with remat). Unscanned layers follow their
     own fitted counts (above): within 10% for no remat and `minimal` on the layouts measured
-    (decoder-only: every preset; T5: FSDP and megatron) but T5 FSDP `minimal` (0.894), and
+    (decoder-only: every preset; T5: FSDP and megatron) but T5 FSDP `minimal` (0.894; T5
+    data parallel, not in the tests, 0.882 and 0.864), and
     `full` on data parallel, FSDP, sequence and context parallel. `full` on megatron, 2D
     activations, fully sharded and tensor_2d is over-predicted by 15-25%: the model counts
     every layer's recomputation hoisted ahead of the loss gradient, which is what the CPU

@@ -208,11 +208,25 @@ class StepReport:
         return ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
 
 
+# The train step compiled here is measured (memory analysis, HLO text, cost analysis), never
+# run. XLA's backend optimisation level only changes how LLVM optimises the code generated
+# from the scheduled HLO, after buffer assignment: level 0 gave byte-identical memory figures,
+# HLO text and cost analysis on the four layouts checked (scanned and unrolled, FSDP, megatron,
+# sequence and context parallel) and about 30% less compile time on XLA:CPU.
+MEASURE_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+
+
 def compile_train_step(
-    trainer: Trainer, progress: Callable[[str], None] | None = None
+    trainer: Trainer,
+    progress: Callable[[str], None] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> CompiledFunction:
     """Lowers and compiles `trainer.train_step` ahead of time on abstract state and batch,
-    saying which stage it is in through `progress` (large models take minutes)."""
+    saying which stage it is in through `progress` (large models take minutes).
+
+    The program is for measuring, not running: it is compiled with `MEASURE_COMPILER_OPTIONS`
+    unless `compiler_options` says otherwise.
+    """
     say = progress or (lambda _: None)
     part = trainer.partitioner
     t0 = time.perf_counter()
@@ -222,7 +236,8 @@ def compile_train_step(
     t1 = time.perf_counter()
     say(f"lowered in {t1 - t0:.0f} s; compiling with XLA (SPMD partitioning, buffer assignment)...")
     with part.context():
-        compiled = lowered.compile()
+        options = MEASURE_COMPILER_OPTIONS if compiler_options is None else compiler_options
+        compiled = lowered.compile(dict(options))
     say(f"compiled in {time.perf_counter() - t1:.0f} s")
     return CompiledFunction(compiled, part)
 
