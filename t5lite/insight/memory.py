@@ -225,16 +225,16 @@ class PredictedMemory:
 
     Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10%
     of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
-    but T5 under context parallelism with `full` remat (0.900: its peak is the update moment,
-    which the model puts short for every T5 layout with remat). Unscanned layers follow their
-    own fitted counts (above): within 10% for no remat and `minimal` on the layouts measured
-    (decoder-only: every preset; T5: FSDP and megatron) but T5 FSDP `minimal` (0.894; T5
-    data parallel, not in the tests, 0.882 and 0.864), and
-    `full` on data parallel, FSDP, sequence and context parallel. `full` on megatron, 2D
-    activations, fully sharded and tensor_2d is over-predicted by 15-25%: the model counts
-    every layer's recomputation hoisted ahead of the loss gradient, which is what the CPU
-    scheduler does on those four layouts (decoder-only `full` compiles to `minimal`'s figure),
-    but on megatron it hoists one layer of two and on the 2D layouts none. T5.1.1-small under
+    but T5 under context parallelism with `full` remat (0.900: predicted at the optimizer
+    update moment, which runs 13-19 MiB short of the compiler on T5 with remat over 8
+    data-parallel ways). Unscanned layers follow their own fitted counts (above): within 10%
+    for no remat and `minimal` on the layouts measured (decoder-only: every preset; T5: FSDP
+    and megatron) but T5 FSDP `minimal` (0.894; T5 data parallel, not in the tests, 0.882 and
+    0.864). Unscanned `full` counts every layer's recomputation hoisted ahead of the loss
+    gradient: right on data parallel, FSDP, sequence and context parallel (decoder-only `full`
+    compiles to `minimal`'s figure there), over-predicted by 15-25% on megatron, 2D
+    activations, fully sharded and tensor_2d, where the compiled totals are those of one layer
+    of two hoisted (megatron) or none (the 2D layouts). T5.1.1-small under
     FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
     """
 
