@@ -135,7 +135,7 @@ _SCANNED_MISSES = {
 }
 
 
-@pytest.mark.slow  # 48 compilations of ~10-60 s each on 2 cores
+@pytest.mark.slow  # 42 programs (tensor_2d is fully_sharded's), ~10-35 s each on 2 busy cores
 @pytest.mark.parametrize(
     "family,preset,remat",
     _cases([(f, p, r) for f in ("t5", "lm") for p in PRESETS for r in REMAT_POLICIES],
@@ -174,7 +174,7 @@ _UNSCANNED = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow  # 28 compilations of ~50-140 s each on 2 busy cores
+@pytest.mark.slow  # 25 programs (tensor_2d is fully_sharded's), ~25-60 s each on 2 busy cores
 @pytest.mark.parametrize(
     "family,preset,remat",
     _cases(_UNSCANNED, _UNSCANNED_MISSES),
