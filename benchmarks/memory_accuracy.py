@@ -1,11 +1,12 @@
 """Predicted vs compiled train-step memory per device: every preset x remat policy x model family.
 
 Goal (issue 19): `predict_memory` (analytic, no compilation) within 10% of XLA's figure
-(`memory_report(compiled).total`) on 8 fake CPU devices, for scanned T5.1.1-like and decoder-only
-models. Prints one row per combination with the compiled figure, the prediction and its terms,
-and writes one JSON record.
+(`memory_report(compiled).total`) on 8 fake CPU devices, for T5.1.1-like and decoder-only models
+(`memory.accuracy_trainer`, the test's models), layers scanned or (`--unscanned`) unrolled.
+Prints one row per combination with the compiled figure, the prediction and its terms, and
+writes one JSON record.
 
-  python benchmarks/memory_accuracy.py [--smoke] [--out PATH]
+  python benchmarks/memory_accuracy.py [--smoke] [--unscanned] [--out PATH]
 """
 
 from __future__ import annotations
@@ -31,35 +32,14 @@ from _record import write_record
 from t5lite.insight import memory
 from t5lite.insight.report import compile_train_step
 from t5lite.model.config import REMAT_POLICIES
-from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
-from t5lite.model.network import DecoderOnlyConfig, T5Config
-from t5lite.partitioning import PRESETS, Partitioner, create_mesh, preset_rules
-from t5lite.trainer import Trainer
+from t5lite.partitioning import PRESETS
 
 GOAL = 0.10
 MiB = 2**20
 
 
-def family(name: str, remat: str):
-    """The models of tests/test_insight_accuracy.py: shapes dominate, layers scanned."""
-    if name == "t5":
-        cfg = T5Config(
-            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=True,
-        )  # fmt: skip
-        return EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
-    cfg = DecoderOnlyConfig(
-        vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
-        remat_policy=remat, scan_layers=True,
-    )  # fmt: skip
-    return DecoderOnlyModel(network_config=cfg), {"targets": 128}
-
-
-def measure(fam: str, preset: str, remat: str) -> dict:
-    model, lengths = family(fam, remat)
-    model_parallel = 1 if PRESETS[preset] is None else 4
-    part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
-    tr = Trainer(model, part, batch_size=16, lengths=lengths)
+def measure(fam: str, preset: str, remat: str, scan: bool = True) -> dict:
+    tr = memory.accuracy_trainer(fam, preset, remat, scan=scan)
     compiled = memory.memory_report(compile_train_step(tr)).total
     p = memory.predict_memory(tr)
     return {"compiled": compiled, "predicted": p.total, "terms": dict(p.terms), "state": p.state}
@@ -68,16 +48,18 @@ def measure(fam: str, preset: str, remat: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="two combinations only")
+    ap.add_argument("--unscanned", action="store_true", help="layers unrolled (scan_layers=False)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/memory_accuracy.json"))
     args = ap.parse_args()
-    combos = [(f, p, r) for f in ("t5", "lm") for p in PRESETS for r in REMAT_POLICIES]
+    combos = [(f, p, r) for f in memory.ACCURACY_FAMILIES for p in PRESETS for r in REMAT_POLICIES]
     if args.smoke:
         combos = [("lm", "fsdp", "full"), ("t5", "megatron", "none")]
     figures = []
+    layers = "/unscanned" if args.unscanned else ""
     print(f"{'model':5} {'preset':15} {'remat':8} {'compiled':>9} {'predicted':>9} {'ratio':>6}"
           "   (MiB per device; terms: state, saved, working set, loss, update)")  # fmt: skip
     for fam, preset, remat in combos:
-        m = measure(fam, preset, remat)
+        m = measure(fam, preset, remat, scan=not args.unscanned)
         ratio = m["predicted"] / m["compiled"]
         t = m["terms"]
         print(
@@ -88,7 +70,7 @@ def main() -> None:
             flush=True,
         )
         figures.append({
-            "name": f"predicted_over_compiled/{fam}/{preset}/{remat}", "value": ratio,
+            "name": f"predicted_over_compiled/{fam}/{preset}/{remat}{layers}", "value": ratio,
             "unit": "ratio", "reference": m["compiled"], "ratio": ratio,
             "goal": f"within {GOAL:.0%}", "met": abs(ratio - 1) <= GOAL,
         })  # fmt: skip

@@ -74,6 +74,25 @@ def _bytes_per_device(
     return math.prod(shape) * itemsize // max(split, 1)
 
 
+def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
+    """(sequence parallel, context parallel): whether the rules split activations' `length`
+    and the blocks' features over the same mesh axes (Megatron-3's layout, where
+    `collectives.column_parallel` gathers each block's input), or split `length` and keep
+    `kv_length` whole (`collectives.context_attention` gathers keys and values)."""
+
+    def axes(names: tuple[str | None, ...], dim: int) -> set[str]:
+        spec, _ = resolve_logical_axes(names, partitioner.rules)
+        return set(mesh_axes_of(spec[dim])) & set(partitioner.mesh.shape)
+
+    length = axes(("batch", "length", "embed"), 1)
+    if not length:
+        return False, False
+    features = axes(("batch", "length", "heads", "kv"), 2) | axes(("batch", "length", "mlp"), 2)
+    sp = length <= features
+    cp = not sp and not axes(("batch", "kv_length", "kv_heads", "kv"), 1)
+    return sp, cp
+
+
 def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int]):
     """Per-device bytes of one layer's activations: {name: bytes} by logical layout."""
     act = np.dtype(cfg.policy.compute).itemsize
@@ -82,10 +101,27 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
         return _bytes_per_device(partitioner, axes, shape, itemsize)
 
+    x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
+    sp, cp = _sequence_layout(partitioner)
+    # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
+    # block's input whole over `length` and save it for the kernels' gradients: the
+    # self-attention's and the MLP's input, and a cross-attention's query input and keys'
+    # source (the encoder output, [B, S, D]).
+    block_inputs = [x_gathered] * 2
+    for s in kv_lens[1:]:
+        block_inputs += [x_gathered, of(("batch", None, None), (b, s, cfg.emb_dim))]
     return {
         "x": of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim)),
+        "sp_gathered": sum(block_inputs) if sp else 0,
+        # Context parallelism's attention gathers every key and value over `length` inside its
+        # shard_map: whole-length k and v per attention.
+        "kv_gathered": (
+            sum(2 * of(("batch", "kv_length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens)
+            if cp
+            else 0
+        ),
         # a block's matmul input, gathered over whatever splits activations' length or embed
-        "x_gathered": of(("batch", None, None), (b, q_len, cfg.emb_dim)),
+        "x_gathered": x_gathered,
         "q": of(("batch", "length", "heads", "kv"), (b, q_len, h, k)),
         "kv": sum(2 * of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens),
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
@@ -143,9 +179,10 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"]
         + _KV * a["kv"]
+        + a["kv_gathered"]
         + (_SCORES_SAVED if scores is None else scores) * a["scores"],
         "mlp": _HIDDEN * a["h"],
-        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"],
+        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
     }
 
 
@@ -186,14 +223,18 @@ class PredictedMemory:
     logical axes with the rules table, so any preset (sequence or context parallelism
     included) is sized by what it shards.
 
-    Accuracy (tests/test_insight_accuracy.py): scanned layers within 10% of XLA's CPU figure
-    for every preset x remat policy on T5.1.1 and decoder-only models. Unscanned layers follow
-    their own fitted counts (above): within 10% for no remat and `minimal` on the layouts
-    measured (decoder-only: every preset; T5: FSDP), and `full` on data parallel, FSDP,
-    sequence and context parallel; `full` on megatron, 2D activations, fully sharded and
-    tensor_2d is over-predicted by 19-31% (the scheduler hoists only some layers'
-    recomputation), and data parallelism without remat by 10.2% (every gradient counted live
-    at the loss gradient, before most exist). T5.1.1-small under
+    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10%
+    of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
+    but T5 under context parallelism with `full` remat (0.900: predicted at the optimizer
+    update moment, which runs 13-19 MiB short of the compiler on T5 with remat over 8
+    data-parallel ways). Unscanned layers follow their own fitted counts (above): within 10%
+    for no remat and `minimal` on the layouts measured (decoder-only: every preset; T5: FSDP
+    and megatron) but T5 FSDP `minimal` (0.894; T5 data parallel, not in the tests, 0.882 and
+    0.864). Unscanned `full` counts every layer's recomputation hoisted ahead of the loss
+    gradient: right on data parallel, FSDP, sequence and context parallel (decoder-only `full`
+    compiles to `minimal`'s figure there), over-predicted by 15-25% on megatron, 2D
+    activations, fully sharded and tensor_2d, where the compiled totals are those of one layer
+    of two hoisted (megatron) or none (the 2D layouts). T5.1.1-small under
     FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
     """
 
@@ -252,9 +293,16 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
     # inputs are gathered over the axes that split activations (2D activations, sequence
     # parallelism), so its [B, L, D] buffers are counted at their gathered size.
-    gathered = remat != "none"
+    # Sequence parallelism's blocks differentiate their gathered inputs whatever the policy
+    # (the cotangent is whole until the reduce-scatter); context parallelism's attention holds
+    # the gathered keys and values and their whole cotangents.
+    gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
     works = [
-        _saved({**a, "x": a["x_gathered"]} if gathered else a, "none", _SCORES_WORKING)
+        _saved(
+            {**a, "x": a["x_gathered" if gathered else "x"], "kv_gathered": 2 * a["kv_gathered"]},
+            "none",
+            _SCORES_WORKING,
+        )
         for _, a in layers
     ]
     work = max(works, key=lambda w: sum(w.values()))
@@ -296,6 +344,43 @@ def _unreduced_gradient_bytes(trainer: Trainer) -> int:
         )
         total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
     return total
+
+
+# --- the models the accuracy is stated on ----------------------------------------------------
+
+ACCURACY_FAMILIES = ("t5", "lm")
+
+
+def accuracy_trainer(
+    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16
+) -> Trainer:
+    """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
+    (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
+    fixed overheads, two layers a stack; `family` is "t5" (T5.1.1-like encoder-decoder) or
+    "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without model parallelism).
+    """
+    # Imported here: the models are only needed by whoever measures accuracy.
+    from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
+    from t5lite.model.network import DecoderOnlyConfig, T5Config
+    from t5lite.partitioning import PRESETS, create_mesh, preset_rules
+
+    if family == "t5":
+        cfg = T5Config(
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
+            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
+        )  # fmt: skip
+        model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
+    elif family == "lm":
+        cfg = DecoderOnlyConfig(
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
+            remat_policy=remat, scan_layers=scan,
+        )  # fmt: skip
+        model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
+    else:
+        raise ValueError(f"family {family!r}: one of {ACCURACY_FAMILIES}")
+    model_parallel = 1 if PRESETS[preset] is None else 4
+    part = Partitioner(create_mesh(model_parallel), logical_axis_rules=preset_rules(preset))
+    return Trainer(model, part, batch_size=batch_size, lengths=lengths)
 
 
 def rule_of(partitioner: Partitioner, name: str) -> Any:
