@@ -179,7 +179,7 @@ def test_beams_attend_one_copy_of_the_encoding_and_equal_recomputation():
 
     h, k = T5_TINY.num_heads, T5_TINY.head_dim
     shapes = {shape for shape, _, _ in _while_body_ops(compiled.as_text())}
-    cross = lambda rows: {f"f32[{rows},{h},{S},{k}]", f"f32[{rows},{h},{k},{S}]"}  # noqa: E731
+    cross = lambda rows: {f"f32[{rows},{h},{S},{k}]", f"f32[{rows},{h},{k},{S}]"}
     assert cross(B) <= shapes and not cross(B * w) & shapes
 
 
