@@ -145,6 +145,44 @@ def test_beam_of_one_equals_greedy(arch):
     assert np.all(np.diff(np.asarray(aux["scores"]), axis=1) <= 0)  # best first
 
 
+def test_beams_attend_one_copy_of_the_encoding_and_equal_recomputation():
+    """Beam search through the KV cache equals beam search over the whole teacher-forced
+    decoder recomputed at every step (no cache; encodings repeated per beam), and the beams of
+    an example read one copy of its cross-attention keys/values: the loop body holds them for
+    B rows, never repeated for B * W."""
+    w = 3
+    params, _ = _params("t5")
+    batch = _batch("t5")
+    model = _model("t5", decoding_method="beam", beam_size=w, alpha=0.6)
+    predict = jax.jit(functools.partial(model.predict_batch_with_aux, return_all_decodes=True))
+    compiled = predict.lower(params, batch).compile()
+    seqs, aux = compiled(params, batch)
+
+    enc_n = np.repeat(batch["encoder_input_tokens"], w, axis=0)
+
+    def recompute(state: decoding.DecodingState):
+        dec_in = jnp.pad(state.sequences[:, :-1], ((0, 0), (1, 0)))  # start token 0 first
+        logits = model._logits(
+            params, {"encoder_input_tokens": enc_n, "decoder_input_tokens": dec_in}, None
+        )
+        return jnp.take_along_axis(logits, state.cur_index[:, None, None], axis=1), state.cache
+
+    ref = jax.jit(
+        lambda: decoding.beam_search(
+            jnp.zeros((B, L), jnp.int32), jnp.zeros((B,)), recompute, beam_size=w, alpha=0.6,
+            eos_id=model.eos_id, pad_id=model.pad_id,
+        )
+    )  # fmt: skip
+    want_seqs, want_scores = ref()
+    np.testing.assert_array_equal(np.asarray(seqs), np.asarray(want_seqs))
+    np.testing.assert_allclose(aux["scores"], want_scores, atol=1e-5, rtol=0)
+
+    h, k = T5_TINY.num_heads, T5_TINY.head_dim
+    shapes = {shape for shape, _, _ in _while_body_ops(compiled.as_text())}
+    cross = lambda rows: {f"f32[{rows},{h},{S},{k}]", f"f32[{rows},{h},{k},{S}]"}
+    assert cross(B) <= shapes and not cross(B * w) & shapes
+
+
 def test_model_eos_and_decoder_start_ids():
     """predict_batch stops at the model's own EOS and feeds its own decoder start token."""
     params, _ = _params("t5")

@@ -334,6 +334,8 @@ class MultiHeadAttention(nn.Module):
             # Projected once per decode: the k/v computed above are then dead code (XLA drops
             # them), so a step costs no [B, S, D] x [D, H, K] projections.
             k, v = self._fixed_kv(k, v)
+            if k.shape[0] != q.shape[0]:
+                return self._shared_kv_attention(q, k, v, bias_bHLS, mask_B1LS)
         elif decode:
             k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
 
@@ -344,6 +346,29 @@ class MultiHeadAttention(nn.Module):
             q, k, v, bias_bHLS, mask_B1LS, dropout_rate=self.dropout_rate,
             dropout_rng=dropout_rng, deterministic=deterministic, dtype=jnp.dtype(self.dtype),
         )  # fmt: skip
+
+    def _shared_kv_attention(self, q_BLHK, k_bSGK, v_bSGK, bias_bHLS, mask_B1LS):
+        """Attention of B = b * n query rows to b fixed key/value rows (n decodes per example).
+
+        NOTE: the n samples / beams of an example attend to one copy of its encoding, as n
+        more query positions: repeating the cross-attention cache per decode read n copies of
+        the same keys/values at every step. Same numbers, 1/n of the memory traffic.
+        """
+        bn, length, h, kd = q_BLHK.shape
+        b = k_bSGK.shape[0]
+        n = bn // b
+
+        def group(x: Array | None) -> Array | None:  # [b * n, c, L, S] -> [b, c, n * L, S]
+            if x is None or x.shape[0] == 1:
+                return x
+            x = x.reshape(b, n, *x.shape[1:]).swapaxes(1, 2)
+            return x.reshape(b, x.shape[1], n * length, x.shape[-1])
+
+        out = dot_product_attention(
+            q_BLHK.reshape(b, n * length, h, kd), k_bSGK, v_bSGK, group(bias_bHLS),
+            group(mask_B1LS), dtype=jnp.dtype(self.dtype),
+        )  # fmt: skip
+        return out.reshape(bn, length, h, kd)
 
     def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):
         """q, k, v; an input read by several kernels is gathered once (`column_parallel`)."""

@@ -406,9 +406,10 @@ class EncoderDecoderModel(BaseModel):
         # keeps XLA from cancelling that transpose against the one back in the step, which
         # would move the transposes into the loop (one copy per step and layer).
         cross = jax.lax.optimization_barrier(cross)
-        # Samples / beams of one example share its encoding: repeat it once, up front.
-        n = self._decodes_per_example()
-        enc_n, cross = decoding.expand_batch((enc_BS, cross), n)
+        # Samples / beams of one example share its encoding: its tokens (the cross-attention
+        # mask) are repeated once, up front; its keys/values are not: the n decodes attend to
+        # one copy (see `MultiHeadDotProductAttention._shared_kv_attention`).
+        enc_n = decoding.expand_batch(enc_BS, self._decodes_per_example())
 
         def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
             logits_B1V, variables = call(state.cache, enc_n, state.cur_token, cross)
