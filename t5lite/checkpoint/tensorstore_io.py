@@ -457,41 +457,7 @@ def read_arrays(
         for k, (path, *_) in enumerate(items)
         if infos[k] is None
     }
-    plans, jobs, owner = [], [], []
-    for k, (_, shape, dtype, sharding) in enumerate(items):
-        info = infos[k]
-        check = (
-            finite is not None
-            and info is not None
-            and info.dtype == np.dtype(dtype)  # casts (fp32 -> fp16) can overflow: not here
-            and zr.finite_checkable(info.dtype)
-        )
-        store = stores[k].result() if info is None else None
-        stored_shape = tuple(info.shape if store is None else store.shape)
-        if stored_shape != tuple(shape):
-            raise ValueError(f"stored shape {stored_shape} != expected {tuple(shape)}")
-        if sharding is None:
-            dev_index = {None: tuple((0, d) for d in shape)}
-        else:
-            dev_index = {
-                d: _index(i, shape)
-                for d, i in sharding.addressable_devices_indices_map(shape).items()
-            }
-        stored = info.dtype if store is None else store.dtype.numpy_dtype
-        reads = {}
-        for idx in set(dev_index.values()):
-            buf = aligned_empty(tuple(b - a for a, b in idx), stored)
-            if store is None:
-                planned = zr.plan_reads(info, idx, buf, check)
-                jobs += planned
-                owner += [k] * len(planned)
-                reads[idx] = (buf, None)
-            else:
-                # TensorStore copies each chunk straight into our aligned buffer (`store.read()`
-                # returns unaligned arrays, fresh each time).
-                dst = ts.array(buf, copy=False, write=True, context=context)
-                reads[idx] = (buf, dst.write(store[_slices(idx)]))
-        plans.append((dev_index, reads))
+    plans, jobs, owner = _plan_reads(items, infos, stores, finite is not None, context)
     t_planned = time.perf_counter()
     try:
         done = parallel_map(zr.read_chunk, jobs, threads)
@@ -544,3 +510,45 @@ def read_arrays(
             bytes=sum(buf.nbytes for _, reads in plans for buf, _ in reads.values()),
         )  # fmt: skip
     return out
+
+
+def _plan_reads(items, infos, stores, check_finite: bool, context: ts.Context):
+    """Per item (device -> range, range -> (aligned buffer, TensorStore read or None)), the
+    direct path's chunk jobs and the item each job belongs to. TensorStore's reads are issued
+    here and land while the direct jobs run."""
+    plans, jobs, owner = [], [], []
+    for k, (_, shape, dtype, sharding) in enumerate(items):
+        info = infos[k]
+        check = (
+            check_finite
+            and info is not None
+            and info.dtype == np.dtype(dtype)  # casts (fp32 -> fp16) can overflow: not here
+            and zr.finite_checkable(info.dtype)
+        )
+        store = stores[k].result() if info is None else None
+        stored_shape = tuple(info.shape if store is None else store.shape)
+        if stored_shape != tuple(shape):
+            raise ValueError(f"stored shape {stored_shape} != expected {tuple(shape)}")
+        if sharding is None:
+            dev_index = {None: tuple((0, d) for d in shape)}
+        else:
+            dev_index = {
+                d: _index(i, shape)
+                for d, i in sharding.addressable_devices_indices_map(shape).items()
+            }
+        stored = info.dtype if store is None else store.dtype.numpy_dtype
+        reads = {}
+        for idx in set(dev_index.values()):
+            buf = aligned_empty(tuple(b - a for a, b in idx), stored)
+            if store is None:
+                planned = zr.plan_reads(info, idx, buf, check)
+                jobs += planned
+                owner += [k] * len(planned)
+                reads[idx] = (buf, None)
+            else:
+                # TensorStore copies each chunk straight into our aligned buffer (`store.read()`
+                # returns unaligned arrays, fresh each time).
+                dst = ts.array(buf, copy=False, write=True, context=context)
+                reads[idx] = (buf, dst.write(store[_slices(idx)]))
+        plans.append((dev_index, reads))
+    return plans, jobs, owner
