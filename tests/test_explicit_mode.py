@@ -86,22 +86,19 @@ def test_explicit_mode_trains_like_auto_mode(preset):
     "variant",
     [
         "scanned_microbatched",
-        pytest.param("lora", marks=pytest.mark.slow),
-        pytest.param("multislice", marks=pytest.mark.slow),
+        pytest.param("lora_multislice", marks=pytest.mark.slow),
     ],
 )
 def test_explicit_mode_with_what_real_runs_add(variant):
     """What a real run adds to the quickstart, on Explicit axes under FSDP's table: layers under
     nn.scan with gradient accumulation over microbatches (the split must not slice a sharded
-    dimension), LoRA adapters over a frozen base (LoRA needs unscanned layers), or README's
+    dimension); or LoRA adapters over a frozen base (LoRA needs unscanned layers) on README's
     multi-slice recipe (a hybrid DCN x ICI mesh, batch over replica and data). Losses equal
     auto mode's; parameters sit where auto mode puts them."""
     require_devices(8)
-    if variant == "lora":
-        kw = dict(lora=LoRA(rank=2, alpha=4.0))
-    elif variant == "multislice":  # README's recipe: 2 slices (DCN) x 4 devices over `model`
+    if variant == "lora_multislice":  # README's recipe: 2 slices (DCN) x 4 devices on `model`
         mesh_kw = {"ici_mesh_shape": (1, 1, 4), "dcn_mesh_shape": (2, 1, 1)}
-        kw = dict(mesh_kw=mesh_kw, data_axis=("replica", "data"))
+        kw = dict(mesh_kw=mesh_kw, data_axis=("replica", "data"), lora=LoRA(rank=2, alpha=4.0))
     else:
         cfg = dataclasses.replace(SMALL, num_encoder_layers=2, num_decoder_layers=2,
                                   scan_layers=True)  # fmt: skip
@@ -112,13 +109,12 @@ def test_explicit_mode_with_what_real_runs_add(variant):
     assert [s.spec for s in jax.tree_util.tree_leaves(placed)] == [
         s.spec for s in jax.tree_util.tree_leaves(auto_placed)
     ]
-    if variant == "multislice":
+    if variant == "lora_multislice":
         assert dict(tr.partitioner.mesh.shape) == {"replica": 2, "data": 1, "model": 4}
         # The batch spans both slices; FSDP's weight split stays inside a slice (never over DCN).
         assert tr.batch_shardings["encoder_input_tokens"].spec == P(("replica", "data"), None)
         wi = placed["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"].spec
         assert wi == P("data", "model")
-    elif variant == "lora":
         lora_a = placed["encoder"]["layers_0"]["attention"]["query"]["kernel_lora_a"].spec
         assert lora_a == P("data", None)  # the kernel's input axis (embed), then lora_rank
     else:  # the stacked layers' leading axis is unsharded, the rest as the rules say
