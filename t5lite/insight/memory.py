@@ -168,12 +168,12 @@ _LOSS_BUFFERS = 2
 # values. Fitted on the CPU compiler's totals over eight FSDP configurations (decoder-only: 2
 # and 4 layers, d_model 256 and 512, d_ff 1024 and 2048, L 128 and 256; T5 with 2 and 3
 # layers a stack, 128/64 tokens): the residual after state, batch and gradients is within
-# 1.2 MiB of the model for the decoder-only model; T5's is 7 MiB more than modelled (-8%,
-# not yet explained). Remat: under FSDP the scheduler hoists every layer's recomputation ahead
+# 1.2 MiB of the model for the decoder-only model; T5's 7 MiB more is its gated GELU's
+# (below). Remat: under FSDP the scheduler hoists every layer's recomputation ahead
 # of the loss gradient (no loop orders it), so the recomputed values are live together and
 # the only saving is the [B, H, L, S] scores, which the recomputation fuses away (decoder-only:
-# none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on other layouts it
-# hoists only some layers' (see PredictedMemory's accuracy note).
+# none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
+# the 2D layouts it hoists less (_saved_unscanned).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
 # T5.1.1's gated GELU (tanh form) keeps three [B, L, F] buffers a layer more than SwiGLU
 # without remat or with `minimal` (whose hoisted recomputation brings them back): XLA's buffer
@@ -265,17 +265,16 @@ class PredictedMemory:
     of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
     but T5 under context parallelism with `full` remat (0.900: predicted at the optimizer
     update moment, which runs 13-19 MiB short of the compiler on T5 with remat over 8
-    data-parallel ways). Unscanned layers follow their own fitted counts (above): within 10%
-    for no remat and `minimal` on every preset for both families (T5 data and context
-    parallel peak at the gradient reduction, the update moment: each lookup of T5's shared
-    embedding adds its own table-sized gradient there). Unscanned `full` counts every layer's
-    recomputation hoisted ahead of the loss gradient: right on data parallel, FSDP, sequence
-    and context parallel for the decoder-only model (`full` compiles to `minimal`'s figure
-    there), over-predicted by 11-25% on megatron and 2D activations (both families) and on
-    fully sharded and tensor_2d (decoder-only), where the buffer assignment holds only part
-    of the recomputation at the peak (megatron: attention's, not the MLP's); T5 sequence
-    parallel `full` under-predicted (0.873: gated GELU's buffers stay hoisted there). T5.1.1-small under
-    FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
+    data-parallel ways). Unscanned layers follow their own counts (above), within 10% for
+    every preset x remat policy on both families but T5 `full` on megatron (1.170), 2D
+    activations (1.112) and sequence parallel (0.873). T5 data and context parallel peak at
+    the gradient reduction (the update moment), where each lookup of T5's shared embedding
+    adds its own table-sized gradient. Unscanned `full` counts the recomputation XLA:CPU
+    hoists ahead of the loss gradient, by layout: all of it on data parallel, FSDP, sequence
+    and context parallel, the attention's on megatron, none on the 2D layouts (decoder-only;
+    T5 keeps the all-hoisted count, its peak there being in the encoder's backward).
+    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
+    predicted against 7.74 compiled (the compiled figure measured before these counts).
     """
 
     state: int
