@@ -253,7 +253,9 @@ class PredictedMemory:
         larger of the loss's temporaries ([B, L, V] fp32 logits and probabilities) and one
         layer's backward working set (its activations, recomputed under remat, and their
         cotangents);
-      update: state + batch + gradients + the optimizer's parameter-sized update.
+      update: state + batch + gradients + the optimizer's parameter-sized update (the reduced
+        gradients), + the token embedding's scatter zeros and, per extra lookup of a shared
+        table (T5), one more unreduced and reduced table gradient.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
     likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
     by kind of layer (attention, MLP, norms and residual sums, logits and loss; they add up to
@@ -263,9 +265,8 @@ class PredictedMemory:
 
     Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10%
     of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
-    but T5 under context parallelism with `full` remat (0.900: predicted at the optimizer
-    update moment, which runs 13-19 MiB short of the compiler on T5 with remat over 8
-    data-parallel ways). Unscanned layers follow their own counts (above), within 10% for
+    (T5 context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
+    embedding gradient). Unscanned layers follow their own counts (above), within 10% for
     every preset x remat policy on both families but T5 `full` on megatron (1.170), 2D
     activations (1.112) and sequence parallel (0.873). T5 data and context parallel peak at
     the gradient reduction (the update moment), where each lookup of T5's shared embedding
