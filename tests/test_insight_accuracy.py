@@ -146,9 +146,11 @@ def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat)
 # Unscanned `full` (read from XLA:CPU's buffer assignment at the loss-gradient peak, see
 # memory._saved_unscanned): every layer's recomputation is hoisted ahead of the loss gradient
 # on data parallel, FSDP, sequence and context parallel, only its attention on megatron, none
-# on the 2D layouts. T5's peak on megatron and 2D activations is elsewhere (in the encoder's
-# backward on 2D activations), a moment the model lacks: it keeps the every-layer count there.
-_T5_FULL = "full remat: T5's peak on this layout is in the encoder's backward, not modelled"
+# on the 2D layouts. T5's peak on megatron and 2D activations is later, inside the layers'
+# backward (buffer assignment: the decoder's on megatron, the encoder's on 2D activations, a
+# layer's working set beside the next one's recomputation), a moment the model lacks: it
+# keeps the every-layer count there.
+_T5_FULL = "full remat: T5's peak here is inside the layers' backward, a moment not modelled"
 # T5 sequence parallel `full` compiles to `minimal`'s figure, gated GELU's three extra [B, L, F]
 # buffers a layer included, which the model leaves out under `full` (FSDP `full` runs 8 MiB
 # under `minimal`: there they are not live at the peak).

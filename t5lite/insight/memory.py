@@ -273,7 +273,7 @@ class PredictedMemory:
     adds its own table-sized gradient. Unscanned `full` counts the recomputation XLA:CPU
     hoists ahead of the loss gradient, by layout: all of it on data parallel, FSDP, sequence
     and context parallel, the attention's on megatron, none on the 2D layouts (decoder-only;
-    T5 keeps the all-hoisted count, its peak there being in the encoder's backward).
+    T5 keeps the all-hoisted count, its peak there being inside the layers' backward).
     T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
     predicted against 7.74 compiled (the compiled figure measured before these counts).
     """
@@ -370,9 +370,10 @@ def _scanned_backward(layers: list, remat: str, logits: int):
 def _unscanned_backward(layers: list, remat: str, logits: int):
     """The backward moment's activations by kind, and its terms, for unscanned layers."""
     # Where the recomputation stops being hoisted was read on the decoder-only model; an
-    # encoder-decoder's peak on those layouts moves into the encoder's backward (T5, 2D
-    # activations, `full`: encoder layer 1's backward beside layer 0's recomputation), a
-    # moment not modelled, so T5 keeps the every-layer-hoisted count, an over-estimate there.
+    # encoder-decoder's peak on those layouts moves inside the layers' backward (T5 `full`,
+    # buffer assignment: on 2D activations encoder layer 1's backward beside layer 0's
+    # recomputation, on megatron the decoder's likewise), a moment not modelled, so T5 keeps
+    # the every-layer-hoisted count, an over-estimate there.
     single = len(layers) == 1
     saved = _add(
         *(
