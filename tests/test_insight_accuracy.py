@@ -145,8 +145,10 @@ def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat)
 
 # Unscanned `full` (read from XLA:CPU's buffer assignment at the loss-gradient peak, see
 # memory._saved_unscanned): every layer's recomputation is hoisted ahead of the loss gradient
-# on data parallel, FSDP, sequence and context parallel, only its attention on megatron, none
-# on the 2D layouts. T5's peak on megatron and 2D activations is later, inside the layers'
+# on data parallel, FSDP, sequence and context parallel, only its attention on megatron
+# (decoder-only; 0.990 at 4 layers too). On the 2D layouts none at 2 layers, but counting only
+# the layer inputs under-predicts 4 layers (0.816), so the model keeps the all-hoisted count
+# there. T5's peak on megatron and 2D activations is later, inside the layers'
 # backward (buffer assignment: the decoder's on megatron, the encoder's on 2D activations, a
 # layer's working set beside the next one's recomputation), a moment the model lacks: it
 # keeps the every-layer count there.
@@ -155,10 +157,14 @@ _T5_FULL = "full remat: T5's peak here is inside the layers' backward, a moment 
 # buffers a layer included, which the model leaves out under `full` (FSDP `full` runs 8 MiB
 # under `minimal`: there they are not live at the peak).
 _SP_GELU = "full remat: T5's gated-GELU buffers stay hoisted on sequence parallel, not on FSDP"
+_TWO_D = "full remat on 2D layouts: counted all hoisted; the peak is inside the layers' backward"
 
 
 # Unscanned layouts measured outside 10% (predicted / compiled), and why.
 _UNSCANNED_MISSES = {
+    ("lm", "activations_2d", "full"): (1.240, _TWO_D),
+    ("lm", "fully_sharded", "full"): (1.233, _TWO_D),
+    ("lm", "tensor_2d", "full"): (1.233, _TWO_D),
     ("t5", "megatron", "full"): (1.170, _T5_FULL),
     ("t5", "activations_2d", "full"): (1.112, _T5_FULL),
     ("t5", "sequence_parallel", "full"): (0.873, _SP_GELU),
