@@ -129,6 +129,19 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
+        "gelu": int("gelu" in cfg.mlp_activations),
+        # Where XLA:CPU's scheduler stops hoisting an unscanned layer's `full` recomputation
+        # (see _saved_unscanned): after the attention when its heads are split without
+        # sequence parallelism, FSDP's parameter gathers or a split `embed` (megatron: the
+        # out projection's all-reduce; under FSDP the whole recomputation is hoisted).
+        "heads_split": int(
+            not sp
+            and of(("embed",), (cfg.emb_dim,)) == of((None,), (cfg.emb_dim,))
+            and of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim))
+            == of(("batch", "length", None), (b, q_len, cfg.emb_dim))
+            and of(("batch", "length", "heads", "kv"), (b, q_len, h, k))
+            < of(("batch", "length", None, "kv"), (b, q_len, h, k))
+        ),
     }
 
 
@@ -152,13 +165,21 @@ _LOSS_BUFFERS = 2
 # values. Fitted on the CPU compiler's totals over eight FSDP configurations (decoder-only: 2
 # and 4 layers, d_model 256 and 512, d_ff 1024 and 2048, L 128 and 256; T5 with 2 and 3
 # layers a stack, 128/64 tokens): the residual after state, batch and gradients is within
-# 1.2 MiB of the model for the decoder-only model; T5's is 7 MiB more than modelled (-8%,
-# not yet explained). Remat: under FSDP the scheduler hoists every layer's recomputation ahead
+# 1.2 MiB of the model for the decoder-only model; T5's 7 MiB more is its gated GELU's
+# (below). Remat: under FSDP the scheduler hoists every layer's recomputation ahead
 # of the loss gradient (no loop orders it), so the recomputed values are live together and
 # the only saving is the [B, H, L, S] scores, which the recomputation fuses away (decoder-only:
-# none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on other layouts it
-# hoists only some layers' (see PredictedMemory's accuracy note).
+# none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
+# the 2D layouts it hoists less (_saved_unscanned).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
+# T5.1.1's gated GELU (tanh form) keeps three [B, L, F] buffers a layer more than SwiGLU
+# without remat or with `minimal` (whose hoisted recomputation brings them back): XLA's buffer
+# assignment at the loss-gradient peak, T5 unscanned without remat, holds 7.5 (encoder) and
+# 8.5 (decoder) a layer on fully sharded and 2D activations; 3 fits the compiled totals of
+# FSDP, megatron, 2D activations, fully sharded and sequence parallel (the "7 MiB more than
+# modelled" above). Under `full` the recomputed MLP is not hoisted (T5 FSDP `full` compiles
+# 8 MiB under `minimal`), so they are not counted there.
+_UNSCANNED_GELU_HIDDEN = 3
 
 # Kinds of activation a report breaks the total into (they add up to `activations`).
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
@@ -189,10 +210,25 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
 def _saved_unscanned(a: dict[str, int], remat: str) -> dict[str, int]:
     """What one unscanned layer holds at the backward's peak, by kind (see above)."""
     n = a["attentions"]
+    # NOTE: on the 2D layouts (activations' `embed` split) the buffer assignment at the
+    # loss-gradient peak (decoder-only, 2D activations, 2 layers) holds each layer's input and
+    # nothing recomputed, but counting only that under-predicts 4 layers (0.816: the peak
+    # moves inside the layers' backward, a moment not modelled), so those layouts keep the
+    # all-hoisted count, an over-estimate (1.24 at 2 layers, 1.17 at 4).
+    if remat == "full" and a["heads_split"]:
+        # Megatron: each layer's attention is recomputed ahead of the loss gradient (its
+        # input, three more [B, L, D] buffers, q, k, v and both score buffers live at the
+        # peak), its MLP, behind the out projection's all-reduce, is not (decoder-only, 2
+        # layers: 6.0 MiB a layer, no [B, L, F] buffer).
+        return {
+            "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
+            "norms+residual": 4 * a["x"],
+        }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": _UNSCANNED_HIDDEN * a["h"],
+        "mlp": (_UNSCANNED_HIDDEN + _UNSCANNED_GELU_HIDDEN * a["gelu"] * (remat != "full"))
+        * a["h"],
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"],
     }
 
@@ -215,7 +251,9 @@ class PredictedMemory:
         larger of the loss's temporaries ([B, L, V] fp32 logits and probabilities) and one
         layer's backward working set (its activations, recomputed under remat, and their
         cotangents);
-      update: state + batch + gradients + the optimizer's parameter-sized update.
+      update: state + batch + gradients + the optimizer's parameter-sized update (the reduced
+        gradients), + the token embedding's scatter zeros and, per extra lookup of a shared
+        table (T5), one more unreduced and reduced table gradient.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
     likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
     by kind of layer (attention, MLP, norms and residual sums, logits and loss; they add up to
@@ -225,17 +263,20 @@ class PredictedMemory:
 
     Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10%
     of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
-    but T5 under context parallelism with `full` remat (0.900: predicted at the optimizer
-    update moment, which runs 13-19 MiB short of the compiler on T5 with remat over 8
-    data-parallel ways). Unscanned layers follow their own fitted counts (above): within 10%
-    for no remat and `minimal` on the layouts measured (decoder-only: every preset; T5: FSDP
-    and megatron) but T5 FSDP `minimal` (0.894; T5 data parallel, not in the tests, 0.882 and
-    0.864). Unscanned `full` counts every layer's recomputation hoisted ahead of the loss
-    gradient: right on data parallel, FSDP, sequence and context parallel (decoder-only `full`
-    compiles to `minimal`'s figure there), over-predicted by 15-25% on megatron, 2D
-    activations, fully sharded and tensor_2d, where the compiled totals are those of one layer
-    of two hoisted (megatron) or none (the 2D layouts). T5.1.1-small under
-    FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.05 GiB against 7.74 compiled.
+    (T5 context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
+    embedding gradient). Unscanned layers follow their own counts (above), within 10% for
+    every preset x remat policy on both families but `full` on 2D activations (T5 1.112,
+    decoder-only 1.240), decoder-only fully sharded and tensor_2d (1.233), T5 megatron (1.170)
+    and T5 sequence parallel (0.873). T5 data and context parallel peak at
+    the gradient reduction (the update moment), where each lookup of T5's shared embedding
+    adds its own table-sized gradient. Unscanned `full` counts the recomputation XLA:CPU
+    hoists ahead of the loss gradient, by layout: all of it on data parallel, FSDP, sequence
+    and context parallel, the attention's on megatron (decoder-only, 2 and 4 layers: 0.993,
+    0.990; T5 keeps the all-hoisted count, its peak there being inside the layers' backward);
+    on the 2D layouts the all-hoisted count stands, over-predicting the decoder-only model by
+    23-24% (1.173 at 4 layers).
+    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
+    predicted against 7.74 compiled (the compiled figure measured before these counts).
     """
 
     state: int
@@ -279,6 +320,15 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     )
     grads = _unreduced_gradient_bytes(trainer)
     update = _tree_bytes_per_device(trainer.abstract_state().params)
+    # The gradient reduction and the update: beside the gradients and their reduced copies,
+    # the token embedding's scatter-add gradient, one per lookup (an encoder-decoder's shared
+    # table is looked up by both stacks; each lookup's gradient is reduced as its own operand
+    # and only then summed), and the scatter's zero-initialised table, live until the update
+    # (XLA:CPU's buffer assignment, T5 unscanned on data parallel: 2 x (gradients + one more
+    # table) + the zeros, to 0.4 MiB).
+    table = _embedding_gradient_bytes(trainer)
+    lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
+    update += (lookups - 1) * (table[0] + table[1]) + table[0]
     terms = (*terms, ("optimizer update", update))
     total = sum(backward.values())
     if total >= update:
@@ -320,7 +370,19 @@ def _scanned_backward(layers: list, remat: str, logits: int):
 
 def _unscanned_backward(layers: list, remat: str, logits: int):
     """The backward moment's activations by kind, and its terms, for unscanned layers."""
-    saved = _add(*(_saved_unscanned(a, remat) for n, a in layers for _ in range(n)))
+    # Where the recomputation stops being hoisted was read on the decoder-only model; an
+    # encoder-decoder's peak on those layouts moves inside the layers' backward (T5 `full`,
+    # buffer assignment: on 2D activations encoder layer 1's backward beside layer 0's
+    # recomputation, on megatron the decoder's likewise), a moment not modelled, so T5 keeps
+    # the every-layer-hoisted count, an over-estimate there.
+    single = len(layers) == 1
+    saved = _add(
+        *(
+            _saved_unscanned(a if single else {**a, "heads_split": 0}, remat)
+            for n, a in layers
+            for _ in range(n)
+        )
+    )
     last = {"norms+residual": _UNSCANNED_LAST_X * layers[-1][1]["x"]}
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
     terms = (
@@ -328,6 +390,23 @@ def _unscanned_backward(layers: list, remat: str, logits: int):
         ("loss temporaries", loss["logits+loss"]),
     )  # fmt: skip
     return _add(saved, last, loss), terms
+
+
+def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
+    """(unreduced, reduced) bytes per device of the token embedding's gradient."""
+    part = trainer.partitioner
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
+    for (path, x), s in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+    ):
+        if "token_embedder" in jax.tree_util.keystr(path):
+            whole = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            axes = [t for e in s.spec for t in mesh_axes_of(e)]
+            unreduced = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
+            reduced = math.prod(part.mesh.shape[t] for t in axes)
+            return whole // unreduced, whole // reduced
+    return 0, 0
 
 
 def _unreduced_gradient_bytes(trainer: Trainer) -> int:
