@@ -408,7 +408,7 @@ class EncoderDecoderModel(BaseModel):
         cross = jax.lax.optimization_barrier(cross)
         # Samples / beams of one example share its encoding: its tokens (the cross-attention
         # mask) are repeated once, up front; its keys/values are not: the n decodes attend to
-        # one copy (see `MultiHeadDotProductAttention._shared_kv_attention`).
+        # one copy (see `MultiHeadAttention._shared_kv_attention` in layers.py).
         enc_n = decoding.expand_batch(enc_BS, self._decodes_per_example())
 
         def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
