@@ -187,6 +187,17 @@ def test_an_unknown_task_name(tmp_path, capsys):
     assert not model_dir.exists()
 
 
+def test_inspect_with_a_train_config_names_what_to_bind(capsys):
+    """`inspect` on the quickstart's train config (no inspect.gin): its keyword-only arguments
+    are Python's error, not gin's; still one line naming the bindings."""
+    rc = run_cli("inspect", "--gin_file=quickstart.gin", "--host_device_count=8")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err == [
+        "t5lite inspect: error: inspect.model, inspect.task_feature_lengths, inspect.batch_size: "
+        "required, but no value is bound"
+    ]
+
+
 def test_a_gin_import_that_is_not_found(tmp_path, capsys, monkeypatch):
     (tmp_path / "user.gin").write_text("import no_such_module_xyz\ninclude 'quickstart.gin'\n")
     monkeypatch.chdir(tmp_path)

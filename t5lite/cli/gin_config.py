@@ -196,10 +196,13 @@ def missing_arguments(e: BaseException) -> str | None:
     """One line for gin's error when a configurable is called without a required argument."""
     text = re.sub(r"\s*\(<(function|class) [^>]*>\)", "", str(e))
     m = re.search(r"No values supplied by Gin or caller for arguments: \[([^\]]*)\]", text)
+    # Keyword-only arguments without a default are Python's own error, not gin's.
+    kw = re.search(r"missing \d+ required (?:keyword-only |positional )?arguments?: (.*)", text)
     where = re.search(r"In call to configurable '([\w.]+)'(?: in scope '([\w./]+)')?", text)
-    if not (m and where):
+    if not ((m or kw) and where):
         return None
-    names = [a.strip(" '") for a in m.group(1).split(",") if a.strip()]
+    listed = m.group(1) if m else kw.group(1).splitlines()[0]
+    names = re.findall(r"'(\w+)'", listed)
     scope = f"{where.group(2)}/" if where.group(2) else ""
     binding = ", ".join(f"{scope}{where.group(1)}.{n}" for n in names)
     return f"{binding}: required, but no value is bound"
