@@ -130,10 +130,11 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
-        # Where XLA:CPU's scheduler stops hoisting an unscanned layer's `full` recomputation
-        # (see _saved_unscanned): after the attention when its heads are split without
-        # sequence parallelism, FSDP's parameter gathers or a split `embed` (megatron: the
-        # out projection's all-reduce; under FSDP the whole recomputation is hoisted).
+        # Where XLA:CPU's scheduler places an unscanned layer's `full` recomputation (see
+        # _saved_unscanned): the attention's ahead of the loss gradient when its heads are
+        # split without sequence parallelism, FSDP's parameter gathers or a split `embed`
+        # (megatron: the out projection's all-reduce holds the MLP back; under FSDP the whole
+        # recomputation is hoisted).
         "heads_split": int(
             not sp
             and of(("embed",), (cfg.emb_dim,)) == of((None,), (cfg.emb_dim,))
@@ -141,6 +142,12 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
             == of(("batch", "length", None), (b, q_len, cfg.emb_dim))
             and of(("batch", "length", "heads", "kv"), (b, q_len, h, k))
             < of(("batch", "length", None, "kv"), (b, q_len, h, k))
+        ),
+        # Activations' `embed` split (the 2D layouts: 2D activations, fully sharded): none of
+        # it ahead of the loss gradient.
+        "embed_split": int(
+            of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim))
+            < of(("batch", "length", None), (b, q_len, cfg.emb_dim))
         ),
     }
 
@@ -177,8 +184,10 @@ _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_L
 # assignment at the loss-gradient peak, T5 unscanned without remat, holds 7.5 (encoder) and
 # 8.5 (decoder) a layer on fully sharded and 2D activations; 3 fits the compiled totals of
 # FSDP, megatron, 2D activations, fully sharded and sequence parallel (the "7 MiB more than
-# modelled" above). Under `full` the recomputed MLP is not hoisted (T5 FSDP `full` compiles
-# 8 MiB under `minimal`), so they are not counted there.
+# modelled" above). Under `full` the recomputed MLP's are not live at the peak (T5 FSDP
+# `full` compiles 8 MiB under `minimal`), so they are not counted there. (T5 sequence
+# parallel `full` compiles to `minimal`'s figure: there the gathered block inputs counted
+# instead, see _saved_unscanned, happen to be as large as these three buffers.)
 _UNSCANNED_GELU_HIDDEN = 3
 
 # Kinds of activation a report breaks the total into (they add up to `activations`).
@@ -207,15 +216,14 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     }
 
 
-def _saved_unscanned(a: dict[str, int], remat: str) -> dict[str, int]:
-    """What one unscanned layer holds at the backward's peak, by kind (see above)."""
+def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dict[str, int]:
+    """What one unscanned layer holds at the loss gradient, by kind (see above). Under `full`,
+    `hoisted` says how much of the layer's recomputation XLA:CPU's scheduler has moved ahead
+    of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where)."""
     n = a["attentions"]
-    # NOTE: on the 2D layouts (activations' `embed` split) the buffer assignment at the
-    # loss-gradient peak (decoder-only, 2D activations, 2 layers) holds each layer's input and
-    # nothing recomputed, but counting only that under-predicts 4 layers (0.816: the peak
-    # moves inside the layers' backward, a moment not modelled), so those layouts keep the
-    # all-hoisted count, an over-estimate (1.24 at 2 layers, 1.17 at 4).
-    if remat == "full" and a["heads_split"]:
+    if remat == "full" and hoisted == "none":
+        return {"norms+residual": a["x"]}  # the layer's input, recomputed from after the loss
+    if remat == "full" and hoisted == "attention":
         # Megatron: each layer's attention is recomputed ahead of the loss gradient (its
         # input, three more [B, L, D] buffers, q, k, v and both score buffers live at the
         # peak), its MLP, behind the out projection's all-reduce, is not (decoder-only, 2
@@ -225,12 +233,43 @@ def _saved_unscanned(a: dict[str, int], remat: str) -> dict[str, int]:
             "norms+residual": 4 * a["x"],
         }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
+    gelu = _UNSCANNED_GELU_HIDDEN * a["gelu"] * (remat != "full")
+    # Sequence parallelism's hoisted recomputation gathers each block's input again
+    # (collectives.column_parallel), and those whole-length copies are live with the rest at
+    # the loss gradient (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them,
+    # 0.967 and 0.968 with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers
+    # with). `minimal` saves the projections' outputs, not their gathered inputs.
+    gathered = a["sp_gathered"] if remat == "full" else 0
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": (_UNSCANNED_HIDDEN + _UNSCANNED_GELU_HIDDEN * a["gelu"] * (remat != "full"))
-        * a["h"],
-        "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"],
+        "mlp": (_UNSCANNED_HIDDEN + gelu) * a["h"],
+        "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
+
+
+def _recomputed(a: dict[str, int]) -> dict[str, int]:
+    """One unscanned layer's `full` recomputation as it stands in the backward pass, by kind:
+    each block's gathered matmul input, the input and its norm's output, q (per attention),
+    k and v, the logits and probabilities, the MLP's two pre-activations and their product."""
+    n = a["attentions"]
+    return {
+        "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
+        "mlp": 3 * a["h"],
+        "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
+    }
+
+
+# Unscanned `full`, inside the layers' backward: every layer's recomputation is live (hoisted
+# ahead of the first layer's backward, before or after the loss gradient), and the layer
+# being differentiated adds the cotangents of its recomputed values and the matmuls' gradient
+# temporaries, _RECOMPUTED_WORKING times its recomputed values. Fitted on XLA:CPU's compiled
+# totals of the layouts where this moment is the peak (decoder-only on 2D activations and
+# fully sharded, 2, 4 and 6 layers; T5 on 2D activations and megatron, 2, 3 and 4 layers a
+# stack): 1.75 puts all twelve within 8% (1.5: 11.5%, 2.0: 8.8%). The buffer assignment at
+# that peak (4 layers) holds 8.0 MiB a decoder-only layer on the 2D layouts (modelled 6.5:
+# the [B, L, H, K] values are fewer than XLA keeps), T5's 12.3 (2D activations, modelled
+# 12.25) and 14.0 (megatron, modelled 14.5) a layer of each stack.
+_RECOMPUTED_WORKING = 1.75
 
 
 def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
@@ -369,27 +408,41 @@ def _scanned_backward(layers: list, remat: str, logits: int):
 
 
 def _unscanned_backward(layers: list, remat: str, logits: int):
-    """The backward moment's activations by kind, and its terms, for unscanned layers."""
-    # Where the recomputation stops being hoisted was read on the decoder-only model; an
-    # encoder-decoder's peak on those layouts moves inside the layers' backward (T5 `full`,
-    # buffer assignment: on 2D activations encoder layer 1's backward beside layer 0's
-    # recomputation, on megatron the decoder's likewise), a moment not modelled, so T5 keeps
-    # the every-layer-hoisted count, an over-estimate there.
+    """The backward moment's activations by kind, and its terms, for unscanned layers: the
+    larger of the loss gradient (every layer's saved values, the last layer's working set and
+    the loss's buffers) and, under `full`, the layers' backward (every layer recomputed, no
+    loss buffers left)."""
     single = len(layers) == 1
-    saved = _add(
-        *(
-            _saved_unscanned(a if single else {**a, "heads_split": 0}, remat)
-            for n, a in layers
-            for _ in range(n)
-        )
-    )
-    last = {"norms+residual": _UNSCANNED_LAST_X * layers[-1][1]["x"]}
+    first = layers[-1][1]  # the first layer differentiated: the last stack's last
+
+    # Where the `full` recomputation goes, read from XLA:CPU's buffer assignment: all of it
+    # ahead of the loss gradient on data parallel, FSDP, sequence and context parallel; only
+    # the attention's on the decoder-only model's megatron; none on the 2D layouts (embed
+    # split) or T5's megatron, whose every layer is recomputed after the loss gradient, all
+    # ahead of the first layer's backward (the buffer assignment at 4 layers: every layer's
+    # recomputed values live beside the first one's cotangents, no logits).
+    def hoisted(a: dict[str, int]) -> str:
+        if a["embed_split"] or (a["heads_split"] and not single):
+            return "none"
+        return "attention" if a["heads_split"] else "all"
+
+    saved = _add(*(_saved_unscanned(a, remat, hoisted(a)) for n, a in layers for _ in range(n)))
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"]}
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
+    at_loss = _add(saved, last, loss)
+    work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
+    inside = _add(*(_recomputed(a) for n, a in layers for _ in range(n)), work)
+    if remat == "full" and sum(inside.values()) > sum(at_loss.values()):
+        terms = (
+            ("saved activations", sum(inside.values()) - sum(work.values())),
+            ("layer working set", sum(work.values())), ("loss temporaries", 0),
+        )  # fmt: skip
+        return inside, terms
     terms = (
         ("saved activations", sum(saved.values())), ("layer working set", last["norms+residual"]),
         ("loss temporaries", loss["logits+loss"]),
     )  # fmt: skip
-    return _add(saved, last, loss), terms
+    return at_loss, terms
 
 
 def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
@@ -431,12 +484,13 @@ ACCURACY_FAMILIES = ("t5", "lm")
 
 
 def accuracy_trainer(
-    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16
+    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16, layers: int = 2
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
-    fixed overheads, two layers a stack; `family` is "t5" (T5.1.1-like encoder-decoder) or
-    "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without model parallelism).
+    fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
+    encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
+    model parallelism).
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -446,13 +500,14 @@ def accuracy_trainer(
     if family == "t5":
         cfg = T5Config(
             vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
+            num_encoder_layers=layers, num_decoder_layers=layers, remat_policy=remat,
+            scan_layers=scan,
         )  # fmt: skip
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
         cfg = DecoderOnlyConfig(
-            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
-            remat_policy=remat, scan_layers=scan,
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768,
+            num_layers=layers, remat_policy=remat, scan_layers=scan,
         )  # fmt: skip
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
