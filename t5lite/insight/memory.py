@@ -263,13 +263,14 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
 # ahead of the first layer's backward, before or after the loss gradient), and the layer
 # being differentiated adds the cotangents of its recomputed values and the matmuls' gradient
 # temporaries, _RECOMPUTED_WORKING times its recomputed values. Fitted on XLA:CPU's compiled
-# totals of the layouts where this moment is the peak (decoder-only on 2D activations and
-# fully sharded, 2, 4 and 6 layers; T5 on 2D activations and megatron, 2, 3 and 4 layers a
-# stack): 1.75 puts all twelve within 8% (1.5: 11.5%, 2.0: 8.8%). The buffer assignment at
-# that peak (4 layers) holds 8.0 MiB a decoder-only layer on the 2D layouts (modelled 6.5:
-# the [B, L, H, K] values are fewer than XLA keeps), T5's 12.3 (2D activations, modelled
-# 12.25) and 14.0 (megatron, modelled 14.5) a layer of each stack.
-_RECOMPUTED_WORKING = 1.75
+# totals of the 16 programs of the layouts that recompute after the loss gradient:
+# decoder-only on 2D activations and fully sharded (2, 4 and 6 layers; at 2 the loss gradient
+# stays the peak), T5 on 2D activations and megatron (2, 3 and 4 layers a stack) and fully
+# sharded (2, 4): 1.5 puts all within 6% (1.25: 7%, 1.75: 8%, 1.0: 9%). The buffer
+# assignment at that peak (4 layers) holds 8.0 MiB of recomputed values a decoder-only layer
+# on the 2D layouts (modelled 6.5: XLA keeps more [B, L, H, K] values), T5's 12.3 (2D
+# activations, modelled 12.25) and 14.0 (megatron, modelled 14.5) a layer of each stack.
+_RECOMPUTED_WORKING = 1.5
 
 
 def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
@@ -348,7 +349,8 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     if cfg.scan_layers:
         backward, terms = _scanned_backward(layers, cfg.remat_policy, logits)
     else:
-        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits)
+        gathered = _gathered_layer_bytes(trainer)
+        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits, gathered)
     state = _tree_bytes_per_device(trainer.abstract_state())
     batch = _tree_bytes_per_device(
         jax.tree_util.tree_map(
@@ -407,7 +409,7 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     return _add(saved, peak), terms
 
 
-def _unscanned_backward(layers: list, remat: str, logits: int):
+def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0):
     """The backward moment's activations by kind, and its terms, for unscanned layers: the
     larger of the loss gradient (every layer's saved values, the last layer's working set and
     the loss's buffers) and, under `full`, the layers' backward (every layer recomputed, no
@@ -432,10 +434,16 @@ def _unscanned_backward(layers: list, remat: str, logits: int):
     at_loss = _add(saved, last, loss)
     work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
     inside = _add(*(_recomputed(a) for n, a in layers for _ in range(n)), work)
+    if gathered:
+        # FSDP: each layer's recomputation gathers its weights again (over the batch axes),
+        # and every layer's gathered copy stays live until its backward (buffer assignment,
+        # fully sharded, 4 layers: decoder-only 0.82 MiB a layer, its weights split 4 ways).
+        inside["gathered weights"] = gathered
     if remat == "full" and sum(inside.values()) > sum(at_loss.values()):
         terms = (
-            ("saved activations", sum(inside.values()) - sum(work.values())),
+            ("saved activations", sum(inside.values()) - sum(work.values()) - gathered),
             ("layer working set", sum(work.values())), ("loss temporaries", 0),
+            ("gathered weights", gathered),
         )  # fmt: skip
         return inside, terms
     terms = (
@@ -443,6 +451,24 @@ def _unscanned_backward(layers: list, remat: str, logits: int):
         ("loss temporaries", loss["logits+loss"]),
     )  # fmt: skip
     return at_loss, terms
+
+
+def _gathered_layer_bytes(trainer: Trainer) -> int:
+    """Bytes per device of every layer's weights gathered over the batch's mesh axes (FSDP),
+    0 where no layer weight is split over them."""
+    part = trainer.partitioner
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
+    total = 0
+    for (path, x), s in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+    ):
+        axes = [t for e in s.spec for t in mesh_axes_of(e)]
+        if "layers_" not in jax.tree_util.keystr(path) or not batch_axes & set(axes):
+            continue
+        split = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
+        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
+    return total
 
 
 def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
