@@ -285,7 +285,8 @@ def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
 class PredictedMemory:
     """An analytic estimate of the train step's peak memory per device (no compilation).
 
-    The peak is the larger of two moments, each a sum of buffers live at once:
+    The peak is the largest of these moments (and, for unscanned `full`, one more, below),
+    each a sum of buffers live at once:
       backward: state + batch + gradients (whole over the batch axes until reduced, all layers:
         the scan carries them) + saved activations (all layers, under the remat policy) + the
         larger of the loss's temporaries ([B, L, V] fp32 logits and probabilities) and one
@@ -296,25 +297,26 @@ class PredictedMemory:
         table (T5), one more unreduced and reduced table gradient.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
     likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
-    by kind of layer (attention, MLP, norms and residual sums, logits and loss; they add up to
-    it). State and batch are exact (shardings); every activation is sized by resolving its
+    by kind of layer (attention, MLP, norms and residual sums, logits and loss, and, at an
+    unscanned FSDP layout's inside-backward moment, the layers' gathered weights; they add up
+    to it). State and batch are exact (shardings); every activation is sized by resolving its
     logical axes with the rules table, so any preset (sequence or context parallelism
     included) is sized by what it shards.
 
-    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10%
-    of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
-    (T5 context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
-    embedding gradient). Unscanned layers follow their own counts (above), within 10% for
-    every preset x remat policy on both families but `full` on 2D activations (T5 1.112,
-    decoder-only 1.240), decoder-only fully sharded and tensor_2d (1.233), T5 megatron (1.170)
-    and T5 sequence parallel (0.873). T5 data and context parallel peak at
-    the gradient reduction (the update moment), where each lookup of T5's shared embedding
-    adds its own table-sized gradient. Unscanned `full` counts the recomputation XLA:CPU
-    hoists ahead of the loss gradient, by layout: all of it on data parallel, FSDP, sequence
-    and context parallel, the attention's on megatron (decoder-only, 2 and 4 layers: 0.993,
-    0.990; T5 keeps the all-hoisted count, its peak there being inside the layers' backward);
-    on the 2D layouts the all-hoisted count stands, over-predicting the decoder-only model by
-    23-24% (1.173 at 4 layers).
+    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10% of
+    the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models (T5
+    context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
+    embedding gradient). Unscanned layers follow their own counts (above), within 10% for every
+    preset x remat policy on both families (two layers a stack). T5 data and context parallel
+    peak at the gradient reduction (the update moment), where each lookup of T5's shared
+    embedding adds its own table-sized gradient. Unscanned `full` has a third moment, inside the
+    layers' backward (every layer recomputed, the first one differentiated, the loss's buffers
+    gone), and counts at the loss gradient the recomputation XLA:CPU hoists ahead of it, by
+    layout: all of it on data parallel, FSDP, sequence and context parallel, the attention's on
+    the decoder-only model's megatron, none on the 2D layouts and T5's megatron
+    (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
+    layouts were off by 11-24%). Known miss at depth: T5 FSDP `full` at 4 layers a stack, 1.129
+    (the all-hoisted count at the loss gradient over-counts T5's recomputed values; 1.043 at 2).
     T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
     predicted against 7.74 compiled (the compiled figure measured before these counts).
     """
