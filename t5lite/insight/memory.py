@@ -131,7 +131,7 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
         # Where XLA:CPU's scheduler places an unscanned layer's `full` recomputation (see
-        # _saved_unscanned): the attention's ahead of the loss gradient when its heads are
+        # _unscanned_backward): the attention's ahead of the loss gradient when its heads are
         # split without sequence parallelism, FSDP's parameter gathers or a split `embed`
         # (megatron: the out projection's all-reduce holds the MLP back; under FSDP the whole
         # recomputation is hoisted).
@@ -177,7 +177,7 @@ _LOSS_BUFFERS = 2
 # of the loss gradient (no loop orders it), so the recomputed values are live together and
 # the only saving is the [B, H, L, S] scores, which the recomputation fuses away (decoder-only:
 # none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
-# the 2D layouts it hoists less (_saved_unscanned).
+# the 2D layouts it hoists less (_unscanned_backward).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
 # T5.1.1's gated GELU (tanh form) keeps three [B, L, F] buffers a layer more than SwiGLU
 # without remat or with `minimal` (whose hoisted recomputation brings them back): XLA's buffer
@@ -263,7 +263,7 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
 # ahead of the first layer's backward, before or after the loss gradient), and the layer
 # being differentiated adds the cotangents of its recomputed values and the matmuls' gradient
 # temporaries, _RECOMPUTED_WORKING times its recomputed values. Fitted on XLA:CPU's compiled
-# totals of the 16 programs of the layouts that recompute after the loss gradient:
+# totals of the 14 programs of the layouts that recompute after the loss gradient:
 # decoder-only on 2D activations and fully sharded (2, 4 and 6 layers; at 2 the loss gradient
 # stays the peak), T5 on 2D activations and megatron (2, 3 and 4 layers a stack) and fully
 # sharded (2, 4): 1.5 puts all within 6% (1.25: 7%, 1.75: 8%, 1.0: 9%). The buffer
@@ -316,7 +316,9 @@ class PredictedMemory:
     the decoder-only model's megatron, none on the 2D layouts and T5's megatron
     (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
     layouts were off by 11-24%). Known miss at depth: T5 FSDP `full` at 4 layers a stack, 1.129
-    (the all-hoisted count at the loss gradient over-counts T5's recomputed values; 1.043 at 2).
+    (1.043 at 2): the all-hoisted count at the loss gradient over-counts T5's encoder, whose
+    recomputation XLA:CPU hoists only in part there (buffer assignment at 4 layers: four [B, S,
+    D]-sized buffers an encoder layer against the eleven counted).
     T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
     predicted against 7.74 compiled (the compiled figure measured before these counts).
     """
