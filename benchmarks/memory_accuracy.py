@@ -2,11 +2,13 @@
 
 Goal (issue 19): `predict_memory` (analytic, no compilation) within 10% of XLA's figure
 (`memory_report(compiled).total`) on 8 fake CPU devices, for T5.1.1-like and decoder-only models
-(`memory.accuracy_trainer`, the test's models), layers scanned or (`--unscanned`) unrolled.
+(`memory.accuracy_trainer`, the test's models), layers scanned or (`--unscanned`) unrolled,
+two a stack or `--layers N` (the depths the unscanned `full` counts were fitted on: 2, 4, 6).
 Prints one row per combination with the compiled figure, the prediction and its terms, and
 writes one JSON record.
 
-  python benchmarks/memory_accuracy.py [--smoke] [--unscanned] [--out PATH]
+  python benchmarks/memory_accuracy.py [--smoke] [--unscanned] [--layers N] [--remat POLICY]
+      [--out PATH]
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ GOAL = 0.10
 MiB = 2**20
 
 
-def measure(fam: str, preset: str, remat: str, scan: bool = True) -> dict:
-    tr = memory.accuracy_trainer(fam, preset, remat, scan=scan)
+def measure(fam: str, preset: str, remat: str, scan: bool = True, layers: int = 2) -> dict:
+    tr = memory.accuracy_trainer(fam, preset, remat, scan=scan, layers=layers)
     compiled = memory.memory_report(compile_train_step(tr)).total
     p = memory.predict_memory(tr)
     return {"compiled": compiled, "predicted": p.total, "terms": dict(p.terms), "state": p.state}
@@ -49,17 +51,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="two combinations only")
     ap.add_argument("--unscanned", action="store_true", help="layers unrolled (scan_layers=False)")
+    ap.add_argument("--layers", type=int, default=2, help="layers a stack (default 2)")
+    ap.add_argument("--remat", choices=REMAT_POLICIES, help="this remat policy only")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/memory_accuracy.json"))
     args = ap.parse_args()
-    combos = [(f, p, r) for f in memory.ACCURACY_FAMILIES for p in PRESETS for r in REMAT_POLICIES]
+    remats = [args.remat] if args.remat else REMAT_POLICIES
+    combos = [(f, p, r) for f in memory.ACCURACY_FAMILIES for p in PRESETS for r in remats]
     if args.smoke:
         combos = [("lm", "fsdp", "full"), ("t5", "megatron", "none")]
     figures = []
-    layers = "/unscanned" if args.unscanned else ""
+    layers = ("/unscanned" if args.unscanned else "") + (
+        f"/{args.layers}_layers" if args.layers != 2 else ""
+    )
     print(f"{'model':5} {'preset':15} {'remat':8} {'compiled':>9} {'predicted':>9} {'ratio':>6}"
           "   (MiB per device; terms: state, saved, working set, loss, update)")  # fmt: skip
     for fam, preset, remat in combos:
-        m = measure(fam, preset, remat, scan=not args.unscanned)
+        m = measure(fam, preset, remat, scan=not args.unscanned, layers=args.layers)
         ratio = m["predicted"] / m["compiled"]
         t = m["terms"]
         print(

@@ -130,10 +130,11 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
-        # Where XLA:CPU's scheduler stops hoisting an unscanned layer's `full` recomputation
-        # (see _saved_unscanned): after the attention when its heads are split without
-        # sequence parallelism, FSDP's parameter gathers or a split `embed` (megatron: the
-        # out projection's all-reduce; under FSDP the whole recomputation is hoisted).
+        # Where XLA:CPU's scheduler places an unscanned layer's `full` recomputation (see
+        # _unscanned_backward): the attention's ahead of the loss gradient when its heads are
+        # split without sequence parallelism, FSDP's parameter gathers or a split `embed`
+        # (megatron: the out projection's all-reduce holds the MLP back; under FSDP the whole
+        # recomputation is hoisted).
         "heads_split": int(
             not sp
             and of(("embed",), (cfg.emb_dim,)) == of((None,), (cfg.emb_dim,))
@@ -141,6 +142,12 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
             == of(("batch", "length", None), (b, q_len, cfg.emb_dim))
             and of(("batch", "length", "heads", "kv"), (b, q_len, h, k))
             < of(("batch", "length", None, "kv"), (b, q_len, h, k))
+        ),
+        # Activations' `embed` split (the 2D layouts: 2D activations, fully sharded): none of
+        # it ahead of the loss gradient.
+        "embed_split": int(
+            of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim))
+            < of(("batch", "length", None), (b, q_len, cfg.emb_dim))
         ),
     }
 
@@ -170,15 +177,17 @@ _LOSS_BUFFERS = 2
 # of the loss gradient (no loop orders it), so the recomputed values are live together and
 # the only saving is the [B, H, L, S] scores, which the recomputation fuses away (decoder-only:
 # none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
-# the 2D layouts it hoists less (_saved_unscanned).
+# the 2D layouts it hoists less (_unscanned_backward).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
 # T5.1.1's gated GELU (tanh form) keeps three [B, L, F] buffers a layer more than SwiGLU
 # without remat or with `minimal` (whose hoisted recomputation brings them back): XLA's buffer
 # assignment at the loss-gradient peak, T5 unscanned without remat, holds 7.5 (encoder) and
 # 8.5 (decoder) a layer on fully sharded and 2D activations; 3 fits the compiled totals of
 # FSDP, megatron, 2D activations, fully sharded and sequence parallel (the "7 MiB more than
-# modelled" above). Under `full` the recomputed MLP is not hoisted (T5 FSDP `full` compiles
-# 8 MiB under `minimal`), so they are not counted there.
+# modelled" above). Under `full` the recomputed MLP's are not live at the peak (T5 FSDP
+# `full` compiles 8 MiB under `minimal`), so they are not counted there. (T5 sequence
+# parallel `full` compiles to `minimal`'s figure: there the gathered block inputs counted
+# instead, see _saved_unscanned, happen to be as large as these three buffers.)
 _UNSCANNED_GELU_HIDDEN = 3
 
 # Kinds of activation a report breaks the total into (they add up to `activations`).
@@ -207,15 +216,14 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     }
 
 
-def _saved_unscanned(a: dict[str, int], remat: str) -> dict[str, int]:
-    """What one unscanned layer holds at the backward's peak, by kind (see above)."""
+def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dict[str, int]:
+    """What one unscanned layer holds at the loss gradient, by kind (see above). Under `full`,
+    `hoisted` says how much of the layer's recomputation XLA:CPU's scheduler has moved ahead
+    of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where)."""
     n = a["attentions"]
-    # NOTE: on the 2D layouts (activations' `embed` split) the buffer assignment at the
-    # loss-gradient peak (decoder-only, 2D activations, 2 layers) holds each layer's input and
-    # nothing recomputed, but counting only that under-predicts 4 layers (0.816: the peak
-    # moves inside the layers' backward, a moment not modelled), so those layouts keep the
-    # all-hoisted count, an over-estimate (1.24 at 2 layers, 1.17 at 4).
-    if remat == "full" and a["heads_split"]:
+    if remat == "full" and hoisted == "none":
+        return {"norms+residual": a["x"]}  # the layer's input, recomputed from after the loss
+    if remat == "full" and hoisted == "attention":
         # Megatron: each layer's attention is recomputed ahead of the loss gradient (its
         # input, three more [B, L, D] buffers, q, k, v and both score buffers live at the
         # peak), its MLP, behind the out projection's all-reduce, is not (decoder-only, 2
@@ -225,12 +233,44 @@ def _saved_unscanned(a: dict[str, int], remat: str) -> dict[str, int]:
             "norms+residual": 4 * a["x"],
         }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
+    gelu = _UNSCANNED_GELU_HIDDEN * a["gelu"] * (remat != "full")
+    # Sequence parallelism's hoisted recomputation gathers each block's input again
+    # (collectives.column_parallel), and those whole-length copies are live with the rest at
+    # the loss gradient (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them,
+    # 0.967 and 0.968 with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers
+    # with). `minimal` saves the projections' outputs, not their gathered inputs.
+    gathered = a["sp_gathered"] if remat == "full" else 0
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": (_UNSCANNED_HIDDEN + _UNSCANNED_GELU_HIDDEN * a["gelu"] * (remat != "full"))
-        * a["h"],
-        "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"],
+        "mlp": (_UNSCANNED_HIDDEN + gelu) * a["h"],
+        "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
+
+
+def _recomputed(a: dict[str, int]) -> dict[str, int]:
+    """One unscanned layer's `full` recomputation as it stands in the backward pass, by kind:
+    each block's gathered matmul input, the input and its norm's output, q (per attention),
+    k and v, the logits and probabilities, the MLP's two pre-activations and their product."""
+    n = a["attentions"]
+    return {
+        "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
+        "mlp": 3 * a["h"],
+        "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
+    }
+
+
+# Unscanned `full`, inside the layers' backward: every layer's recomputation is live (hoisted
+# ahead of the first layer's backward, before or after the loss gradient), and the layer
+# being differentiated adds the cotangents of its recomputed values and the matmuls' gradient
+# temporaries, _RECOMPUTED_WORKING times its recomputed values. Fitted on XLA:CPU's compiled
+# totals of the 14 programs of the layouts that recompute after the loss gradient:
+# decoder-only on 2D activations and fully sharded (2, 4 and 6 layers; at 2 the loss gradient
+# stays the peak), T5 on 2D activations and megatron (2, 3 and 4 layers a stack) and fully
+# sharded (2, 4): 1.5 puts all within 6% (1.25: 7%, 1.75: 8%, 1.0: 9%). The buffer
+# assignment at that peak (4 layers) holds 8.0 MiB of recomputed values a decoder-only layer
+# on the 2D layouts (modelled 6.5: XLA keeps more [B, L, H, K] values), T5's 12.3 (2D
+# activations, modelled 12.25) and 14.0 (megatron, modelled 14.5) a layer of each stack.
+_RECOMPUTED_WORKING = 1.5
 
 
 def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
@@ -245,7 +285,8 @@ def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
 class PredictedMemory:
     """An analytic estimate of the train step's peak memory per device (no compilation).
 
-    The peak is the larger of two moments, each a sum of buffers live at once:
+    The peak is the largest of these moments (and, for unscanned `full`, one more, below),
+    each a sum of buffers live at once:
       backward: state + batch + gradients (whole over the batch axes until reduced, all layers:
         the scan carries them) + saved activations (all layers, under the remat policy) + the
         larger of the loss's temporaries ([B, L, V] fp32 logits and probabilities) and one
@@ -256,25 +297,28 @@ class PredictedMemory:
         table (T5), one more unreduced and reduced table gradient.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
     likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
-    by kind of layer (attention, MLP, norms and residual sums, logits and loss; they add up to
-    it). State and batch are exact (shardings); every activation is sized by resolving its
+    by kind of layer (attention, MLP, norms and residual sums, logits and loss, and, at an
+    unscanned FSDP layout's inside-backward moment, the layers' gathered weights; they add up
+    to it). State and batch are exact (shardings); every activation is sized by resolving its
     logical axes with the rules table, so any preset (sequence or context parallelism
     included) is sized by what it shards.
 
-    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10%
-    of the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models
-    (T5 context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
-    embedding gradient). Unscanned layers follow their own counts (above), within 10% for
-    every preset x remat policy on both families but `full` on 2D activations (T5 1.112,
-    decoder-only 1.240), decoder-only fully sharded and tensor_2d (1.233), T5 megatron (1.170)
-    and T5 sequence parallel (0.873). T5 data and context parallel peak at
-    the gradient reduction (the update moment), where each lookup of T5's shared embedding
-    adds its own table-sized gradient. Unscanned `full` counts the recomputation XLA:CPU
-    hoists ahead of the loss gradient, by layout: all of it on data parallel, FSDP, sequence
-    and context parallel, the attention's on megatron (decoder-only, 2 and 4 layers: 0.993,
-    0.990; T5 keeps the all-hoisted count, its peak there being inside the layers' backward);
-    on the 2D layouts the all-hoisted count stands, over-predicting the decoder-only model by
-    23-24% (1.173 at 4 layers).
+    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10% of
+    the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models (T5
+    context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
+    embedding gradient). Unscanned layers follow their own counts (above), within 10% for every
+    preset x remat policy on both families (two layers a stack). T5 data and context parallel
+    peak at the gradient reduction (the update moment), where each lookup of T5's shared
+    embedding adds its own table-sized gradient. Unscanned `full` has a third moment, inside the
+    layers' backward (every layer recomputed, the first one differentiated, the loss's buffers
+    gone), and counts at the loss gradient the recomputation XLA:CPU hoists ahead of it, by
+    layout: all of it on data parallel, FSDP, sequence and context parallel, the attention's on
+    the decoder-only model's megatron, none on the 2D layouts and T5's megatron
+    (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
+    layouts were off by 11-24%). Known miss at depth: T5 FSDP `full` at 4 layers a stack, 1.129
+    (1.043 at 2): the all-hoisted count at the loss gradient over-counts T5's encoder, whose
+    recomputation XLA:CPU hoists only in part there (buffer assignment at 4 layers: four [B, S,
+    D]-sized buffers an encoder layer against the eleven counted).
     T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
     predicted against 7.74 compiled (the compiled figure measured before these counts).
     """
@@ -309,7 +353,8 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     if cfg.scan_layers:
         backward, terms = _scanned_backward(layers, cfg.remat_policy, logits)
     else:
-        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits)
+        gathered = _gathered_layer_bytes(trainer)
+        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits, gathered)
     state = _tree_bytes_per_device(trainer.abstract_state())
     batch = _tree_bytes_per_device(
         jax.tree_util.tree_map(
@@ -368,28 +413,66 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     return _add(saved, peak), terms
 
 
-def _unscanned_backward(layers: list, remat: str, logits: int):
-    """The backward moment's activations by kind, and its terms, for unscanned layers."""
-    # Where the recomputation stops being hoisted was read on the decoder-only model; an
-    # encoder-decoder's peak on those layouts moves inside the layers' backward (T5 `full`,
-    # buffer assignment: on 2D activations encoder layer 1's backward beside layer 0's
-    # recomputation, on megatron the decoder's likewise), a moment not modelled, so T5 keeps
-    # the every-layer-hoisted count, an over-estimate there.
+def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0):
+    """The backward moment's activations by kind, and its terms, for unscanned layers: the
+    larger of the loss gradient (every layer's saved values, the last layer's working set and
+    the loss's buffers) and, under `full`, the layers' backward (every layer recomputed, no
+    loss buffers left)."""
     single = len(layers) == 1
-    saved = _add(
-        *(
-            _saved_unscanned(a if single else {**a, "heads_split": 0}, remat)
-            for n, a in layers
-            for _ in range(n)
-        )
-    )
-    last = {"norms+residual": _UNSCANNED_LAST_X * layers[-1][1]["x"]}
+    first = layers[-1][1]  # the first layer differentiated: the last stack's last
+
+    # Where the `full` recomputation goes, read from XLA:CPU's buffer assignment: all of it
+    # ahead of the loss gradient on data parallel, FSDP, sequence and context parallel; only
+    # the attention's on the decoder-only model's megatron; none on the 2D layouts (embed
+    # split) or T5's megatron, whose every layer is recomputed after the loss gradient, all
+    # ahead of the first layer's backward (the buffer assignment at 4 layers: every layer's
+    # recomputed values live beside the first one's cotangents, no logits).
+    def hoisted(a: dict[str, int]) -> str:
+        if a["embed_split"] or (a["heads_split"] and not single):
+            return "none"
+        return "attention" if a["heads_split"] else "all"
+
+    saved = _add(*(_saved_unscanned(a, remat, hoisted(a)) for n, a in layers for _ in range(n)))
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"]}
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
+    at_loss = _add(saved, last, loss)
+    work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
+    inside = _add(*(_recomputed(a) for n, a in layers for _ in range(n)), work)
+    if gathered:
+        # FSDP: each layer's recomputation gathers its weights again (over the batch axes),
+        # and every layer's gathered copy stays live until its backward (buffer assignment,
+        # fully sharded, 4 layers: decoder-only 0.82 MiB a layer, its weights split 4 ways).
+        inside["gathered weights"] = gathered
+    if remat == "full" and sum(inside.values()) > sum(at_loss.values()):
+        terms = (
+            ("saved activations", sum(inside.values()) - sum(work.values()) - gathered),
+            ("layer working set", sum(work.values())), ("loss temporaries", 0),
+            ("gathered weights", gathered),
+        )  # fmt: skip
+        return inside, terms
     terms = (
         ("saved activations", sum(saved.values())), ("layer working set", last["norms+residual"]),
         ("loss temporaries", loss["logits+loss"]),
     )  # fmt: skip
-    return _add(saved, last, loss), terms
+    return at_loss, terms
+
+
+def _gathered_layer_bytes(trainer: Trainer) -> int:
+    """Bytes per device of every layer's weights gathered over the batch's mesh axes (FSDP),
+    0 where no layer weight is split over them."""
+    part = trainer.partitioner
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
+    total = 0
+    for (path, x), s in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+    ):
+        axes = [t for e in s.spec for t in mesh_axes_of(e)]
+        if "layers_" not in jax.tree_util.keystr(path) or not batch_axes & set(axes):
+            continue
+        split = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
+        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
+    return total
 
 
 def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
@@ -431,12 +514,13 @@ ACCURACY_FAMILIES = ("t5", "lm")
 
 
 def accuracy_trainer(
-    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16
+    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16, layers: int = 2
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
-    fixed overheads, two layers a stack; `family` is "t5" (T5.1.1-like encoder-decoder) or
-    "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without model parallelism).
+    fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
+    encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
+    model parallelism).
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -446,13 +530,14 @@ def accuracy_trainer(
     if family == "t5":
         cfg = T5Config(
             vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=2, num_decoder_layers=2, remat_policy=remat, scan_layers=scan,
+            num_encoder_layers=layers, num_decoder_layers=layers, remat_policy=remat,
+            scan_layers=scan,
         )  # fmt: skip
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
         cfg = DecoderOnlyConfig(
-            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768, num_layers=2,
-            remat_policy=remat, scan_layers=scan,
+            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768,
+            num_layers=layers, remat_policy=remat, scan_layers=scan,
         )  # fmt: skip
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
