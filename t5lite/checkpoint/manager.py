@@ -115,8 +115,9 @@ class CheckpointManager:
       save_period: `maybe_save` saves when `step % save_period == 0` (0: only final/preemption).
       keep: number of most recent checkpoints to keep (None: all).
       keep_period: also keep every checkpoint whose step is a multiple of this, forever.
-      async_save: `save` returns once arrays are copied to host; disk writes overlap the next
-        steps. An error surfaces at the next `save`, `wait` or `close`.
+      async_save: `save` returns once arrays are copied to host (or the copies dispatched, see
+        `device_copy`); disk writes overlap the next steps. An error surfaces at the next
+        `save`, `wait` or `close`.
       concurrency: TensorStore I/O concurrency.
       chunk_bytes: upper bound on one stored chunk.
       checksum: store a crc32c per chunk, so corruption is an error on restore. Costs CPU
