@@ -9,7 +9,14 @@ fsync, one array after the other: the reference of the save goal (>= 0.8 of it),
 fsync their files (Orbax through TensorStore's default `file_io_sync`). The blocking part of a
 save (the call until it returns, writes still running) is compared with Orbax's; each side keeps
 one manager (checkpointer) across repetitions, as a trainer does across saves, and the first
-save's blocking time (t5lite: staging into fresh memory) is reported on its own. Page
+save's blocking time (t5lite: staging into fresh memory) is reported on its own. The blocking
+time alone can flatter a save that only defers its copies, so right after each save returns a
+jitted step that donates the whole tree (and updates every element, like an optimizer step)
+is timed to completion, and compared with the same step with no save in flight (interleaved
+in every repetition): "what the train loop loses" is blocking time + the step's extra time.
+t5lite is run twice for this: as configured (on CPU `save` dispatches device copies and
+returns, see `CheckpointManager(device_copy=...)`) and with `device_copy=False` (`save` copies
+to host memory itself), to show whether the cost moved rather than vanished. Page
 cache is not dropped (it is shared with other users of the machine): restores read warm files
 on both sides alike. After the figures, a table says where t5lite's save spends its time
 (staging copies, chunk plans, copies and checksums, writes, fsyncs, commit; medians over
@@ -97,19 +104,53 @@ def raw_write(tree, d: Path) -> float:
     return time.perf_counter() - t0
 
 
-def t5lite_save(mgr: CheckpointManager, tree, step: int) -> tuple[float, float, dict]:
-    """One save of a manager kept across repetitions, as a trainer keeps one across saves."""
+def make_step(tree):
+    """A jitted update of every element that donates the tree, as a train step donates its
+    state (its outputs take the inputs' buffers)."""
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+    step = jax.jit(
+        lambda t: jax.tree.map(lambda x: x * 0.999 + 0.001, t),
+        donate_argnums=0,
+        out_shardings=shardings,
+    )
+    return step
+
+
+def timed_step(step, tree):
+    """(seconds until the donating step's outputs are ready, the new tree)."""
+    t0 = time.perf_counter()
+    out = step(tree)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0, out
+
+
+def snapshot(tree) -> list[np.ndarray]:
+    """Host copies of the values a save is expected to hold (the step changes the tree)."""
+    return [np.array(x, copy=True) for x in jax.tree.leaves(tree)]
+
+
+def t5lite_save(mgr: CheckpointManager, tree, step: int, train_step=None):
+    """One save of a manager kept across repetitions, as a trainer keeps one across saves;
+    with `train_step`, that step runs (donating `tree`) right after `save` returns.
+
+    Returns:
+      (save seconds until committed, blocking seconds, step seconds or None, new tree, stats).
+    """
     t0 = time.perf_counter()
     mgr.save(step, tree)
     blocking = time.perf_counter() - t0
+    step_s = None
+    if train_step is not None:
+        step_s, tree = timed_step(train_step, tree)
     mgr.wait()
     total = time.perf_counter() - t0
-    return total, blocking, dict(mgr.last_save_stats)
+    return total, blocking, step_s, tree, dict(mgr.last_save_stats)
 
 
 # The save's phases (see `CheckpointManager.last_save_stats`), in the order they happen.
 PHASES = [
-    ("stage_s", "stage: device -> host copies (blocks the trainer)"),
+    ("stage_s", "stage: copies to host, or their dispatch (blocks the trainer)"),
+    ("stage_wait_s", "writer waits for the dispatched copies"),
     ("plan_s", "plan: chunk plans, zarr.json files, directories"),
     ("written_s", "chunks copied, checksummed, written, fsynced (wall)"),
     ("prepare_s", "  of which copies + crc32c (thread-summed)"),
@@ -187,14 +228,19 @@ def t5lite_restore(target, d: Path, stats: dict | None = None):
     return time.perf_counter() - t0, out
 
 
-def orbax_save(ckptr, tree, d: Path) -> tuple[float, float]:
-    """One save of a checkpointer kept across repetitions (like t5lite's manager)."""
+def orbax_save(ckptr, tree, d: Path, train_step=None):
+    """One save of a checkpointer kept across repetitions (like t5lite's manager); with
+    `train_step`, that step runs right after `save` returns. Returns (total, blocking, step
+    seconds or None, new tree)."""
     t0 = time.perf_counter()
     ckptr.save(d / "1", tree)
     blocking = time.perf_counter() - t0
+    step_s = None
+    if train_step is not None:
+        step_s, tree = timed_step(train_step, tree)
     ckptr.wait_until_finished()
     total = time.perf_counter() - t0
-    return total, blocking
+    return total, blocking, step_s, tree
 
 
 def orbax_restore(target, d: Path):
@@ -221,11 +267,8 @@ def readable_by_new_process(d: Path) -> bool:
     return out.stdout.strip() == "True"
 
 
-def bit_equal(a, b) -> bool:
-    return all(
-        np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+def bit_equal(a, expected: list[np.ndarray]) -> bool:
+    return all(np.asarray(x).tobytes() == y.tobytes() for x, y in zip(jax.tree.leaves(a), expected))
 
 
 def figure(name, value, unit, reference=None, goal=None, ratio=None):
@@ -275,21 +318,33 @@ def main(argv=None) -> dict:
             "ours_save",
             "ours_block",
             "ours_restore",
+            "ours_step",
+            "host_save",
+            "host_block",
+            "host_step",
             "nocrc_save",
             "nocrc_block",
             "nocrc_restore",
+            "nocrc_step",
             "ob_save",
             "ob_block",
             "ob_restore",
+            "ob_step",
+            "step_alone",
         )
     }
     checks = {}
     phase_stats: list[dict] = []
     restore_stats: list[dict] = []
     managers = {
-        who: CheckpointManager(scratch / who, async_save=True, checksum=who == "ours")
-        for who in ("ours", "ours_nocrc")
+        who: CheckpointManager(
+            scratch / who, async_save=True, checksum=who != "ours_nocrc", device_copy=who != "host"
+        )
+        for who in ("ours", "ours_nocrc", "host")
     }
+    train_step = make_step(tree)
+    # Compile (and warm) the step outside the timed runs.
+    tree = jax.block_until_ready(train_step(tree))
     orbax_ckptr = None
     if have_orbax:
         import orbax.checkpoint as ocp
@@ -298,37 +353,51 @@ def main(argv=None) -> dict:
     try:
         for rep in range(args.reps):
             # Rotate the order so neither side always runs on a warmer (or busier) machine.
-            runs = ["ours", "orbax", "ours_nocrc"]
-            runs = runs[rep % 3 :] + runs[: rep % 3]
+            runs = ["ours", "orbax", "alone", "ours_nocrc", "host"]
+            runs = runs[rep % 5 :] + runs[: rep % 5]
             for who in runs:
-                if who.startswith("ours"):
-                    key = "ours" if who == "ours" else "nocrc"
+                expected = snapshot(tree) if rep == 0 else None
+                if who == "alone":
+                    el, tree = timed_step(train_step, tree)
+                    t["step_alone"].append(el)
+                    continue
+                if who in ("ours", "ours_nocrc", "host"):
+                    key = {"ours": "ours", "ours_nocrc": "nocrc", "host": "host"}[who]
                     mgr = managers[who]
-                    total, block, stats = t5lite_save(mgr, tree, rep + 1)
+                    total, block, step_s, tree, stats = t5lite_save(mgr, tree, rep + 1, train_step)
                     d = mgr.step_dir(rep + 1)
                     if who == "ours":
                         phase_stats.append(stats)
                     t[f"{key}_save"].append(total)
                     t[f"{key}_block"].append(block)
+                    t[f"{key}_step"].append(step_s)
                     if rep == 0:
                         checks[f"{who}_readable_by_new_process"] = readable_by_new_process(d)
+                    if who == "host":  # the same restore code as "ours": not timed again
+                        if rep == 0:
+                            out, _ = restore_checkpoint(d, target, with_extra=False)
+                            checks[f"{who}_bit_exact"] = bit_equal(out, expected)
+                            del out
+                        shutil.rmtree(d, ignore_errors=True)
+                        continue
                     rstats: dict = {}
                     el, out = t5lite_restore(target, d, rstats)
                     if who == "ours":
                         restore_stats.append(rstats)
                     t[f"{key}_restore"].append(el)
                     if rep == 0:
-                        checks[f"{who}_bit_exact"] = bit_equal(out, tree)
+                        checks[f"{who}_bit_exact"] = bit_equal(out, expected)
                     del out
                 elif have_orbax:
                     d = scratch / f"orbax_{rep}"
-                    total, block = orbax_save(orbax_ckptr, tree, d)
+                    total, block, step_s, tree = orbax_save(orbax_ckptr, tree, d, train_step)
                     t["ob_save"].append(total)
                     t["ob_block"].append(block)
+                    t["ob_step"].append(step_s)
                     el, out = orbax_restore(target, d)
                     t["ob_restore"].append(el)
                     if rep == 0:
-                        checks["orbax_bit_exact"] = bit_equal(out, tree)
+                        checks["orbax_bit_exact"] = bit_equal(out, expected)
                     del out
                 else:
                     continue
@@ -359,6 +428,32 @@ def main(argv=None) -> dict:
             name, rate(f"{key}_{op}"), "GiB/s", ref, goal, paired(f"{key}_{op}", f"ob_{op}")
         )
 
+    def ratio_of(ours: str, ref: str) -> float | None:
+        """Lower is better: median of ref / ours over repetitions (>= 1: not worse)."""
+        return statistics.median(r / o for o, r in zip(t[ours], t[ref])) if t[ref] else None
+
+    def lost(key: str) -> float:
+        """Median over repetitions of blocking + step after the save - step alone (seconds)."""
+        return statistics.median(
+            b + s - a for b, s, a in zip(t[f"{key}_block"], t[f"{key}_step"], t["step_alone"])
+        )
+
+    def extra(key: str) -> float:
+        """Median over repetitions of step after the save - step alone (seconds)."""
+        return statistics.median(s - a for s, a in zip(t[f"{key}_step"], t["step_alone"]))
+
+    def loop_ratio(key: str) -> float | None:
+        """Orbax's (blocking + step after the save) over `key`'s, median over repetitions: a
+        ratio of whole times, not of the differences, which are noisy near zero."""
+        if not ob:
+            return None
+        return statistics.median(
+            (rb + rs) / (b + s)
+            for b, s, rb, rs in zip(
+                t[f"{key}_block"], t[f"{key}_step"], t["ob_block"], t["ob_step"]
+            )
+        )
+
     # Blocking time is better when lower: its ratio is Orbax's over ours (>= 1: not worse).
     block_ratio = (
         statistics.median(r / o for o, r in zip(t["ours_block"], t["ob_block"])) if ob else None
@@ -379,6 +474,22 @@ def main(argv=None) -> dict:
             t["ob_block"][0] if ob else None, None,
             t["ob_block"][0] / t["ours_block"][0] if ob else None,
         ),
+        # What the train loop loses: from the save call until the donating step after it is
+        # done, less the same step with no save in flight (paired within each repetition).
+        figure(
+            "t5lite_train_loop_loss", lost("ours"), "s", lost("ob") if ob else None,
+            ">= 1.0" if ob else None, loop_ratio("ours"),
+        ),
+        figure("t5lite_step_extra_after_save", extra("ours"), "s", extra("ob") if ob else None),
+        figure(
+            "t5lite_host_copy_save_blocking", med["host_block"], "s",
+            med["ob_block"] if ob else None, None, ratio_of("host_block", "ob_block"),
+        ),
+        figure(
+            "t5lite_host_copy_train_loop_loss", lost("host"), "s", lost("ob") if ob else None,
+            None, loop_ratio("host"),
+        ),
+        figure("step_alone", med["step_alone"], "s"),
         vs_orbax("t5lite_restore", "ours", "restore", ">= 2.0"),
         vs_orbax("t5lite_no_checksum_save", "nocrc", "save", None),
         vs_orbax("t5lite_no_checksum_restore", "nocrc", "restore", None),
@@ -403,8 +514,12 @@ def main(argv=None) -> dict:
         "notes": "value/reference: medians over repetitions; ratio: median of per-repetition "
         "paired ratios (same repetition, adjacent runs); restores read warm page cache on both "
         "sides; t5lite default stores a crc32c per chunk, Orbax stores none; on CPU Orbax's "
-        "blocking part keeps zero-copy np.asarray views of the device buffers, t5lite's copies "
-        "them (so the next step may donate them)",
+        "blocking part keeps zero-copy np.asarray views of the device buffers, t5lite's "
+        "dispatches device copies (host memory on CPU) that the writer waits for, so the next "
+        "step may donate the state and waits for the copies instead; train_loop_loss = "
+        "blocking + (donating step right after the save - the same step alone), ratio = "
+        "Orbax's (blocking + step) over t5lite's; host_copy = t5lite with device_copy=False "
+        "(save copies to host itself before returning)",
         "config": {
             "size_gib": round(size, 4),
             "reps": args.reps,

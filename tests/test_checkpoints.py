@@ -225,13 +225,41 @@ def test_async_saves_hold_their_step_despite_donation(tmp_path):
         np.testing.assert_array_equal(got["host"], np.full(4, step))
 
 
+def test_device_copy_save_survives_donation_in_the_next_call(tmp_path):
+    """On CPU `save` only dispatches the shard copies; the step dispatched right after it
+    donates (and overwrites in place) the saved arrays, yet each checkpoint holds its own step's
+    values. The runtime's copies are not kept as the next save's host buffers."""
+    m = mesh((2, 4))
+    specs = {"w": P("data", "model"), "r": P(None, "model")}  # `r` replicated over `data`
+    shard = {k: NamedSharding(m, v) for k, v in specs.items()}
+    # 4 MiB per array: copies that take a while next to the dispatch of the next step.
+    state = {k: jax.device_put(np.zeros((1024, 1024), np.float32), sh) for k, sh in shard.items()}
+    step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x + 1.0, s), donate_argnums=0)
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    for step in range(1, 4):
+        state = step_fn(state)
+        mgr.save(step, state)
+        donated = state
+        state = step_fn(state)
+        assert all(x.is_deleted() for x in jax.tree.leaves(donated))  # donation took place
+    mgr.wait()
+    # The writer waited for device copies; each array written once (replica 0 of `r` only).
+    assert "stage_wait_s" in mgr.last_save_stats and mgr._spare == {}
+    assert mgr.last_save_stats["bytes"] == 2 * 1024 * 1024 * 4
+    for step in range(1, 4):
+        got, _ = mgr.restore({k: np.zeros((1024, 1024), np.float32) for k in shard}, step=step)
+        for k in shard:
+            # saved after 2 * step - 1 updates, the next update donated it
+            np.testing.assert_array_equal(got[k], np.full((1024, 1024), 2 * step - 1, np.float32))
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_saves_stage_into_the_previous_saves_host_buffers(tmp_path, keep):
     """Staging reuses the last committed save's host copy (no fresh pages to fault in) unless
     told not to keep it; a changed sharding stages afresh. Every step still restores exactly."""
     m = mesh((2, 4))
     put = lambda v, spec: jax.device_put(np.full((64, 64), v, np.float32), NamedSharding(m, spec))
-    mgr = CheckpointManager(tmp_path, async_save=True, keep_host_buffers=keep)
+    mgr = CheckpointManager(tmp_path, async_save=True, keep_host_buffers=keep, device_copy=False)
     mgr.save(1, {"x": put(1, P("data", "model"))})
     mgr.wait()
     first = mgr._spare.get("x")

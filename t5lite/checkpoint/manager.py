@@ -115,8 +115,9 @@ class CheckpointManager:
       save_period: `maybe_save` saves when `step % save_period == 0` (0: only final/preemption).
       keep: number of most recent checkpoints to keep (None: all).
       keep_period: also keep every checkpoint whose step is a multiple of this, forever.
-      async_save: `save` returns once arrays are copied to host; disk writes overlap the next
-        steps. An error surfaces at the next `save`, `wait` or `close`.
+      async_save: `save` returns once arrays are copied to host (or the copies dispatched, see
+        `device_copy`); disk writes overlap the next steps. An error surfaces at the next
+        `save`, `wait` or `close`.
       concurrency: TensorStore I/O concurrency.
       chunk_bytes: upper bound on one stored chunk.
       checksum: store a crc32c per chunk, so corruption is an error on restore. Costs CPU
@@ -124,7 +125,12 @@ class CheckpointManager:
       keep_host_buffers: keep the host copy of the last save and copy the next save into it
         (when shapes and shardings match): the blocking part of a save then writes into memory
         that is already mapped instead of faulting in fresh pages. Costs host memory equal to
-        this process's share of the state between saves.
+        this process's share of the state between saves. Used where `device_copy` is not.
+      device_copy: when every array is on CPU devices, `save` only dispatches a copy of each
+        shard (the runtime runs it asynchronously; see `tsio.stage_on_device`) and returns;
+        the writer waits for the copies. The next step may still donate the state: it waits
+        for the copies, so their cost moves into it unless the trainer has other work first.
+        False: `save` copies to host memory itself before returning.
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class CheckpointManager:
         chunk_bytes: int = tsio.DEFAULT_CHUNK_BYTES,
         checksum: bool = True,
         keep_host_buffers: bool = True,
+        device_copy: bool = True,
     ):
         self.directory = Path(directory)
         self.save_period = save_period
@@ -149,6 +156,7 @@ class CheckpointManager:
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
         self.keep_host_buffers = keep_host_buffers
+        self.device_copy = device_copy
         # Host copies of the last committed save, by array path (see `keep_host_buffers`).
         self._spare: dict[str, tsio.HostShards] = {}
         # (writer thread, [error]) of the save in flight. A plain non-daemon thread: the
@@ -158,8 +166,10 @@ class CheckpointManager:
         self._saves = 0
         self._last_saved_step: int | None = None
         # Where the last save's time went (seconds; see `tsio.write_arrays`): `stage_s` (the
-        # blocking copy to host), `write_s` (shards written and fsynced), `commit_s` (process
-        # 0's metadata, marker and rename), with the writer's own breakdown and counts.
+        # blocking part: copies to host, or only their dispatch with `device_copy`),
+        # `stage_wait_s` (the writer waiting for `device_copy`'s copies), `write_s` (shards
+        # written and fsynced), `commit_s` (process 0's metadata, marker and rename), with the
+        # writer's own breakdown and counts.
         self.last_save_stats: dict[str, float] = {}
         if _is_process0():
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -193,7 +203,8 @@ class CheckpointManager:
     ) -> None:
         """Saves `state` (a tree of arrays) and `extra` (JSON) as `checkpoint_<step>`.
 
-        Returns once device data is copied to host (async) or the checkpoint is committed.
+        Returns once device data is copied to host, or (CPU, `device_copy`) once the copies are
+        dispatched, with async saves; or once the checkpoint is committed.
 
         Args:
           step: the training step; its checkpoint must not already exist.
@@ -231,9 +242,18 @@ class CheckpointManager:
             except TypeError as e:
                 raise CheckpointError(f"cannot save array '{item[0]}': {e}") from e
 
-        # numpy copies release the GIL: a few threads shorten the blocking part of the save.
         t_stage = time.perf_counter()
-        hosts = tsio.parallel_map(stage, leaves, 4)
+        if self.device_copy and all(tsio.on_cpu(x) for _, x in leaves if isinstance(x, jax.Array)):
+            # CPU: the copies run on the runtime's threads; the writer waits for them.
+            for path, x in leaves:
+                try:
+                    tsio.check_storable(x)
+                except TypeError as e:
+                    raise CheckpointError(f"cannot save array '{path}': {e}") from e
+            hosts = tsio.stage_on_device([x for _, x in leaves])
+        else:
+            # numpy copies release the GIL: a few threads shorten the blocking part.
+            hosts = tsio.parallel_map(stage, leaves, 4)
         stats = {"stage_s": time.perf_counter() - t_stage}
         self.last_save_stats = stats  # completed by the writer (read it after `wait`)
         for (path, _), host in zip(leaves, hosts):
@@ -285,6 +305,10 @@ class CheckpointManager:
         error: BaseException | None = None
         t_write = time.perf_counter()
         try:
+            t_ready = time.perf_counter()
+            for _, h in staged:
+                h.ready()
+            stats["stage_wait_s"] = time.perf_counter() - t_ready
             tsio.write_arrays(items, ctx, self.chunk_bytes, self.checksum, stats=stats)
         except Exception as e:
             error = e
@@ -310,7 +334,9 @@ class CheckpointManager:
             self._apply_keep_policy()
         _barrier(f"t5lite_ckpt_{step}_{n}_committed", background=True)
         if self.keep_host_buffers:
-            self._spare = {path: h for path, (_, h) in zip(meta["arrays"], staged)}
+            self._spare = {
+                path: h for path, (_, h) in zip(meta["arrays"], staged) if not h.device_copies
+            }
 
     def wait(self) -> None:
         """Blocks until the pending save is committed; re-raises its error."""

@@ -161,11 +161,87 @@ class HostShards:
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    pieces: list[tuple[Index, np.ndarray]]
+    # numpy arrays; or, from `stage_on_device`, device copies that `ready` turns into views.
+    pieces: list[tuple[Index, Any]]
+    # The pieces are (or were) device copies: their memory belongs to the runtime, so they are
+    # never reused as the next save's host buffers.
+    device_copies: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for _, p in self.pieces)
+
+    def ready(self) -> None:
+        """Waits for `stage_on_device`'s copies and swaps them for zero-copy numpy views."""
+        if not self.device_copies:
+            return
+        jax.block_until_ready([p for _, p in self.pieces])
+        self.pieces = [
+            (i, p if isinstance(p, np.ndarray) else np.asarray(p)) for i, p in self.pieces
+        ]
+
+
+def stage_on_device(xs: Sequence[Any]) -> list[HostShards]:
+    """Starts a copy of the shards this process owns (replica_id == 0) of every CPU array in
+    `xs`, and returns without waiting for it; other leaves are staged by `stage_to_host`.
+
+    On the CPU backend a device buffer *is* host memory, so a device-to-device copy is host
+    staging, and the runtime runs it on its own threads after `device_put` returns: the caller
+    gets control back after one dispatch instead of after copying every byte. The caller may
+    donate `xs` in the very next computation: the runtime orders a computation that donates a
+    buffer after the reads already enqueued on it, so the copy holds the values of the time of
+    this call (tests/test_checkpoints.py checks this, with the donation actually taking place).
+    The cost is moved, not gone: the donating computation starts only once the copy is done
+    (benchmarks/checkpoint_io.py times a donating step right after the save); what the trainer
+    gains is whatever it does before that step's inputs are needed (input pipeline, logging).
+
+    Not used on accelerators: there a device copy would take HBM the size of the state, and the
+    transfer to host has to happen anyway, so `stage_to_host` starts every transfer
+    (`copy_to_host_async`) before waiting on the first.
+
+    Call `HostShards.ready` (the writer thread does) before reading the pieces.
+
+    Args:
+      xs: leaves of the state: jax.Arrays on CPU devices, numpy arrays or scalars.
+
+    Returns:
+      One `HostShards` per leaf, in order.
+    """
+    out: list[HostShards | None] = [None] * len(xs)
+    srcs, owners = [], []
+    for k, x in enumerate(xs):
+        if not on_cpu(x):
+            out[k] = stage_to_host(x)
+            continue
+        check_storable(x)
+        shards = [s for s in x.addressable_shards if s.replica_id == 0]
+        pieces = [(_index(s.index, x.shape), None) for s in shards]
+        out[k] = HostShards(tuple(x.shape), np.dtype(x.dtype), pieces, device_copies=True)
+        srcs += [s.data for s in shards]
+        owners += [(k, j) for j in range(len(shards))]
+    if srcs:
+        # One call for every shard: one dispatch, the copies run in parallel on the runtime's
+        # threads. `may_alias=False` forces a copy onto the same device.
+        copies = jax.device_put(srcs, [next(iter(a.devices())) for a in srcs], may_alias=False)
+        for (k, j), c in zip(owners, copies):
+            h = out[k]
+            assert h is not None
+            h.pieces[j] = (h.pieces[j][0], c)
+    return out  # type: ignore[return-value]
+
+
+def on_cpu(x: Any) -> bool:
+    """Whether `x` is a jax.Array whose devices are all CPU devices."""
+    return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def check_storable(x: Any) -> None:
+    """Raises TypeError for arrays that have no on-disk dtype (typed PRNG keys)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        raise TypeError(
+            f"cannot checkpoint an array of dtype {x.dtype}; store typed PRNG keys as "
+            "jax.random.key_data(key)"
+        )
 
 
 def stage_to_host(x: Any, reuse: HostShards | None = None) -> HostShards:
@@ -188,11 +264,7 @@ def stage_to_host(x: Any, reuse: HostShards | None = None) -> HostShards:
       The `HostShards` to pass to `write_arrays`.
     """
     if isinstance(x, jax.Array):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-            raise TypeError(
-                f"cannot checkpoint an array of dtype {x.dtype}; store typed PRNG keys as "
-                "jax.random.key_data(key)"
-            )
+        check_storable(x)
         shards = [s for s in x.addressable_shards if s.replica_id == 0]
         # Start every device->host transfer before blocking on the first one.
         for s in shards:
