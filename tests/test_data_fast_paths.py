@@ -102,8 +102,10 @@ def test_make_batch_refuses_a_row_longer_than_its_length():
         ("synthetic_all", dict(pack=True, shard_id=1, num_shards=2, batch_size=8)),
         ("synthetic_copy", dict(pack=False, shard_id=2, num_shards=3, batch_size=5)),
         # A finite split ending inside a chunk, with a partial last batch.
-        ("synthetic_arithmetic", dict(pack=True, split="test", num_epochs=1, shard_id=1,
-                                      num_shards=3, batch_size=16)),  # fmt: skip
+        (
+            "synthetic_arithmetic",
+            dict(pack=True, split="test", num_epochs=1, shard_id=1, num_shards=3, batch_size=16),
+        ),
     ],
 )
 def test_in_process_chunked_reading_matches_grain_iterator(task, kwargs):
