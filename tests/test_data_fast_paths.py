@@ -128,3 +128,35 @@ def test_in_process_chunked_reading_matches_grain_iterator(task, kwargs):
         assert g.keys() == w.keys()
         for k in w:
             np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
+def test_tasks_without_rng_preprocessors_read_as_with_a_generator():
+    """A task none of whose post-cache preprocessors takes `rng` is read without drawing a
+    generator per element; its batches are those of the same task with one that does."""
+
+    def ignores_rng(example, rng):
+        assert isinstance(rng, np.random.Generator)
+        return example
+
+    base = sl.get_task_or_mixture("synthetic_reverse")
+    tasks = [
+        sl.Task(
+            "fast_paths",  # one name: the shuffle and stream seeds derive from it
+            base.source,
+            output_features=base.output_features,
+            preprocessors=[
+                sl.preprocessors.tokenize,
+                sl.preprocessors.append_eos_after_trim,
+                *extra,
+            ],
+        )
+        for extra in [[], [ignores_rng]]
+    ]
+    assert [t.post_cache_uses_rng for t in tasks] == [False, True]
+    out = []
+    for task in tasks:
+        it = sl.get_dataset(task, {"inputs": 20, "targets": 20}, batch_size=8, seed=5)
+        out.append(list(itertools.islice(it, 12)))
+    for got, want in zip(*out):
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
