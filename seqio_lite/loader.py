@@ -342,6 +342,11 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
                 except StopIteration:
                     exhausted = True
                     break
+                except Exception:
+                    # A preprocessor's error: a chunk reader that raised is finished, so a
+                    # caller that goes on restarts the reading at the example it stands at.
+                    self._reset_engine()
+                    raise
             ex = self._pending
             if ex and not packer.add(ex):
                 break  # the batch is full; `ex` starts the next one

@@ -160,3 +160,35 @@ def test_tasks_without_rng_preprocessors_read_as_with_a_generator():
     for got, want in zip(*out):
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_preprocessor_error_surfaces_and_reading_can_go_on():
+    """After an error the iterator reads on from the position its state names (the chunk
+    reader that raised is not left behind as an exhausted stream)."""
+    calls = {"n": 0}
+
+    def fails_once(example):
+        calls["n"] += 1
+        if calls["n"] == 50:
+            raise RuntimeError("bad example")
+        return example
+
+    base = sl.get_task_or_mixture("synthetic_copy")
+    task = sl.Task(
+        "fast_paths_errors", base.source, output_features=base.output_features,
+        preprocessors=[sl.preprocessors.tokenize, fails_once,
+                       sl.preprocessors.append_eos_after_trim],
+    )  # fmt: skip
+    it = sl.get_dataset(task, {"inputs": 20, "targets": 20}, batch_size=4, seed=1)
+    with pytest.raises(RuntimeError, match="bad example"):
+        for _ in range(100):
+            next(it)
+    state = it.get_state()
+    got = list(itertools.islice(it, 6))
+    fresh = sl.get_dataset(task, {"inputs": 20, "targets": 20}, batch_size=4, seed=1)
+    fresh.set_state(state)
+    want = list(itertools.islice(fresh, 6))
+    assert len(got) == len(want) == 6
+    for g, w in zip(got, want):
+        for k in w:
+            np.testing.assert_array_equal(g[k], w[k], err_msg=k)
