@@ -15,6 +15,12 @@
 Rounds alternate which side runs first; figures are medians over rounds, the ratio the median of
 per-round ratios. Goal (issue 20): loop step time <= 1.03x the bare step.
 
+`host ms/step` is the CPU time of the Python thread that dispatches the steps, per timed step
+(`time.thread_time` between the dispatches of step `--warmup + 1` and of the last step; around
+the timed steps for `bare` / `sync`). On a CPU host the devices run on the same cores, so the
+loop's extra host time is its overhead; unlike step times it barely moves when other processes
+load the machine.
+
     python benchmarks/train_loop.py [--steps 200] [--reps 5] [--quick] [--out PATH]
 """
 
@@ -58,6 +64,7 @@ class _RecordingTrainer(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batches: list[dict[str, jax.Array]] = []
+        self.train_step = _ThreadTimed(self.train_step)
         _RecordingTrainer.last = self
 
     def global_batch(self, local_batch):
@@ -66,8 +73,24 @@ class _RecordingTrainer(Trainer):
         return out
 
 
-def run_loop(steps: int, warmup: int, scratch: Path, run: int) -> float:
-    """Seconds per step of `t5lite train` after `warmup` steps (a fresh model directory)."""
+class _ThreadTimed:
+    """The train step, noting this thread's CPU time at every dispatch."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self.cpu: list[float] = []
+
+    def __call__(self, *args):
+        self.cpu.append(time.thread_time())
+        return self._fn(*args)
+
+    def __getattr__(self, name):  # lower / compile, as the partitioned function has them
+        return getattr(self._fn, name)
+
+
+def run_loop(steps: int, warmup: int, scratch: Path, run: int) -> tuple[float, float]:
+    """Seconds per step of `t5lite train` after `warmup` steps (a fresh model directory), and
+    the dispatching thread's CPU seconds per step over the same steps."""
     import gin
 
     model_dir = scratch / f"loop_{run}"
@@ -85,17 +108,21 @@ def run_loop(steps: int, warmup: int, scratch: Path, run: int) -> float:
     with open(model_dir / "metrics.jsonl") as f:
         times = {r["step"]: r["step_time_s"] for r in map(json.loads, f) if r["split"] == "train"}
     assert sorted(times) == list(range(1, steps + 1)), sorted(times)[:5]
-    return sum(times[s] for s in range(warmup + 1, steps + 1)) / (steps - warmup)
+    cpu = _RecordingTrainer.last.train_step.cpu  # type: ignore[union-attr]
+    assert len(cpu) == steps, len(cpu)
+    seconds = sum(times[s] for s in range(warmup + 1, steps + 1)) / (steps - warmup)
+    return seconds, (cpu[-1] - cpu[warmup]) / (steps - 1 - warmup)
 
 
-def run_bare(trainer: Trainer, warmup: int, sync: bool) -> float:
-    """Seconds per step of the loop's compiled step over its batches `warmup + 1` onwards."""
+def run_bare(trainer: Trainer, warmup: int, sync: bool) -> tuple[float, float]:
+    """Seconds per step of the loop's compiled step over its batches `warmup + 1` onwards, and
+    this thread's CPU seconds per step."""
     state = trainer.init_state()
     batches = trainer.batches[: len(trainer.batches)]
     for b in batches[:warmup]:
         state, m = trainer.train_step(state, b)
     jax.block_until_ready((state, m))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for b in batches[warmup:]:
         prev = m
         state, m = trainer.train_step(state, b)
@@ -104,7 +131,8 @@ def run_bare(trainer: Trainer, warmup: int, sync: bool) -> float:
         # XLA's 40 s collective rendezvous timeout.)
         jax.device_get(m) if sync else jax.block_until_ready(prev)
     jax.block_until_ready((state, m))
-    return (time.perf_counter() - t0) / (len(batches) - warmup)
+    n = len(batches) - warmup
+    return (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.warmup, args.reps = 30, 10, 2
     train_program.Trainer = _RecordingTrainer  # the loop builds its Trainer through this name
     times: dict[str, list[float]] = {"loop": [], "bare": [], "sync": []}
+    host: dict[str, list[float]] = {"loop": [], "bare": [], "sync": []}
     with tempfile.TemporaryDirectory(prefix="train_loop_") as tmp:
         scratch = Path(tmp)
         # Every loop run builds a new Trainer, hence new jitted functions: later runs load the
@@ -134,10 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
                 trainer = _RecordingTrainer.last
                 assert trainer is not None and len(trainer.batches) == args.steps
                 if side == "loop":
-                    times["loop"].append(run_loop(args.steps, args.warmup, scratch, r))
+                    seconds, cpu = run_loop(args.steps, args.warmup, scratch, r)
                 else:
-                    times[side].append(run_bare(trainer, args.warmup, sync=side == "sync"))
+                    seconds, cpu = run_bare(trainer, args.warmup, sync=side == "sync")
+                times[side].append(seconds)
+                host[side].append(cpu)
     med = {k: statistics.median(v) for k, v in times.items()}
+    host_med = {k: statistics.median(v) for k, v in host.items()}
     paired = statistics.median(a / b for a, b in zip(times["loop"], times["bare"]))
     paired_sync = statistics.median(a / b for a, b in zip(times["sync"], times["bare"]))
     figures = [
@@ -147,6 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         {"name": "bare_step_with_per_step_metrics_fetch", "value": round(1 / med["sync"], 2),
          "unit": "steps/s", "reference": round(1 / med["bare"], 2),
          "ratio": round(paired_sync, 4), "goal": None, "met": None},
+        # The dispatching thread's CPU per step: what the loop adds to the bare step's host work.
+        {"name": "train_loop_host_cpu_per_step", "value": round(1e3 * host_med["loop"], 2),
+         "unit": "ms", "reference": round(1e3 * host_med["bare"], 2),
+         "ratio": round(host_med["loop"] / host_med["bare"], 3), "goal": None, "met": None},
     ]  # fmt: skip
     versions = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "flax", "numpy")}
     record = {
@@ -160,15 +196,20 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"steps": args.steps, "warmup": args.warmup, "reps": args.reps,
                    "gin": "quickstart.gin, CheckpointConfig.period=0, train.evaluation=None"},
         "seconds_per_step": {k: [round(x, 5) for x in v] for k, v in times.items()},
+        "host_cpu_ms_per_step": {k: [round(1e3 * x, 3) for x in v] for k, v in host.items()},
         "figures": figures,
     }  # fmt: skip
     print(
         f"\ntrain_loop: quickstart, {args.steps} steps ({args.warmup} untimed), {args.reps} rounds"
     )
-    print(f"{'side':6s} {'ms/step':>9s} {'steps/s':>9s} {'vs bare':>8s}")
+    print(f"{'side':6s} {'ms/step':>9s} {'steps/s':>9s} {'vs bare':>8s} {'spread':>13s} "
+          f"{'host ms/step':>13s}")  # fmt: skip
     for side in ("loop", "bare", "sync"):
-        ratio = statistics.median(a / b for a, b in zip(times[side], times["bare"]))
-        print(f"{side:6s} {1e3 * med[side]:9.2f} {1 / med[side]:9.2f} {ratio:8.4f}")
+        ratios = [a / b for a, b in zip(times[side], times["bare"])]
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        print(f"{side:6s} {1e3 * med[side]:9.2f} {1 / med[side]:9.2f} "
+              f"{statistics.median(ratios):8.4f} {spread:>13s} "
+              f"{1e3 * statistics.median(host[side]):13.2f}")  # fmt: skip
     print(f"loop overhead {100 * (paired - 1):+.1f}% (goal <= {100 * (GOAL - 1):.0f}%): "
           f"{'met' if paired <= GOAL else 'NOT met'}")  # fmt: skip
     write_record(record, args.out)

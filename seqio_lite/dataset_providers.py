@@ -80,11 +80,15 @@ def call_preprocessor(
 ) -> Example | None:
     """Calls `fn` with the keyword arguments its signature asks for."""
     available = {"sequence_length": sequence_length, "output_features": output_features, "rng": rng}
+    return fn(example, **{k: available[k] for k in accepted_kwargs(fn)})
+
+
+def accepted_kwargs(fn: Callable) -> frozenset[str]:
+    """Which of `sequence_length`, `output_features` and `rng` a preprocessor takes."""
     try:
-        wanted = _accepted_kwargs(fn)
+        return _accepted_kwargs(fn)
     except TypeError:  # unhashable callables: inspect every time
-        wanted = _accepted_kwargs.__wrapped__(fn)
-    return fn(example, **{k: available[k] for k in wanted})
+        return _accepted_kwargs.__wrapped__(fn)
 
 
 def preprocessor_name(fn: Callable) -> str:
@@ -171,10 +175,16 @@ class Task:
                 return None
         return example
 
+    @property
+    def post_cache_uses_rng(self) -> bool:
+        """Whether a post-cache preprocessor takes `rng` (else its output is a function of the
+        example alone, and the loader draws no generator for it)."""
+        return any("rng" in accepted_kwargs(fn) for fn in self.post_cache_preprocessors)
+
     def preprocess_post_cache(
         self,
         example: Example,
-        rng: np.random.Generator,
+        rng: np.random.Generator | None,
         sequence_length: Mapping[str, int] | None,
     ) -> Example | None:
         """Runs the remaining preprocessors and checks the required features are present."""

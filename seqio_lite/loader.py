@@ -55,15 +55,41 @@ def _source_dataset(task: dp.Task, split: str, use_cached: bool) -> grain.MapDat
     if use_cached:
         from seqio_lite import cache_tasks
 
-        return grain.MapDataset.source(cache_tasks.cached_source(task).open(split))
+        return SourceMapDataset(cache_tasks.cached_source(task).open(split))
     data = task.source.open(split)
 
     def pre_cache(index: int, example: dict) -> dict:
         out = task.preprocess_pre_cache(example, index)
         return _FILTERED if out is None else out
 
-    ds = grain.MapDataset.source(data)
+    ds = SourceMapDataset(data)
     return ds.map_with_index(pre_cache) if task.pre_cache_preprocessors else ds
+
+
+class SourceMapDataset(grain.MapDataset):
+    """A split's examples by index, as `grain.MapDataset.source` gives them (index modulo the
+    length), without its per-element statistics and Prometheus metrics: those cost twice the
+    reading of a synthetic example, on the host thread that also feeds the devices."""
+
+    def __init__(self, source: Any):
+        super().__init__()
+        self._source = source
+        self._n = len(source)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._source[index % self._n]
+
+    def _getitems(self, indices: Sequence[int]) -> list:
+        source, n = self._source, self._n
+        return [source[i % n] for i in indices]
+
+    def __str__(self) -> str:
+        return f"SourceMapDataset(source={type(self._source).__name__})"
 
 
 def task_examples(
@@ -88,7 +114,7 @@ def task_examples(
         if num_epochs is None or num_epochs > 1:
             ds = ds.repeat(num_epochs)
 
-    def post(example: dict, rng: np.random.Generator) -> dict:
+    def post(example: dict, rng: np.random.Generator | None = None) -> dict:
         if not example:
             return _FILTERED
         out = task.preprocess_post_cache(example, rng, sequence_length)
@@ -98,6 +124,10 @@ def task_examples(
             return converter.convert_example(out, sequence_length)
         return out
 
+    if not task.post_cache_uses_rng:
+        # Nothing would draw from the element's generator: setting one up per element cost as
+        # much host time as reading a synthetic example. Same output, same order.
+        return ds.map(post)
     return ds.random_map(post, seed=_derive_seed(seed, task.name, "preprocess"))
 
 
@@ -137,6 +167,11 @@ class EpochShuffleMapDataset(grain.MapDataset):
             return self.slice(index)
         epoch, j = divmod(index, self._n)
         return self._parents[0][int(self._perm(epoch)[j])]
+
+    def _getitems(self, indices: Sequence[int]) -> Sequence:
+        # One read of the parent for a whole chunk (the in-process iterator reads in chunks).
+        parent = [int(self._perm(i // self._n)[i % self._n]) for i in indices]
+        return self._parents[0]._getitems(parent)
 
     def __getstate__(self) -> dict:
         # Worker processes recompute permutations rather than receive them.
@@ -275,6 +310,17 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
             )
         return iter(it_ds)
 
+    def _chunks(self) -> Iterator:
+        """In-process reading: the examples at this process's positions from `_next` on, read a
+        chunk at a time with one `_getitems` call per stage (grain's per-element iterator,
+        prefetch and statistics layers cost more host time than the preprocessing itself)."""
+        pos, step, n = self._next, self.num_shards, len(self._dataset)
+        chunk = max(16, 2 * self.batch_size)  # about one packed batch of short examples
+        while pos < n:
+            stop = min(pos + chunk * step, n)
+            yield from self._dataset._getitems(range(pos, stop, step))
+            pos = stop + (pos - stop) % step  # the next position of this shard
+
     def _reset_engine(self) -> None:
         close = getattr(self._it, "close", None)
         if close is not None:
@@ -283,7 +329,8 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._it is None:
-            self._it = self._grain_iterator()
+            in_process = self._num_workers == 0 and self._read_threads == 0
+            self._it = self._chunks() if in_process else self._grain_iterator()
         packer = fc.RowPacker(self._conv, self.batch_size, self._lengths)
         exhausted = False
         while True:
@@ -295,6 +342,11 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
                 except StopIteration:
                     exhausted = True
                     break
+                except Exception:
+                    # A preprocessor's error: a chunk reader that raised is finished, so a
+                    # caller that goes on restarts the reading at the example it stands at.
+                    self._reset_engine()
+                    raise
             ex = self._pending
             if ex and not packer.add(ex):
                 break  # the batch is full; `ex` starts the next one

@@ -78,7 +78,9 @@ def append_eos_after_trim(
         if feat.add_eos:
             if sequence_length is not None and sequence_length.get(name) is not None:
                 ids = ids[: sequence_length[name] - 1]
-            ids = np.append(ids, feat.vocabulary.eos_id)
+            # np.append's dtype (int64 for an int32 array and a Python int), without its
+            # ravel / asanyarray overhead per example; cast below as before.
+            ids = np.concatenate((ids, np.asarray([feat.vocabulary.eos_id])))
         elif sequence_length is not None and sequence_length.get(name) is not None:
             ids = ids[: sequence_length[name]]
         out[name] = ids.astype(feat.dtype)

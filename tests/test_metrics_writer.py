@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import math
 import os
 
 import pytest
@@ -57,3 +59,32 @@ def test_progress_line_fits_the_terminal(tmp_path, clock, monkeypatch, columns):
     assert len(lines) == 4 and all(len(x) == columns - 1 for x in lines)
     assert lines[-1].startswith("[########............] 4/10 ETA 6s loss")  # 3 steps, 1 s each
     w.close()
+
+
+def test_records_are_written_in_batches_never_behind_the_log(tmp_path, clock):
+    """Every step's record reaches metrics.jsonl, at the latest FLUSH_S after its step or with
+    the next printed line, and all of them on close (the order and content unchanged)."""
+    path = tmp_path / "metrics.jsonl"
+    w = mw.MetricsWriter(str(tmp_path), total_steps=100, stream=io.StringIO(), log_period=10)
+
+    def logged():
+        return [json.loads(x)["step"] for x in path.read_text().splitlines()]
+
+    for step in range(1, 4):
+        w.write(step, {"loss": float(step)})
+    assert logged() == []  # held back: less than FLUSH_S since the writer started
+    clock.now += w.FLUSH_S
+    w.write(4, {"loss": 4.0})
+    assert logged() == [1, 2, 3, 4]
+    for step in range(5, 11):
+        w.write(step, {"loss": float(step)})
+    assert logged() == list(range(1, 11))  # step 10 is printed: the file has caught up
+    w.write(11, {"loss": 11.0})
+    w.write(11, {"accuracy": 0.5}, prefix="eval")  # eval records are written at once
+    assert logged() == [*range(1, 12), 11]
+    w.write(12, {"loss": float("nan")})
+    w.close()
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [*range(1, 12), 11, 12]
+    assert records[-1]["split"] == "train" and math.isnan(records[-1]["loss"])
+    assert records[-2] == {"step": 11, "split": "eval", "accuracy": 0.5}

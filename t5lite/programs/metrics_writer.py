@@ -31,6 +31,8 @@ def _duration(secs: float) -> str:
 class MetricsWriter:
     """Writes step metrics to the terminal, `metrics.jsonl` and TensorBoard (process 0 only)."""
 
+    FLUSH_S = 1.0  # longest a step's record waits before it is written to the files
+
     def __init__(
         self,
         model_dir: str,
@@ -49,6 +51,9 @@ class MetricsWriter:
         self._first: tuple[int, float] | None = None  # this process's first step and its time
         self._jsonl = None
         self._tb = None
+        self._lines: list[str] = []  # metrics.jsonl lines not written yet
+        self._scalars: list[tuple[str, float, int, float]] = []  # (tag, value, step, walltime)
+        self._flushed = time.time()
         if not enabled:
             return
         os.makedirs(model_dir, exist_ok=True)
@@ -64,18 +69,38 @@ class MetricsWriter:
         """Records one step's (or one eval's) metrics."""
         if not self.enabled:
             return
+        now = time.time()
         if prefix == "train" and self._first is None:
-            self._first = (step, time.time())  # after compilation, after any resumed steps
+            self._first = (step, now)  # after compilation, after any resumed steps
         record = {"step": step, "split": prefix, **{k: _num(v) for k, v in metrics.items()}}
-        assert self._jsonl is not None
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._lines.append(json.dumps(record) + "\n")
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, int | float) and math.isfinite(v):
-                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
-        if prefix != "train" or step % self.log_period == 0 or step == self.total_steps:
+            self._scalars.extend(
+                (f"{prefix}/{k}", v, step, now)
+                for k, v in metrics.items()
+                if isinstance(v, int | float) and math.isfinite(v)
+            )
+        printed = prefix != "train" or step % self.log_period == 0 or step == self.total_steps
+        # Every step's record, written in batches: a file flush and a dozen TensorBoard events
+        # (each a queue put that wakes tensorboardX's writer thread) per step took host time
+        # from the devices on a busy host. The files are at most FLUSH_S behind, and never
+        # behind the printed log; `close` (also on errors) writes the rest.
+        if printed or now - self._flushed >= self.FLUSH_S:
+            self.flush()
+        if printed:
             self._print(step, metrics, prefix)
+
+    def flush(self) -> None:
+        """Writes the records held back since the last flush to metrics.jsonl and TensorBoard."""
+        self._flushed = time.time()
+        if self._jsonl is not None and self._lines:
+            self._jsonl.write("".join(self._lines))
+            self._jsonl.flush()
+        self._lines.clear()
+        if self._tb is not None:
+            for tag, value, step, walltime in self._scalars:
+                self._tb.add_scalar(tag, value, step, walltime=walltime)
+        self._scalars.clear()
 
     def write_json(self, relative_path: str, value: Any) -> str | None:
         """Writes `value` as JSON under the model directory (atomically); returns the path."""
@@ -127,6 +152,7 @@ class MetricsWriter:
             self.stream.flush()
 
     def close(self) -> None:
+        self.flush()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
