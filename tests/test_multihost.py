@@ -97,13 +97,23 @@ def _losses(model_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
 
 
-def test_two_processes_match_one_and_restore_on_one(tmp_path):
-    multi, single, cont = tmp_path / "multi", tmp_path / "single", tmp_path / "cont"
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The 1-process x 8-device run (6 steps, checkpoints at 3 and 6): the reference the
+    2-process run must match, and the checkpoint that eval and infer read. Trained once for the
+    module: each run is a subprocess that starts JAX and trains, and none of these tests writes
+    into it (eval reads it through a symlink, infer writes its output elsewhere)."""
+    d = tmp_path_factory.mktemp("single") / "run"
+    subprocess.run(_cmd(d, 6), env=_env(8), check=True, capture_output=True, timeout=600)
+    return d
+
+
+def test_two_processes_match_one_and_restore_on_one(tmp_path, single):
+    multi, cont = tmp_path / "multi", tmp_path / "cont"
     procs = _start_multi(multi, 6)
     _, err1 = _wait(procs)[1]
     # Process 1 stays quiet: no log lines, no metrics of its own.
     assert "train step" not in err1
-    subprocess.run(_cmd(single, 6), env=_env(8), check=True, capture_output=True, timeout=600)
     lm, ls = _losses(multi), _losses(single)
     assert sorted(lm) == list(range(1, 7))
     for step in lm:
@@ -148,9 +158,7 @@ def test_dead_peer_stops_the_survivor_with_a_clear_error(tmp_path):
     assert "a peer process has probably died" in last
 
 
-def test_two_process_eval_counts_each_example_once(tmp_path):
-    model_dir = tmp_path / "m"
-    subprocess.run(_cmd(model_dir, 3), env=_env(8), check=True, capture_output=True, timeout=600)
+def test_two_process_eval_counts_each_example_once(tmp_path, single):
     common = [
         "--gin_file=models/t5_1_1/tiny.gin", "--gin_file=runs/eval.gin", "--gin.VOCAB_SIZE=384",
         "--gin.TASK='synthetic_reverse'", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
@@ -161,7 +169,7 @@ def test_two_process_eval_counts_each_example_once(tmp_path):
     for n in (1, 2):
         d = tmp_path / f"eval{n}"
         d.mkdir()
-        os.symlink(model_dir / "checkpoint_3", d / "checkpoint_3")
+        os.symlink(single / "checkpoint_3", d / "checkpoint_3")
         _run_on_processes(n, "eval", *common, f"--gin.MODEL_DIR='{d}'")
         with open(d / "metrics.jsonl") as f:
             (record,) = [r for r in map(json.loads, f) if r["split"] == "eval"]
@@ -170,9 +178,10 @@ def test_two_process_eval_counts_each_example_once(tmp_path):
     assert "synthetic_reverse/exact_match" in results[1]
 
 
-def test_two_process_infer_writes_each_example_once(tmp_path):
-    model_dir = tmp_path / "m"
-    subprocess.run(_cmd(model_dir, 3), env=_env(8), check=True, capture_output=True, timeout=600)
+def test_two_process_infer_writes_each_example_once(tmp_path, single):
+    model_dir = tmp_path / "m"  # the shared run's step-3 checkpoint alone, as eval reads it
+    model_dir.mkdir()
+    os.symlink(single / "checkpoint_3", model_dir / "checkpoint_3")
     common = [
         "--gin_file=models/t5_1_1/tiny.gin", "--gin_file=runs/infer.gin", "--gin.VOCAB_SIZE=384",
         "--gin.TASK='synthetic_reverse'", "--gin.BATCH_SIZE=8", "--gin.NUM_PARTITIONS=2",
