@@ -179,15 +179,15 @@ _LOSS_BUFFERS = 2
 # none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
 # the 2D layouts it hoists less (_unscanned_backward).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
-# T5.1.1's gated GELU (tanh form) keeps three [B, L, F] buffers a layer more than SwiGLU
-# without remat or with `minimal` (whose hoisted recomputation brings them back): XLA's buffer
-# assignment at the loss-gradient peak, T5 unscanned without remat, holds 7.5 (encoder) and
-# 8.5 (decoder) a layer on fully sharded and 2D activations; 3 fits the compiled totals of
-# FSDP, megatron, 2D activations, fully sharded and sequence parallel (the "7 MiB more than
-# modelled" above). Under `full` the recomputed MLP's are not live at the peak (T5 FSDP
-# `full` compiles 8 MiB under `minimal`), so they are not counted there. (T5 sequence
-# parallel `full` compiles to `minimal`'s figure: there the gathered block inputs counted
-# instead, see _saved_unscanned, happen to be as large as these three buffers.)
+# T5.1.1's gated GELU (tanh form): six [B, L, F] buffers of a layer of each stack at the loss
+# gradient, whatever the depth and the remat policy. Fitted as three a layer at two layers a
+# stack (the "7 MiB more than modelled" above); the 4-layer figures showed them constant:
+# between 2 and 4 layers a stack XLA's figure grows (activations, a layer pair, FSDP) 22.04
+# MiB without remat against 26.5 counted per layer and 22.0 counted once (megatron: 20.54
+# against 26.5 and 22.0), and the part that does not grow with depth is the same under
+# every remat policy (FSDP: 21.84, 21.84, 21.85 MiB; 13.5 counted without them, 22.5 with).
+# On the 2D layouts part of them does grow with depth (fully sharded without remat: 16.79 a
+# pair against 14.12 counted: 0.926 at 4 layers a stack, the lowest of the matrix).
 _UNSCANNED_GELU_HIDDEN = 6
 
 # Kinds of activation a report breaks the total into (they add up to `activations`).
@@ -425,7 +425,11 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
     # the attention's on the decoder-only model's megatron; none on the 2D layouts (embed
     # split) or T5's megatron, whose every layer is recomputed after the loss gradient, all
     # ahead of the first layer's backward (the buffer assignment at 4 layers: every layer's
-    # recomputed values live beside the first one's cotangents, no logits).
+    # recomputed values live beside the first one's cotangents, no logits). Of an
+    # encoder-decoder's encoder, where the decoder's is all hoisted, only the attention's:
+    # counting all of it put T5 FSDP `full` at 1.043 (2 layers a stack) and 1.129 (4); the
+    # attention's, 1.001 and 0.996 (an encoder layer grows the prediction 6 MiB, not 12,
+    # beside a decoder layer's 8.25: 14.25 a pair against XLA's 14.54).
     def hoisted(a: dict[str, int], stack: int) -> str:
         if a["embed_split"] or (a["heads_split"] and not single):
             return "none"
