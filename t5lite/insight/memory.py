@@ -426,22 +426,32 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
     # split) or T5's megatron, whose every layer is recomputed after the loss gradient, all
     # ahead of the first layer's backward (the buffer assignment at 4 layers: every layer's
     # recomputed values live beside the first one's cotangents, no logits). Of an
-    # encoder-decoder's encoder, where the decoder's is all hoisted, only the attention's:
-    # counting all of it put T5 FSDP `full` at 1.043 (2 layers a stack) and 1.129 (4); the
-    # attention's, 1.001 and 0.996 (an encoder layer grows the prediction 6 MiB, not 12,
-    # beside a decoder layer's 8.25: 14.25 a pair against XLA's 14.54).
+    # encoder-decoder's encoder under FSDP (its recomputation gathers the weights again),
+    # only the attention's: counting all of it put T5 FSDP `full` at 1.043 (2 layers a
+    # stack) and 1.129 (4); the attention's, 1.001 and 0.996 (an encoder layer grows the
+    # prediction 6 MiB, not 12, beside a decoder layer's 8.25: 14.25 a pair against XLA's
+    # 14.54). Sequence parallel, without the gathers, hoists all of it (T5 `full` compiles to
+    # `minimal`'s figure at 2 and 4 layers a stack).
     def hoisted(a: dict[str, int], stack: int) -> str:
         if a["embed_split"] or (a["heads_split"] and not single):
             return "none"
-        return "attention" if a["heads_split"] or stack < len(layers) - 1 else "all"
+        encoder = stack < len(layers) - 1
+        return "attention" if a["heads_split"] or (encoder and gathered) else "all"
 
     saved = _add(*(
         _saved_unscanned(a, remat, hoisted(a, i)) for i, (n, a) in enumerate(layers)
         for _ in range(n)
     ))  # fmt: skip
+    # NOTE: sequence parallel `full` counts its layers' gathered block inputs instead of the
+    # GELU buffers (_saved_unscanned): T5's compiles to `minimal`'s figure, 1.094 at 2 layers
+    # a stack and 1.105 at 4 counting both, 0.983 and 1.035 counting the gathered inputs only
+    # (the decoder-only model, without the GELU buffers, needs them: 0.906 without).
+    sp_full = remat == "full" and any(a["sp_gathered"] for _, a in layers)
     last = {
         "norms+residual": _UNSCANNED_LAST_X * first["x"],
-        "mlp": sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers),
+        "mlp": 0
+        if sp_full
+        else sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers),
     }
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
     at_loss = _add(saved, last, loss)
