@@ -314,12 +314,14 @@ class PredictedMemory:
     layout: all of it on data parallel, FSDP, sequence and context parallel, the attention's on
     the decoder-only model's megatron, none on the 2D layouts and T5's megatron
     (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
-    layouts were off by 11-24%). Known miss at depth: T5 FSDP `full` at 4 layers a stack, 1.129
-    (1.043 at 2): the all-hoisted count at the loss gradient over-counts T5's encoder, whose
-    recomputation XLA:CPU hoists only in part there (buffer assignment at 4 layers: four [B, S,
-    D]-sized buffers an encoder layer against the eleven counted).
-    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
-    predicted against 7.74 compiled (the compiled figure measured before these counts).
+    layouts were off by 11-24%), and of an encoder-decoder's encoder under FSDP only the
+    attention's. At depth (benchmarks/memory_accuracy.py --unscanned --layers 4): T5 within 10%
+    for every preset x remat policy at 4 layers a stack (0.926 to 1.086), and T5.1.1-small's 8
+    (FSDP without remat and `full`, megatron without remat: 1.001, 1.023, 1.041; 1.108, 1.193,
+    1.139 when T5's GELU buffers were counted per layer and its encoder's recomputation all
+    hoisted).
+    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128, `t5lite inspect
+    --host_device_count=8`): 7.28 GiB predicted against 7.71 compiled (0.944).
     """
 
     state: int
