@@ -233,12 +233,13 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
             "norms+residual": 4 * a["x"],
         }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
-    # Sequence parallelism's hoisted recomputation gathers each block's input again
-    # (collectives.column_parallel), and those whole-length copies are live with the rest at
-    # the loss gradient (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them,
-    # 0.967 and 0.968 with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers
-    # with). `minimal` saves the projections' outputs, not their gathered inputs.
-    gathered = a["sp_gathered"] if remat == "full" else 0
+    # Sequence parallelism gathers each block's input (collectives.column_parallel), and those
+    # whole-length copies are live with the rest at the loss gradient whatever the policy
+    # (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them, 0.967 and 0.968
+    # with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers with). Without
+    # remat and with `minimal` likewise (XLA's figures are `full`'s or 1.5-3 MiB above):
+    # decoder-only 0.916 and 0.906 at 2 layers, 0.894 and 0.879 at 4 without them.
+    gathered = a["sp_gathered"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
         "mlp": _UNSCANNED_HIDDEN * a["h"],
@@ -444,17 +445,13 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
         _saved_unscanned(a, remat, hoisted(a, i)) for i, (n, a) in enumerate(layers)
         for _ in range(n)
     ))  # fmt: skip
-    # NOTE: sequence parallel `full` counts its layers' gathered block inputs instead of the
-    # GELU buffers (_saved_unscanned): T5's compiles to `minimal`'s figure, 1.094 at 2 layers
-    # a stack and 1.105 at 4 counting both, 0.983 and 1.035 counting the gathered inputs only
-    # (the decoder-only model, without the GELU buffers, needs them: 0.906 without).
-    sp_full = remat == "full" and any(a["sp_gathered"] for _, a in layers)
-    last = {
-        "norms+residual": _UNSCANNED_LAST_X * first["x"],
-        "mlp": 0
-        if sp_full
-        else sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers),
-    }
+    # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
+    # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure, 1.094 at 2
+    # layers a stack and 1.105 at 4 counting both, 0.983 and 1.035 counting the gathered
+    # inputs only (the decoder-only model, without the GELU buffers, needs them: 0.906 without).
+    sp = any(a["sp_gathered"] for _, a in layers)
+    gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers)
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
     at_loss = _add(saved, last, loss)
     work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
