@@ -3,7 +3,8 @@
 Goal (issue 19): `predict_memory` (analytic, no compilation) within 10% of XLA's figure
 (`memory_report(compiled).total`) on 8 fake CPU devices, for T5.1.1-like and decoder-only models
 (`memory.accuracy_trainer`, the test's models), layers scanned or (`--unscanned`) unrolled,
-two a stack or `--layers N` (the depths the unscanned `full` counts were fitted on: 2, 4, 6).
+two a stack or `--layers N` (the unscanned counts are checked at 2 and 4 for every
+combination, and T5 at 8 on five; the `full` counts were fitted on 2, 4 and 6).
 Prints one row per combination with the compiled figure, the prediction and its terms, and
 writes one JSON record.
 

@@ -187,10 +187,11 @@ def test_predicted_memory_within_ten_percent_every_layout(family, preset, remat)
 # megatron 0.952, 0.978, 0.997; fully sharded at 2 and 4: 1.047, 0.963); T5 sequence
 # parallel, counting the block inputs its recomputation gathers again: 0.983, 1.015, 1.035.
 # Before, these were the six misses (1.112 to 1.240, T5 sequence parallel 0.873).
-# At 4 layers a stack (benchmarks/memory_accuracy.py --unscanned --layers 4) T5 is within 10%
-# for every preset x remat policy since its GELU buffers count once a stack and its encoder's
-# FSDP `full` recomputation only the attention's (0.926 to 1.086; was up to 1.165); one case of
-# it runs here (test_unscanned_t5_prediction_holds_at_depth).
+# At 4 layers (a stack; benchmarks/memory_accuracy.py --unscanned --layers 4) both families are
+# within 10% for every preset x remat policy (0.907 to 1.086; five misses, 0.879 to 1.165,
+# before T5's GELU buffers counted once a stack, its encoder's FSDP `full` recomputation only
+# the attention's and sequence parallelism's gathered inputs under every policy); one case runs
+# here (test_unscanned_t5_prediction_holds_at_depth).
 # Unscanned layouts measured outside 10% (predicted / compiled), and why: none.
 _UNSCANNED_MISSES: dict[tuple, tuple[float, str]] = {}
 # Both families: every preset x remat policy.

@@ -316,11 +316,13 @@ class PredictedMemory:
     the decoder-only model's megatron, none on the 2D layouts and T5's megatron
     (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
     layouts were off by 11-24%), and of an encoder-decoder's encoder under FSDP only the
-    attention's. At depth (benchmarks/memory_accuracy.py --unscanned --layers 4): T5 within 10%
-    for every preset x remat policy at 4 layers a stack (0.926 to 1.086), and T5.1.1-small's 8
-    (FSDP without remat and `full`, megatron without remat: 1.001, 1.023, 1.041; 1.108, 1.193,
-    1.139 when T5's GELU buffers were counted per layer and its encoder's recomputation all
-    hoisted).
+    attention's. At depth (benchmarks/memory_accuracy.py --unscanned --layers 4): within 10% for
+    every preset x remat policy on both families at 4 layers (a stack: 0.907 to 1.086; before
+    T5's GELU buffers counted once a stack, its encoder's FSDP hoisting and sequence
+    parallelism's gathered inputs under every policy, five misses, 0.879 to 1.165), and at
+    T5.1.1-small's 8 layers a stack on the five T5 cases measured (FSDP without remat and
+    `full`, megatron without remat, fully sharded without remat, 2D activations `minimal`:
+    1.001, 1.023, 1.041, 0.907, 1.051; the first three 1.108, 1.193, 1.139 before).
     T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128, `t5lite inspect
     --host_device_count=8`): 7.28 GiB predicted against 7.71 compiled (0.944).
     """
