@@ -135,8 +135,8 @@ def test_unscanned_full_remat_peaks_inside_the_backward():
 def test_unscanned_t5_prediction_holds_at_depth():
     """T5 under FSDP, `full`, four layers a stack, unscanned: the peak is the loss gradient's,
     with the decoder's recomputation hoisted ahead of it, the encoder's attention only, and
-    the gated GELU's buffers once a stack (counted per layer, the prediction grew 5.75 MiB a
-    layer pair faster than XLA's figure: 1.129 here, 1.043 at two layers)."""
+    the gated GELU's buffers once a stack (counting the encoder's all hoisted, the prediction
+    grew 5.7 MiB a layer pair faster than XLA's figure: 1.129 here, 1.043 at two layers)."""
     require_devices(8)
     two = memory.predict_memory(_trainer("t5", "fsdp", "full", scan=False))
     four = _check_memory("t5", "fsdp", "full", scan=False, layers=4)
