@@ -179,16 +179,16 @@ _LOSS_BUFFERS = 2
 # none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
 # the 2D layouts it hoists less (_unscanned_backward).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
-# T5.1.1's gated GELU (tanh form) keeps three [B, L, F] buffers a layer more than SwiGLU
-# without remat or with `minimal` (whose hoisted recomputation brings them back): XLA's buffer
-# assignment at the loss-gradient peak, T5 unscanned without remat, holds 7.5 (encoder) and
-# 8.5 (decoder) a layer on fully sharded and 2D activations; 3 fits the compiled totals of
-# FSDP, megatron, 2D activations, fully sharded and sequence parallel (the "7 MiB more than
-# modelled" above). Under `full` the recomputed MLP's are not live at the peak (T5 FSDP
-# `full` compiles 8 MiB under `minimal`), so they are not counted there. (T5 sequence
-# parallel `full` compiles to `minimal`'s figure: there the gathered block inputs counted
-# instead, see _saved_unscanned, happen to be as large as these three buffers.)
-_UNSCANNED_GELU_HIDDEN = 3
+# T5.1.1's gated GELU (tanh form): six [B, L, F] buffers of a layer of each stack at the loss
+# gradient, whatever the depth and the remat policy. Fitted as three a layer at two layers a
+# stack (the "7 MiB more than modelled" above); the 4-layer figures showed them constant:
+# between 2 and 4 layers a stack XLA's figure grows (activations, a layer pair, FSDP) 22.04
+# MiB without remat against 26.5 counted per layer and 22.0 counted once (megatron: 20.54
+# against 26.5 and 22.0), and the part that does not grow with depth is the same under
+# every remat policy (FSDP: 21.84, 21.84, 21.85 MiB; 13.5 counted without them, 22.5 with).
+# On the 2D layouts part of them does grow with depth (fully sharded without remat: 16.79 a
+# pair against 14.12 counted: 0.926 at 4 layers a stack, the lowest of the matrix).
+_UNSCANNED_GELU_HIDDEN = 6
 
 # Kinds of activation a report breaks the total into (they add up to `activations`).
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
@@ -233,16 +233,16 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
             "norms+residual": 4 * a["x"],
         }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
-    gelu = _UNSCANNED_GELU_HIDDEN * a["gelu"] * (remat != "full")
-    # Sequence parallelism's hoisted recomputation gathers each block's input again
-    # (collectives.column_parallel), and those whole-length copies are live with the rest at
-    # the loss gradient (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them,
-    # 0.967 and 0.968 with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers
-    # with). `minimal` saves the projections' outputs, not their gathered inputs.
-    gathered = a["sp_gathered"] if remat == "full" else 0
+    # Sequence parallelism gathers each block's input (collectives.column_parallel), and those
+    # whole-length copies are live with the rest at the loss gradient whatever the policy
+    # (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them, 0.967 and 0.968
+    # with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers with). Without
+    # remat and with `minimal` likewise (XLA's figures are `full`'s or 1.5-3 MiB above):
+    # decoder-only 0.916 and 0.906 at 2 layers, 0.894 and 0.879 at 4 without them.
+    gathered = a["sp_gathered"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": (_UNSCANNED_HIDDEN + gelu) * a["h"],
+        "mlp": _UNSCANNED_HIDDEN * a["h"],
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
 
@@ -315,12 +315,16 @@ class PredictedMemory:
     layout: all of it on data parallel, FSDP, sequence and context parallel, the attention's on
     the decoder-only model's megatron, none on the 2D layouts and T5's megatron
     (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
-    layouts were off by 11-24%). Known miss at depth: T5 FSDP `full` at 4 layers a stack, 1.129
-    (1.043 at 2): the all-hoisted count at the loss gradient over-counts T5's encoder, whose
-    recomputation XLA:CPU hoists only in part there (buffer assignment at 4 layers: four [B, S,
-    D]-sized buffers an encoder layer against the eleven counted).
-    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128): 7.97 GiB
-    predicted against 7.74 compiled (the compiled figure measured before these counts).
+    layouts were off by 11-24%), and of an encoder-decoder's encoder under FSDP only the
+    attention's. At depth (benchmarks/memory_accuracy.py --unscanned --layers 4): within 10% for
+    every preset x remat policy on both families at 4 layers (a stack: 0.907 to 1.086; before
+    T5's GELU buffers counted once a stack, its encoder's FSDP hoisting and sequence
+    parallelism's gathered inputs under every policy, five misses, 0.879 to 1.165), and at
+    T5.1.1-small's 8 layers a stack on the five T5 cases measured (FSDP without remat and
+    `full`, megatron without remat, fully sharded without remat, 2D activations `minimal`:
+    1.001, 1.023, 1.041, 0.907, 1.051; the first three 1.108, 1.193, 1.139 before).
+    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128, `t5lite inspect
+    --host_device_count=8`): 7.28 GiB predicted against 7.71 compiled (0.944).
     """
 
     state: int
@@ -426,14 +430,30 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
     # the attention's on the decoder-only model's megatron; none on the 2D layouts (embed
     # split) or T5's megatron, whose every layer is recomputed after the loss gradient, all
     # ahead of the first layer's backward (the buffer assignment at 4 layers: every layer's
-    # recomputed values live beside the first one's cotangents, no logits).
-    def hoisted(a: dict[str, int]) -> str:
+    # recomputed values live beside the first one's cotangents, no logits). Of an
+    # encoder-decoder's encoder under FSDP (its recomputation gathers the weights again),
+    # only the attention's: counting all of it put T5 FSDP `full` at 1.043 (2 layers a
+    # stack) and 1.129 (4); the attention's, 1.001 and 0.996 (an encoder layer grows the
+    # prediction 6 MiB, not 12, beside a decoder layer's 8.25: 14.25 a pair against XLA's
+    # 14.54). Sequence parallel, without the gathers, hoists all of it (T5 `full` compiles to
+    # `minimal`'s figure at 2 and 4 layers a stack).
+    def hoisted(a: dict[str, int], stack: int) -> str:
         if a["embed_split"] or (a["heads_split"] and not single):
             return "none"
-        return "attention" if a["heads_split"] else "all"
+        encoder = stack < len(layers) - 1
+        return "attention" if a["heads_split"] or (encoder and gathered) else "all"
 
-    saved = _add(*(_saved_unscanned(a, remat, hoisted(a)) for n, a in layers for _ in range(n)))
-    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"]}
+    saved = _add(*(
+        _saved_unscanned(a, remat, hoisted(a, i)) for i, (n, a) in enumerate(layers)
+        for _ in range(n)
+    ))  # fmt: skip
+    # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
+    # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure, 1.094 at 2
+    # layers a stack and 1.105 at 4 counting both, 0.983 and 1.035 counting the gathered
+    # inputs only (the decoder-only model, without the GELU buffers, needs them: 0.906 without).
+    sp = any(a["sp_gathered"] for _, a in layers)
+    gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers)
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
     at_loss = _add(saved, last, loss)
     work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
@@ -451,7 +471,7 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
         )  # fmt: skip
         return inside, terms
     terms = (
-        ("saved activations", sum(saved.values())), ("layer working set", last["norms+residual"]),
+        ("saved activations", sum(saved.values())), ("layer working set", sum(last.values())),
         ("loss temporaries", loss["logits+loss"]),
     )  # fmt: skip
     return at_loss, terms
