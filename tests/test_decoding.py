@@ -664,3 +664,51 @@ def test_decode_step_reads_caches_in_place_and_never_projects_the_encoder():
     assert len(fusions) == 2 * T5_TINY.num_decoder_layers
     assert all("scatter" in inner and not inner & {"copy", "transpose"} for inner in fusions)
     assert not [op for shape, op, _ in ops if shape == f"f32[{B},{S},{d}]"]  # encoder output
+
+
+def test_beam_step_never_moves_the_cache():
+    """Beam search keeps each beam's keys/values where they were written (slots): the loop body
+    writes each self-attention cache array by one scatter in place and reads it through
+    bitcasts; no gather, copy or transpose of a cache, nor any other cache-sized array (the
+    per-step reordering by parent beam read and wrote the whole cache)."""
+    w = 3
+    model = _model("t5", decoding_method="beam", beam_size=w)
+    hlo = jax.jit(model.predict_batch).lower(_params("t5")[0], _batch("t5")).compile().as_text()
+    h, k, n_layers = T5_TINY.num_heads, T5_TINY.head_dim, T5_TINY.num_decoder_layers
+    ops = _while_body_ops(hlo)
+    size = lambda shape: int(np.prod([int(d) for d in re.findall(r"\d+", shape.split("[")[1])]))
+    cache_size = B * w * h * L * k  # one self-attention cache array of B * W rows
+    big = [(shape, op, inner) for shape, op, inner in ops if size(shape) >= cache_size]
+    writes = [inner for _, op, inner in big if op == "fusion"]
+    assert {op for _, op, _ in big} == {"get-tuple-element", "bitcast", "fusion"}, big
+    assert len(writes) == 2 * n_layers  # keys and values of each layer
+    assert all(
+        "scatter" in inner and not inner & {"copy", "transpose", "gather"} for inner in writes
+    )
+    assert {shape for shape, _, _ in big} == {
+        f"f32[{B * w},{h},{L},{k}]",
+        f"f32[{B * w},{h},{k},{L}]",
+        f"f32[{B},{w},{h},{L},{k}]",
+        f"f32[{B},{w},{h},{k},{L}]",
+    }
+
+
+def test_beam_slots_equal_reordering_the_cache(monkeypatch):
+    """The model's beam search (slots, the cache never moved) decodes what beam search with the
+    cache reordered at every step does: a scanned decoder-only model, prefilled prompts of
+    different lengths (rows start at different positions), best first with scores."""
+    params, _ = _params("lm", True)
+    batch = _batch("lm")
+    model = _model("lm", True, decoding_method="beam", beam_size=3, alpha=0.6)
+    predict = functools.partial(model.predict_batch_with_aux, return_all_decodes=True)
+    got = jax.tree.map(np.asarray, jax.jit(predict)(params, batch))
+    search = decoding.beam_search
+    monkeypatch.setattr(
+        decoding, "beam_search", lambda *a, **kw: search(*a, **{**kw, "reorder_cache": True})
+    )
+    want = jax.tree.map(np.asarray, jax.jit(predict)(params, batch))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1]["scores"], want[1]["scores"], atol=1e-5, rtol=0)
+    assert (
+        len({tuple(r) for r in got[0].reshape(-1, got[0].shape[-1]).tolist()}) > B
+    )  # beams differ

@@ -65,12 +65,17 @@ class DecodingState:
       cur_token: [B, 1] int32, the token to feed.
       sequences: [B, L] int32, the decoded sequence so far (target coordinates).
       cache: the model's cache (batch on axis 0 of every leaf).
+      beam_rows: [B, L] int32 or None. Only in `beam_search(..., reorder_cache=False)`: row
+        r = example * W + beam reads the keys/values of position j from cache row
+        example * W + beam_rows[r, j] (the beam slot that wrote it); the cache is never
+        reordered. None otherwise (row r's cache is its own history).
     """
 
     cur_index: Array
     cur_token: Array
     sequences: Array
     cache: PyTree
+    beam_rows: Array | None = None
 
 
 TokensToLogits = Callable[[DecodingState], tuple[Array, PyTree]]
@@ -407,6 +412,7 @@ class _Beams:
     fin_flag_BW: Array  # the slot holds a sequence that ended in a generated EOS
     cache: PyTree
     done_B: Array
+    rows_BWL: Array | None  # reorder_cache=False: see `DecodingState.beam_rows`
 
 
 def _candidates(
@@ -450,8 +456,14 @@ def _beam_step(
     """Extends every live beam by one token; moves EOS-ended candidates to the finished pool."""
     b, w, length = s.live_BWL.shape
     flat_live = s.live_BWL.reshape(b * w, length)
+    rows_BWL = flat_rows = None
+    if s.rows_BWL is not None:
+        # This step's keys/values go to each beam's own slot, at its current position.
+        at_11L = jnp.arange(length)[None, None] == s.index_B[:, None, None]
+        rows_BWL = jnp.where(at_11L, jnp.arange(w, dtype=jnp.int32)[None, :, None], s.rows_BWL)
+        flat_rows = rows_BWL.reshape(b * w, length)
     logits, cache = tokens_to_logits(
-        DecodingState(jnp.repeat(s.index_B, w), s.token_BW1, flat_live, s.cache)
+        DecodingState(jnp.repeat(s.index_B, w), s.token_BW1, flat_live, s.cache, flat_rows)
     )
     logp_BWV = jax.nn.log_softmax(_logits_BV(logits), axis=-1).reshape(b, w, -1)
     logp_BC, beam_BC, token_BC, seqs_BCL, forced_B = _candidates(s, logp_BWV, start, pad_id)
@@ -479,8 +491,12 @@ def _beam_step(
         fin_BWL=jnp.where(keep_B11, s.fin_BWL, fin_BWL),
         fin_score_BW=jnp.where(keep_B1, s.fin_score_BW, fin_score_BW),
         fin_flag_BW=jnp.where(keep_B1, s.fin_flag_BW, fin_flag_BW),
-        cache=_reorder_cache(cache, origin_BW),
+        # NOTE: without reordering, a new beam inherits its parent's slot table instead of
+        # its parent's cache rows: [W, L] ints per example move, not every layer's keys and
+        # values (the whole cache, read and written at every step).
+        cache=cache if rows_BWL is not None else _reorder_cache(cache, origin_BW),
         done_B=s.done_B,
+        rows_BWL=None if rows_BWL is None else _take_beams(rows_BWL, origin_BW),
     )
     # No live beam can beat the worst finished one: its log-probability only falls, and the
     # penalty divides by at most the penalty of the longest possible decode.
@@ -503,6 +519,7 @@ def beam_search(
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
     order: str = "best_first",
+    reorder_cache: bool = True,
 ) -> tuple[Array, Array]:
     """Beam search with the t5x brevity penalty `((5 + len) / 6) ** alpha`; t5x's results.
 
@@ -519,6 +536,10 @@ def beam_search(
         decoder_start_token_id, order: as for `temperature_sample` (prompt tokens are forced).
       beam_size: W, beams per row (the cache is repeated W times); static.
       alpha: brevity penalty exponent (0: plain log-probability).
+      reorder_cache: True: after each step every cache row is replaced by the row of the
+        beam it continues (any `tokens_to_logits`). False: the cache is never moved; each
+        beam writes its own row ("slot") and `tokens_to_logits` must read position j of row
+        r from the slot `state.beam_rows[r, j]` of r's example (see `DecodingState`).
 
     Returns:
       (sequences [B, W, L] int32, scores [B, W] fp32), in `order`.
@@ -533,6 +554,10 @@ def beam_search(
         start.index_B, jnp.repeat(start.token_B1, w, axis=0), first_BWL, live_logp_BW,
         first_BWL, jnp.full((b, w), NEG_INF, jnp.float32), jnp.zeros((b, w), bool),
         expand_batch(cache, w), start.index_B > start.last_B,
+        # Positions before the start (a prefill) are the same in every slot: each its own.
+        None if reorder_cache else jnp.broadcast_to(
+            jnp.arange(w, dtype=jnp.int32)[None, :, None], first_BWL.shape
+        ),
     )  # fmt: skip
     step = functools.partial(
         _beam_step, tokens_to_logits=tokens_to_logits, start=start, alpha=alpha, eos_id=eos_id,
