@@ -65,17 +65,12 @@ class DecodingState:
       cur_token: [B, 1] int32, the token to feed.
       sequences: [B, L] int32, the decoded sequence so far (target coordinates).
       cache: the model's cache (batch on axis 0 of every leaf).
-      beam_rows: [B, L] int32 or None. Only in `beam_search(..., reorder_cache=False)`: row
-        r = example * W + beam reads the keys/values of position j from cache row
-        example * W + beam_rows[r, j] (the beam slot that wrote it); the cache is never
-        reordered. None otherwise (row r's cache is its own history).
     """
 
     cur_index: Array
     cur_token: Array
     sequences: Array
     cache: PyTree
-    beam_rows: Array | None = None
 
 
 TokensToLogits = Callable[[DecodingState], tuple[Array, PyTree]]
@@ -389,14 +384,39 @@ def _take_beams(x_BW: Array, beam_BK: Array) -> Array:
     return jnp.take_along_axis(x_BW, idx, axis=1)
 
 
-def _reorder_cache(cache: PyTree, beam_BW: Array) -> PyTree:
-    """Cache leaves [B * W, ...] -> the same rows reordered by beam origin [B, W]."""
-    b, w = beam_BW.shape
+def _move_cache(cache: PyTree, slot_BW: Array, origin_BW: Array) -> tuple[PyTree, Array]:
+    """Gives each new beam the cache row of the beam it continues; returns (cache, slots).
 
-    def one(x: Array) -> Array:
-        return _take_beams(x.reshape(b, w, *x.shape[1:]), beam_BW).reshape(x.shape)
+    `slot_BW[b, w]` is the cache row (of the W rows of example b) holding live beam w. A new
+    beam takes its parent's row when it is the parent's first child (lowest w); further
+    children take the rows of beams left without a child, into which their parent's row is
+    copied. Only those rows move (W minus the distinct parents per example, about 2 of 4 in
+    the decode benchmark), one row at a time in place: a gather of the whole cache by parent
+    wrote every row to a new buffer and copied it back into the loop's carry (twice the cache
+    read and written at every step).
+    """
+    b, w = slot_BW.shape
+    src_BW = jnp.take_along_axis(slot_BW, origin_BW, axis=1)  # parent's row
+    earlier_BWW = jnp.tril(jnp.ones((w, w), bool), -1)[None]  # [w, w']: w' < w
+    dup_BW = jnp.any(earlier_BWW & (src_BW[:, :, None] == src_BW[:, None, :]), axis=2)
+    free_BW = ~jnp.any(src_BW[:, :, None] == jnp.arange(w)[None, None], axis=1)  # childless
+    free_rows_BW = jnp.argsort(~free_BW, axis=1, stable=True)  # childless rows first, in order
+    rank_BW = jnp.clip(jnp.cumsum(dup_BW, axis=1) - 1, 0, w - 1)
+    slot_BW = jnp.where(dup_BW, jnp.take_along_axis(free_rows_BW, rank_BW, axis=1), src_BW)
+    base_B1 = jnp.arange(b, dtype=slot_BW.dtype)[:, None] * w
+    # The copies (source row, destination row), those to make first; sources are rows of
+    # beams with a child, never a destination, so the order does not matter.
+    first = jnp.argsort(~dup_BW.reshape(-1), stable=True)
+    src, dst = (base_B1 + src_BW).reshape(-1)[first], (base_B1 + slot_BW).reshape(-1)[first]
 
-    return jax.tree.map(one, cache)
+    def copy(i: Array, c: PyTree) -> PyTree:
+        def one(x: Array) -> Array:
+            row = jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=0)
+            return jax.lax.dynamic_update_slice_in_dim(x, row, dst[i], axis=0)
+
+        return jax.tree.map(one, c)
+
+    return jax.lax.fori_loop(0, jnp.sum(dup_BW), copy, cache), slot_BW.astype(jnp.int32)
 
 
 @flax.struct.dataclass
@@ -410,9 +430,9 @@ class _Beams:
     fin_BWL: Array
     fin_score_BW: Array  # log_prob / brevity penalty; NEG_INF in slots not yet filled
     fin_flag_BW: Array  # the slot holds a sequence that ended in a generated EOS
-    cache: PyTree
+    cache: PyTree  # beam w of example b in cache row b * W + slot_BW[b, w]
+    slot_BW: Array
     done_B: Array
-    rows_BWL: Array | None  # reorder_cache=False: see `DecodingState.beam_rows`
 
 
 def _candidates(
@@ -455,17 +475,18 @@ def _beam_step(
 ) -> _Beams:
     """Extends every live beam by one token; moves EOS-ended candidates to the finished pool."""
     b, w, length = s.live_BWL.shape
-    flat_live = s.live_BWL.reshape(b * w, length)
-    rows_BWL = flat_rows = None
-    if s.rows_BWL is not None:
-        # This step's keys/values go to each beam's own slot, at its current position.
-        at_11L = jnp.arange(length)[None, None] == s.index_B[:, None, None]
-        rows_BWL = jnp.where(at_11L, jnp.arange(w, dtype=jnp.int32)[None, :, None], s.rows_BWL)
-        flat_rows = rows_BWL.reshape(b * w, length)
+    # The model sees the beams in cache-row order; everything else is in beam order.
+    beam_of_row_BW = jnp.argsort(s.slot_BW, axis=1)
+    rows_live_BWL = _take_beams(s.live_BWL, beam_of_row_BW)
+    rows_token_BW = jnp.take_along_axis(s.token_BW1.reshape(b, w), beam_of_row_BW, axis=1)
     logits, cache = tokens_to_logits(
-        DecodingState(jnp.repeat(s.index_B, w), s.token_BW1, flat_live, s.cache, flat_rows)
-    )
-    logp_BWV = jax.nn.log_softmax(_logits_BV(logits), axis=-1).reshape(b, w, -1)
+        DecodingState(
+            jnp.repeat(s.index_B, w), rows_token_BW.reshape(b * w, 1),
+            rows_live_BWL.reshape(b * w, length), s.cache,
+        )
+    )  # fmt: skip
+    logits_BWV = _take_beams(_logits_BV(logits).reshape(b, w, -1), s.slot_BW)
+    logp_BWV = jax.nn.log_softmax(logits_BWV, axis=-1)
     logp_BC, beam_BC, token_BC, seqs_BCL, forced_B = _candidates(s, logp_BWV, start, pad_id)
     eos_BC = (token_BC == eos_id) & ~forced_B[:, None]
     # NOTE: candidates scored near NEG_INF extend beams that never existed (fewer than W
@@ -483,6 +504,7 @@ def _beam_step(
     keep_B1 = s.done_B[:, None]
     keep_B11 = keep_B1[:, :, None]
     origin_BW = jnp.where(keep_B1, jnp.arange(w)[None], origin_BW)
+    cache, slot_BW = _move_cache(cache, s.slot_BW, origin_BW)
     new = _Beams(
         index_B=s.index_B + 1,
         token_BW1=jnp.where(keep_B1, s.token_BW1.reshape(b, w), token_BW).reshape(b * w, 1),
@@ -491,12 +513,9 @@ def _beam_step(
         fin_BWL=jnp.where(keep_B11, s.fin_BWL, fin_BWL),
         fin_score_BW=jnp.where(keep_B1, s.fin_score_BW, fin_score_BW),
         fin_flag_BW=jnp.where(keep_B1, s.fin_flag_BW, fin_flag_BW),
-        # NOTE: without reordering, a new beam inherits its parent's slot table instead of
-        # its parent's cache rows: [W, L] ints per example move, not every layer's keys and
-        # values (the whole cache, read and written at every step).
-        cache=cache if rows_BWL is not None else _reorder_cache(cache, origin_BW),
+        cache=cache,
+        slot_BW=slot_BW,
         done_B=s.done_B,
-        rows_BWL=None if rows_BWL is None else _take_beams(rows_BWL, origin_BW),
     )
     # No live beam can beat the worst finished one: its log-probability only falls, and the
     # penalty divides by at most the penalty of the longest possible decode.
@@ -519,7 +538,6 @@ def beam_search(
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
     order: str = "best_first",
-    reorder_cache: bool = True,
 ) -> tuple[Array, Array]:
     """Beam search with the t5x brevity penalty `((5 + len) / 6) ** alpha`; t5x's results.
 
@@ -536,10 +554,6 @@ def beam_search(
         decoder_start_token_id, order: as for `temperature_sample` (prompt tokens are forced).
       beam_size: W, beams per row (the cache is repeated W times); static.
       alpha: brevity penalty exponent (0: plain log-probability).
-      reorder_cache: True: after each step every cache row is replaced by the row of the
-        beam it continues (any `tokens_to_logits`). False: the cache is never moved; each
-        beam writes its own row ("slot") and `tokens_to_logits` must read position j of row
-        r from the slot `state.beam_rows[r, j]` of r's example (see `DecodingState`).
 
     Returns:
       (sequences [B, W, L] int32, scores [B, W] fp32), in `order`.
@@ -553,11 +567,8 @@ def beam_search(
     carry = _Beams(
         start.index_B, jnp.repeat(start.token_B1, w, axis=0), first_BWL, live_logp_BW,
         first_BWL, jnp.full((b, w), NEG_INF, jnp.float32), jnp.zeros((b, w), bool),
-        expand_batch(cache, w), start.index_B > start.last_B,
-        # Positions before the start (a prefill) are the same in every slot: each its own.
-        None if reorder_cache else jnp.broadcast_to(
-            jnp.arange(w, dtype=jnp.int32)[None, :, None], first_BWL.shape
-        ),
+        expand_batch(cache, w), jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)),
+        start.index_B > start.last_B,
     )  # fmt: skip
     step = functools.partial(
         _beam_step, tokens_to_logits=tokens_to_logits, start=start, alpha=alpha, eos_id=eos_id,

@@ -225,9 +225,6 @@ def dot_product_attention(
 # The collection of keys/values projected once per decode from inputs that do not change
 # (cross-attention to the encoder output); not part of the decoding loop's carry.
 CROSS_CACHE = "cross_cache"
-# A self-attention 'cache' entry [B, W, S] (bool) set by beam search without cache reordering:
-# row r = example * W + beam reads position s from cache row example * W + w where it is True.
-BEAM_SLOTS = "beam_slots"
 
 
 class MultiHeadAttention(nn.Module):
@@ -341,8 +338,6 @@ class MultiHeadAttention(nn.Module):
                 return self._shared_kv_attention(q, k, v, bias_bHLS, mask_B1LS)
         elif decode:
             k, v, mask_B1LS = self._cached_kv(k, v, mask_B1LS, kv_axis)
-            if self.has_variable("cache", BEAM_SLOTS) and q.shape[1] == 1:
-                return self._beam_slots_attention(q, bias_bHLS, mask_B1LS)
 
         dropout_rng = None
         if not deterministic and self.dropout_rate > 0.0:
@@ -374,46 +369,6 @@ class MultiHeadAttention(nn.Module):
             group(mask_B1LS), dtype=jnp.dtype(self.dtype),
         )  # fmt: skip
         return out.reshape(bn, length, h, kd)
-
-    def _beam_slots_attention(self, q_BLHK, bias_bHLS, mask_B1LS):
-        """One decode step of B = b * W beams, each reading its history from the W cache rows
-        ("slots") of its example as `BEAM_SLOTS` says: the cache is never reordered.
-
-        NOTE: the W queries of an example meet each of its W slots in one batched matmul
-        ([W, K] x [K, S] per example, slot and head: the cache read once, as it is laid out,
-        no gather or copy of it), and the one-hot table keeps, per query and position, the
-        logit of the slot holding it. W times the attention FLOPs of a step, for no cache-sized
-        memory traffic beyond the read itself (reordering read and wrote the whole cache).
-        """
-        k_BGSK = self.get_variable("cache", "cached_key")
-        v_BGKS = self.get_variable("cache", "cached_value")
-        slots_BWS = self.get_variable("cache", BEAM_SLOTS)
-        bw, _, h, kd = q_BLHK.shape
-        w, (g, s) = slots_BWS.shape[1], k_BGSK.shape[1:3]
-        b, r, dtype = bw // w, h // g, jnp.dtype(self.dtype)
-        # Queries [b, 1 (slot), G, W * R, K]: the example's beams as more query rows.
-        q = q_BLHK.reshape(b, w, g, r, kd).transpose(0, 2, 1, 3, 4).reshape(b, 1, g, w * r, kd)
-        q = jnp.broadcast_to(q, (b, w, g, w * r, kd)).astype(k_BGSK.dtype)
-        logits = jnp.einsum(
-            "bvgqk,bvgsk->bvgqs", q, k_BGSK.reshape(b, w, g, s, kd),
-            preferred_element_type=jnp.float32,
-        ).reshape(b, w, g, w, r, s)  # fmt: skip
-        # [b, slot, 1, beam, 1, S]: does this slot hold the beam's position s?
-        sel = slots_BWS.reshape(b, w, w, s).transpose(0, 2, 1, 3)[:, :, None, :, None]
-        logits = jnp.where(sel, logits, 0.0).sum(1).transpose(0, 2, 1, 3, 4)  # [b, W, G, R, S]
-        logits = logits.reshape(bw, g, r, 1, s)  # as `dot_product_attention`'s from here on
-        if bias_bHLS is not None:
-            bias = bias_bHLS.astype(jnp.float32)
-            logits = logits + bias.reshape(bias.shape[0], g, r, *bias.shape[2:])
-        if mask_B1LS is not None:
-            logits = jnp.where(mask_B1LS[:, :, None], logits, _MASK_VALUE)
-        weights = jax.nn.softmax(logits, axis=-1).reshape(b, w, g, r, s).transpose(0, 2, 1, 3, 4)
-        weights = jnp.where(sel, weights[:, None], 0.0).reshape(b, w, g, w * r, s).astype(dtype)
-        out = jnp.einsum(
-            "bvgqs,bvgks->bvgqk", weights, v_BGKS.reshape(b, w, g, kd, s).astype(dtype)
-        )
-        out = out.sum(1).reshape(b, g, w, r, kd).transpose(0, 2, 1, 3, 4)
-        return out.reshape(bw, 1, h, kd)
 
     def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):
         """q, k, v; an input read by several kernels is gathered once (`column_parallel`)."""

@@ -257,8 +257,7 @@ class BaseModel(abc.ABC):
             pad_id=self.pad_id, decoder_start_token_id=self.decoder_start_token_id,
         )  # fmt: skip
         if method == "beam":
-            # The model's attention reads `state.beam_rows` (see `_with_beam_slots`).
-            kwargs.update(beam_size=self.beam_size, alpha=self.alpha, reorder_cache=False)
+            kwargs.update(beam_size=self.beam_size, alpha=self.alpha)
         elif method == "sample":
             kwargs.update(
                 decode_rng=rng, num_decodes=self.num_decodes, temperature=self.temperature,
@@ -313,33 +312,6 @@ def _zero_cache(create: Any) -> PyTree:
         return jnp.zeros(x.shape, x.dtype)
 
     return jax.tree.map(zeros, boxed, is_leaf=lambda x: isinstance(x, meta.Partitioned))
-
-
-def _with_beam_slots(cache: PyTree, rows_BL: Array | None, w: int) -> PyTree:
-    """The cache with a `layers.BEAM_SLOTS` table next to every self-attention cache: which of
-    the W slots of its example row r reads at each position (`DecodingState.beam_rows`)."""
-    if rows_BL is None:
-        return cache
-    slots_BWL = rows_BL[:, None, :] == jnp.arange(w, dtype=rows_BL.dtype)[None, :, None]
-
-    def add(tree: Any) -> Any:
-        if not isinstance(tree, Mapping):
-            return tree
-        out = {k: add(v) for k, v in tree.items()}
-        if "cached_key" in tree:
-            lead = tree["cached_key"].shape[:-3]  # [B] or, scanned, [B, layers]
-            x = slots_BWL.reshape(lead[0], *([1] * (len(lead) - 1)), *slots_BWL.shape[1:])
-            out[layers.BEAM_SLOTS] = jnp.broadcast_to(x, (*lead, *slots_BWL.shape[1:]))
-        return out
-
-    return add(cache)
-
-
-def _without_beam_slots(cache: PyTree) -> PyTree:
-    """Inverse of `_with_beam_slots`: the tables are no part of the decoding loop's carry."""
-    if not isinstance(cache, Mapping):
-        return cache
-    return {k: _without_beam_slots(v) for k, v in cache.items() if k != layers.BEAM_SLOTS}
 
 
 def _set_cache_index(cache: PyTree, index_B: Array) -> PyTree:
@@ -440,9 +412,8 @@ class EncoderDecoderModel(BaseModel):
         enc_n = decoding.expand_batch(enc_BS, self._decodes_per_example())
 
         def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
-            cache = _with_beam_slots(state.cache, state.beam_rows, self.beam_size)
-            logits_B1V, variables = call(cache, enc_n, state.cur_token, cross)
-            return logits_B1V[:, -1], _without_beam_slots(variables["cache"])
+            logits_B1V, variables = call(state.cache, enc_n, state.cur_token, cross)
+            return logits_B1V[:, -1], variables["cache"]
 
         prompt_BL = jnp.full((b, length), self.pad_id, jnp.int32)  # no prompt: BOS only
         sequences, scores = self._decode(
@@ -549,9 +520,8 @@ class DecoderOnlyModel(BaseModel):
             cache = _set_cache_index(variables["cache"], initial_B)
 
         def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
-            cache = _with_beam_slots(state.cache, state.beam_rows, self.beam_size)
-            logits_B1V, variables = call(cache, state.cur_token)
-            return logits_B1V[:, -1], _without_beam_slots(variables["cache"])
+            logits_B1V, variables = call(state.cache, state.cur_token)
+            return logits_B1V[:, -1], variables["cache"]
 
         sequences_BNL, scores_BN = self._decode(
             prompt_BL, cache, tokens_to_logits, rng, initial_B, max_decode_length, decoder_params
