@@ -391,9 +391,9 @@ def _move_cache(cache: PyTree, slot_BW: Array, origin_BW: Array) -> tuple[PyTree
     beam takes its parent's row when it is the parent's first child (lowest w); further
     children take the rows of beams left without a child, into which their parent's row is
     copied. Only those rows move (W minus the distinct parents per example, about 2 of 4 in
-    the decode benchmark), one row at a time in place: a gather of the whole cache by parent
-    wrote every row to a new buffer and copied it back into the loop's carry (twice the cache
-    read and written at every step).
+    the decode benchmark), one row per example at a time, in place: a gather of the whole
+    cache by parent wrote every row to a new buffer and copied it back into the loop's carry
+    (twice the cache read and written at every step).
     """
     b, w = slot_BW.shape
     src_BW = jnp.take_along_axis(slot_BW, origin_BW, axis=1)  # parent's row
@@ -403,20 +403,29 @@ def _move_cache(cache: PyTree, slot_BW: Array, origin_BW: Array) -> tuple[PyTree
     free_rows_BW = jnp.argsort(~free_BW, axis=1, stable=True)  # childless rows first, in order
     rank_BW = jnp.clip(jnp.cumsum(dup_BW, axis=1) - 1, 0, w - 1)
     slot_BW = jnp.where(dup_BW, jnp.take_along_axis(free_rows_BW, rank_BW, axis=1), src_BW)
-    base_B1 = jnp.arange(b, dtype=slot_BW.dtype)[:, None] * w
-    # The copies (source row, destination row), those to make first; sources are rows of
-    # beams with a child, never a destination, so the order does not matter.
-    first = jnp.argsort(~dup_BW.reshape(-1), stable=True)
-    src, dst = (base_B1 + src_BW).reshape(-1)[first], (base_B1 + slot_BW).reshape(-1)[first]
+    # Copy j of each example (its j-th extra child; none past its count: an index out of
+    # range, dropped). Sources are rows of beams with a child, never a destination, so the
+    # order does not matter. Per example (batched over it, like the step's cache writes): a
+    # dynamic row index into the flat batch would make a sharded batch all-gather the cache.
+    first_BW = jnp.argsort(~dup_BW, axis=1, stable=True)
+    src_BJ = jnp.take_along_axis(src_BW, first_BW, axis=1)
+    dst_BJ = jnp.where(
+        jnp.take_along_axis(dup_BW, first_BW, axis=1),
+        jnp.take_along_axis(slot_BW, first_BW, axis=1),
+        w,
+    )
 
-    def copy(i: Array, c: PyTree) -> PyTree:
+    def copy(j: Array, c: PyTree) -> PyTree:
         def one(x: Array) -> Array:
-            row = jax.lax.dynamic_slice_in_dim(x, src[i], 1, axis=0)
-            return jax.lax.dynamic_update_slice_in_dim(x, row, dst[i], axis=0)
+            x_bW = x.reshape(b, w, *x.shape[1:])
+            rows = jax.vmap(lambda xb, i: xb[i])(x_bW, src_BJ[:, j])
+            put = lambda xb, i, row: xb.at[i].set(row, mode="drop")
+            return jax.vmap(put)(x_bW, dst_BJ[:, j], rows).reshape(x.shape)
 
         return jax.tree.map(one, c)
 
-    return jax.lax.fori_loop(0, jnp.sum(dup_BW), copy, cache), slot_BW.astype(jnp.int32)
+    n_copies = jnp.max(jnp.sum(dup_BW, axis=1))
+    return jax.lax.fori_loop(0, n_copies, copy, cache), slot_BW.astype(jnp.int32)
 
 
 @flax.struct.dataclass
