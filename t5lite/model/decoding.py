@@ -558,6 +558,10 @@ def beam_search(
     finished returns its live beams (cut by the length limit), scored by their plain
     log-probability. Finished-pool slots never filled score NEG_INF and hold just the prompt.
 
+    The cache is never reordered as a whole: each live beam keeps a cache row of its example,
+    and `tokens_to_logits` sees the rows in that order (`DecodingState` fields are per row);
+    a beam's row holds its own history (see `_move_cache`).
+
     Args:
       prompt_BL, cache, tokens_to_logits, initial_index, max_decode_steps, eos_id, pad_id,
         decoder_start_token_id, order: as for `temperature_sample` (prompt tokens are forced).
