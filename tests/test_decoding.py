@@ -633,11 +633,15 @@ def test_cache_sharded_by_its_logical_axes(scan):
 # --- what a decode step costs: the compiled while body -------------------------------------
 
 
-def _while_body_ops(hlo: str) -> list[tuple[str, str, set[str]]]:
-    """(output shape, opcode, opcodes inside a fusion) of each instruction of the first
-    while loop's body in compiled HLO text."""
+def _while_body_ops(hlo: str, nested: bool = False) -> list[tuple[str, str, set[str]]]:
+    """(output shape, opcode, opcodes inside a fusion) of each instruction of the body of the
+    entry computation's first while loop (the decoding loop), or with `nested` of the first
+    while loop inside that body, in compiled HLO text."""
     comps = {m[1]: m[2] for m in re.finditer(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
-    body = re.search(r"body=(%[\w.\-]+)", hlo[hlo.index(" while(") :])[1]
+    entry = hlo[hlo.index("\nENTRY ") :]
+    body = re.search(r"body=(%[\w.\-]+)", entry[entry.index(" while(") :])[1]
+    if nested:
+        body = re.search(r" while\(.*?body=(%[\w.\-]+)", comps[body])[1]
     ops = []
     for line in comps[body].splitlines():
         m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+\[[\d,]*\])\S* ([\w\-]+)\(", line)
@@ -664,3 +668,69 @@ def test_decode_step_reads_caches_in_place_and_never_projects_the_encoder():
     assert len(fusions) == 2 * T5_TINY.num_decoder_layers
     assert all("scatter" in inner and not inner & {"copy", "transpose"} for inner in fusions)
     assert not [op for shape, op, _ in ops if shape == f"f32[{B},{S},{d}]"]  # encoder output
+
+
+def test_move_cache_copies_only_extra_children_into_childless_rows():
+    """Each new beam reads its parent's cache row; a parent's first child keeps the parent's
+    row, only further children are copied, into the rows of beams that left no child."""
+    rng = np.random.RandomState(0)
+    b, w = 64, 4
+    cache = {"k": jnp.asarray(rng.randn(b * w, 3, 2), jnp.float32), "i": jnp.arange(b * w)}
+    slot = np.stack([rng.permutation(w) for _ in range(b)]).astype(np.int32)
+    origin = rng.randint(0, w, (b, w)).astype(np.int32)
+    origin[0] = np.arange(w)  # every beam continues itself: nothing moves
+    origin[1] = 2  # one parent for all: three copies
+    moved, new_slot = jax.jit(decoding._move_cache)(cache, jnp.asarray(slot), jnp.asarray(origin))
+    new_slot = np.asarray(new_slot)
+    rows = lambda s: (np.arange(b)[:, None] * w + s).reshape(-1)
+    parent_rows = rows(np.take_along_axis(slot, origin, axis=1))
+    for name in cache:  # beam w now reads what its parent read
+        np.testing.assert_array_equal(np.asarray(moved[name])[rows(new_slot)],
+                                      np.asarray(cache[name])[parent_rows])  # fmt: skip
+    assert all(sorted(r) == list(range(w)) for r in new_slot.tolist())  # a row per beam
+    changed = (np.asarray(moved["i"]) != np.arange(b * w)).reshape(b, w).sum(1)
+    distinct = np.array([len(set(r)) for r in origin.tolist()])
+    np.testing.assert_array_equal(changed, w - distinct)
+    assert changed[0] == 0 and changed[1] == 3 and new_slot[0].tolist() == slot[0].tolist()
+
+
+def test_beam_step_moves_only_the_rows_of_extra_children():
+    """The beam loop body writes each self-attention cache array by one scatter in place and
+    never gathers, selects or copies a whole cache (reordering it by parent beam did both at
+    every step); the rows of further children are copied by a nested loop, one row per
+    example at a time, in place, and with the batch sharded without any collective."""
+    require_devices(8)
+    w = 3
+    model = _model("t5", decoding_method="beam", beam_size=w)
+    params, axes = _params("t5")
+    batch = _batch("t5")
+    hlo = jax.jit(model.predict_batch).lower(params, batch).compile().as_text()
+    h, k, n_layers = T5_TINY.num_heads, T5_TINY.head_dim, T5_TINY.num_decoder_layers
+    caches = {f"f32[{B * w},{h},{L},{k}]", f"f32[{B * w},{h},{k},{L}]"}
+    ops = _while_body_ops(hlo)
+    on_caches = [(op, inner) for shape, op, inner in ops if shape in caches]
+    writes = [inner for op, inner in on_caches if op == "fusion"]
+    assert {op for op, _ in on_caches} == {"get-tuple-element", "fusion"}, on_caches
+    assert len(writes) == 2 * n_layers  # keys and values of each layer
+    assert all("scatter" in inner and not inner & {"copy", "gather", "select"} for inner in writes)
+    # The nested loop: whole caches only viewed (bitcasts) and written in place; what it
+    # reads is one row per example.
+    size = lambda shape: int(np.prod([int(d) for d in re.findall(r"\d+", shape.split("[")[1])]))
+    row_size = h * L * k
+    inner = _while_body_ops(hlo, nested=True)
+    big = [(op, fused) for shape, op, fused in inner if size(shape) >= B * w * row_size]
+    assert {op for op, _ in big} == {"get-tuple-element", "bitcast", "fusion"}, big
+    fusions = [fused for op, fused in big if op == "fusion"]
+    assert len([f for f in fusions if "scatter" in f]) >= 2 * n_layers
+    assert not set().union(*fusions) & {"copy", "gather", "transpose", "select"}
+    reads = [shape for shape, _, fused in inner if "gather" in fused and shape.startswith("f32")]
+    assert len(reads) == 2 * n_layers and {size(r) for r in reads} == {B * row_size}
+    # The batch over 'data': copies stay on the devices holding the example.
+    part = _partitioner((4, 2), "megatron")
+    batch_sh = {name: NamedSharding(part.mesh, P("data")) for name in batch}
+    predict = part.partition(
+        model.predict_batch, in_shardings=(part.shardings(params, axes), batch_sh),
+        out_shardings=None,
+    )  # fmt: skip
+    sharded = predict.lower(params, batch).compile().as_text()
+    assert not [op for _, op, _ in _while_body_ops(sharded, nested=True) if op.startswith("all-")]

@@ -384,14 +384,48 @@ def _take_beams(x_BW: Array, beam_BK: Array) -> Array:
     return jnp.take_along_axis(x_BW, idx, axis=1)
 
 
-def _reorder_cache(cache: PyTree, beam_BW: Array) -> PyTree:
-    """Cache leaves [B * W, ...] -> the same rows reordered by beam origin [B, W]."""
-    b, w = beam_BW.shape
+def _move_cache(cache: PyTree, slot_BW: Array, origin_BW: Array) -> tuple[PyTree, Array]:
+    """Gives each new beam the cache row of the beam it continues; returns (cache, slots).
 
-    def one(x: Array) -> Array:
-        return _take_beams(x.reshape(b, w, *x.shape[1:]), beam_BW).reshape(x.shape)
+    `slot_BW[b, w]` is the cache row (of the W rows of example b) holding live beam w. A new
+    beam takes its parent's row when it is the parent's first child (lowest w); further
+    children take the rows of beams left without a child, into which their parent's row is
+    copied. Only those rows move (W minus the distinct parents per example, about 2 of 4 in
+    the decode benchmark), one row per example at a time, in place: a gather of the whole
+    cache by parent wrote every row to a new buffer and copied it back into the loop's carry
+    (twice the cache read and written at every step).
+    """
+    b, w = slot_BW.shape
+    src_BW = jnp.take_along_axis(slot_BW, origin_BW, axis=1)  # parent's row
+    earlier_BWW = jnp.tril(jnp.ones((w, w), bool), -1)[None]  # [w, w']: w' < w
+    dup_BW = jnp.any(earlier_BWW & (src_BW[:, :, None] == src_BW[:, None, :]), axis=2)
+    free_BW = ~jnp.any(src_BW[:, :, None] == jnp.arange(w)[None, None], axis=1)  # childless
+    free_rows_BW = jnp.argsort(~free_BW, axis=1, stable=True)  # childless rows first, in order
+    rank_BW = jnp.clip(jnp.cumsum(dup_BW, axis=1) - 1, 0, w - 1)
+    slot_BW = jnp.where(dup_BW, jnp.take_along_axis(free_rows_BW, rank_BW, axis=1), src_BW)
+    # Copy j of each example (its j-th extra child; none past its count: an index out of
+    # range, dropped). Sources are rows of beams with a child, never a destination, so the
+    # order does not matter. Per example (batched over it, like the step's cache writes): a
+    # dynamic row index into the flat batch would make a sharded batch all-gather the cache.
+    first_BW = jnp.argsort(~dup_BW, axis=1, stable=True)
+    src_BJ = jnp.take_along_axis(src_BW, first_BW, axis=1)
+    dst_BJ = jnp.where(
+        jnp.take_along_axis(dup_BW, first_BW, axis=1),
+        jnp.take_along_axis(slot_BW, first_BW, axis=1),
+        w,
+    )
 
-    return jax.tree.map(one, cache)
+    def copy(j: Array, c: PyTree) -> PyTree:
+        def one(x: Array) -> Array:
+            x_bW = x.reshape(b, w, *x.shape[1:])
+            rows = jax.vmap(lambda xb, i: xb[i])(x_bW, src_BJ[:, j])
+            put = lambda xb, i, row: xb.at[i].set(row, mode="drop")
+            return jax.vmap(put)(x_bW, dst_BJ[:, j], rows).reshape(x.shape)
+
+        return jax.tree.map(one, c)
+
+    n_copies = jnp.max(jnp.sum(dup_BW, axis=1))
+    return jax.lax.fori_loop(0, n_copies, copy, cache), slot_BW.astype(jnp.int32)
 
 
 @flax.struct.dataclass
@@ -405,7 +439,8 @@ class _Beams:
     fin_BWL: Array
     fin_score_BW: Array  # log_prob / brevity penalty; NEG_INF in slots not yet filled
     fin_flag_BW: Array  # the slot holds a sequence that ended in a generated EOS
-    cache: PyTree
+    cache: PyTree  # beam w of example b in cache row b * W + slot_BW[b, w]
+    slot_BW: Array
     done_B: Array
 
 
@@ -449,11 +484,18 @@ def _beam_step(
 ) -> _Beams:
     """Extends every live beam by one token; moves EOS-ended candidates to the finished pool."""
     b, w, length = s.live_BWL.shape
-    flat_live = s.live_BWL.reshape(b * w, length)
+    # The model sees the beams in cache-row order; everything else is in beam order.
+    beam_of_row_BW = jnp.argsort(s.slot_BW, axis=1)
+    rows_live_BWL = _take_beams(s.live_BWL, beam_of_row_BW)
+    rows_token_BW = jnp.take_along_axis(s.token_BW1.reshape(b, w), beam_of_row_BW, axis=1)
     logits, cache = tokens_to_logits(
-        DecodingState(jnp.repeat(s.index_B, w), s.token_BW1, flat_live, s.cache)
-    )
-    logp_BWV = jax.nn.log_softmax(_logits_BV(logits), axis=-1).reshape(b, w, -1)
+        DecodingState(
+            jnp.repeat(s.index_B, w), rows_token_BW.reshape(b * w, 1),
+            rows_live_BWL.reshape(b * w, length), s.cache,
+        )
+    )  # fmt: skip
+    logits_BWV = _take_beams(_logits_BV(logits).reshape(b, w, -1), s.slot_BW)
+    logp_BWV = jax.nn.log_softmax(logits_BWV, axis=-1)
     logp_BC, beam_BC, token_BC, seqs_BCL, forced_B = _candidates(s, logp_BWV, start, pad_id)
     eos_BC = (token_BC == eos_id) & ~forced_B[:, None]
     # NOTE: candidates scored near NEG_INF extend beams that never existed (fewer than W
@@ -471,6 +513,7 @@ def _beam_step(
     keep_B1 = s.done_B[:, None]
     keep_B11 = keep_B1[:, :, None]
     origin_BW = jnp.where(keep_B1, jnp.arange(w)[None], origin_BW)
+    cache, slot_BW = _move_cache(cache, s.slot_BW, origin_BW)
     new = _Beams(
         index_B=s.index_B + 1,
         token_BW1=jnp.where(keep_B1, s.token_BW1.reshape(b, w), token_BW).reshape(b * w, 1),
@@ -479,7 +522,8 @@ def _beam_step(
         fin_BWL=jnp.where(keep_B11, s.fin_BWL, fin_BWL),
         fin_score_BW=jnp.where(keep_B1, s.fin_score_BW, fin_score_BW),
         fin_flag_BW=jnp.where(keep_B1, s.fin_flag_BW, fin_flag_BW),
-        cache=_reorder_cache(cache, origin_BW),
+        cache=cache,
+        slot_BW=slot_BW,
         done_B=s.done_B,
     )
     # No live beam can beat the worst finished one: its log-probability only falls, and the
@@ -514,6 +558,10 @@ def beam_search(
     finished returns its live beams (cut by the length limit), scored by their plain
     log-probability. Finished-pool slots never filled score NEG_INF and hold just the prompt.
 
+    The cache is never reordered as a whole: each live beam keeps a cache row of its example,
+    and `tokens_to_logits` sees the rows in that order (`DecodingState` fields are per row);
+    a beam's row holds its own history (see `_move_cache`).
+
     Args:
       prompt_BL, cache, tokens_to_logits, initial_index, max_decode_steps, eos_id, pad_id,
         decoder_start_token_id, order: as for `temperature_sample` (prompt tokens are forced).
@@ -532,7 +580,8 @@ def beam_search(
     carry = _Beams(
         start.index_B, jnp.repeat(start.token_B1, w, axis=0), first_BWL, live_logp_BW,
         first_BWL, jnp.full((b, w), NEG_INF, jnp.float32), jnp.zeros((b, w), bool),
-        expand_batch(cache, w), start.index_B > start.last_B,
+        expand_batch(cache, w), jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)),
+        start.index_B > start.last_B,
     )  # fmt: skip
     step = functools.partial(
         _beam_step, tokens_to_logits=tokens_to_logits, start=start, alpha=alpha, eos_id=eos_id,
