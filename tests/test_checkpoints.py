@@ -28,6 +28,7 @@ from t5lite.checkpoint import (
     CheckpointManager,
     committed_steps,
     restore_checkpoint,
+    staging,
 )
 from t5lite.checkpoint import tensorstore_io as tsio
 
@@ -619,7 +620,7 @@ def test_direct_chunk_writes_are_tensorstores_bytes(
     pieces, and leaves to TensorStore the arrays whose chunks span several shards."""
     m = mesh((2, 4))
     host = (np.random.default_rng(3).standard_normal(shape) * 4).astype(dtype)
-    h = tsio.stage_to_host(jax.device_put(host, NamedSharding(m, spec)))
+    h = staging.stage_to_host(jax.device_put(host, NamedSharding(m, spec)))
     stats: dict = {}
     ctx = tsio.make_context()
     tsio.write_arrays([(str(tmp_path / "a"), h)], ctx, chunk_bytes, checksum, stats=stats)

@@ -3,7 +3,8 @@
 - `manager.py`: the save policy (periods, keep rules, async saves, atomic commit, preemption)
   and restore onto any mesh.
 - `layout.py`: the on-disk layout (names, `metadata.json`, `extra.json`, the commit marker).
-- `tensorstore_io.py`: raw array I/O (staging, chunked zarr3 writes, aligned reads).
+- `staging.py`: a save's blocking part, the snapshot of this process's shards.
+- `tensorstore_io.py`: raw array I/O (chunked zarr3 writes, aligned reads).
 """
 
 from t5lite.checkpoint.layout import (

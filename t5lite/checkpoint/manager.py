@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5lite.checkpoint import layout
+from t5lite.checkpoint import layout, staging
 from t5lite.checkpoint import tensorstore_io as tsio
 from t5lite.checkpoint.layout import (
     COMMIT_FILE,
@@ -127,7 +127,7 @@ class CheckpointManager:
         that is already mapped instead of faulting in fresh pages. Costs host memory equal to
         this process's share of the state between saves. Used where `device_copy` is not.
       device_copy: when every array is on CPU devices, `save` only dispatches a copy of each
-        shard (the runtime runs it asynchronously; see `tsio.stage_on_device`) and returns;
+        shard (the runtime runs it asynchronously; see `staging.stage_on_device`) and returns;
         the writer waits for the copies. The next step may still donate the state: it waits
         for the copies, so their cost moves into it unless the trainer has other work first.
         False: `save` copies to host memory itself before returning.
@@ -158,7 +158,7 @@ class CheckpointManager:
         self.keep_host_buffers = keep_host_buffers
         self.device_copy = device_copy
         # Host copies of the last committed save, by array path (see `keep_host_buffers`).
-        self._spare: dict[str, tsio.HostShards] = {}
+        self._spare: dict[str, staging.HostShards] = {}
         # (writer thread, [error]) of the save in flight. A plain non-daemon thread: the
         # interpreter joins it before exiting, so a pending save still commits.
         self._pending: tuple[threading.Thread, list[BaseException]] | None = None
@@ -236,24 +236,11 @@ class CheckpointManager:
         # `wait` above joined the previous writer: nothing reads the spare buffers any more.
         spare, self._spare = self._spare, {}
 
-        def stage(item: tuple[str, Any]) -> tsio.HostShards:
-            try:
-                return tsio.stage_to_host(item[1], spare.get(item[0]))
-            except TypeError as e:
-                raise CheckpointError(f"cannot save array '{item[0]}': {e}") from e
+        def error(path: str, e: TypeError) -> CheckpointError:
+            return CheckpointError(f"cannot save array '{path}': {e}")
 
         t_stage = time.perf_counter()
-        if self.device_copy and all(tsio.on_cpu(x) for _, x in leaves if isinstance(x, jax.Array)):
-            # CPU: the copies run on the runtime's threads; the writer waits for them.
-            for path, x in leaves:
-                try:
-                    tsio.check_storable(x)
-                except TypeError as e:
-                    raise CheckpointError(f"cannot save array '{path}': {e}") from e
-            hosts = tsio.stage_on_device([x for _, x in leaves])
-        else:
-            # numpy copies release the GIL: a few threads shorten the blocking part.
-            hosts = tsio.parallel_map(stage, leaves, 4)
+        hosts = staging.stage_leaves(leaves, self.device_copy, spare, error)
         stats = {"stage_s": time.perf_counter() - t_stage}
         self.last_save_stats = stats  # completed by the writer (read it after `wait`)
         for (path, _), host in zip(leaves, hosts):

@@ -13,23 +13,23 @@ On-disk array format (plain zarr v3, readable with `tensorstore` alone):
 
     >>> ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": ".../arrays/params.w"}})
 
-Writes: each process writes only its addressable shards whose `replica_id == 0`, so no element is
-written twice. Reads: each process reads only the index ranges its own devices need, once per
-distinct range (replicas share one read). Both go straight to the chunk files where they can
-(`zarr_writer`, `zarr_reader`: the same bytes TensorStore writes and reads), and through
-TensorStore otherwise (chunks shared between processes on save, other formats on restore).
+Writes: each process writes only its addressable shards whose `replica_id == 0` (staged by
+`staging.py`), so no element is written twice. Reads: each process reads only the index ranges
+its own devices need, once per distinct range (replicas share one read). Both go straight to
+the chunk files where they can (`zarr_writer`, `zarr_reader`: the same bytes TensorStore writes
+and reads), and through TensorStore otherwise (chunks shared between processes on save, other
+formats on restore).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -37,6 +37,9 @@ import tensorstore as ts
 
 from t5lite.checkpoint import zarr_reader as zr
 from t5lite.checkpoint import zarr_writer as zw
+
+if TYPE_CHECKING:
+    from t5lite.checkpoint.staging import HostShards
 
 # Chunks of at most 4 MiB: large enough that per-file costs stay small against disk bandwidth,
 # small enough (and square enough, see `chunk_shape_for`) that the shards of common meshes are
@@ -142,7 +145,7 @@ def array_spec(path: str, shape: Sequence[int] | None = None, dtype: Any = None,
     return spec
 
 
-def _index(idx: tuple[slice, ...], shape: Sequence[int]) -> Index:
+def shard_ranges(idx: tuple[slice, ...], shape: Sequence[int]) -> Index:
     """Turns a shard's tuple of slices into concrete [start, stop) pairs."""
     out = []
     for s, d in zip(idx, shape):
@@ -153,138 +156,6 @@ def _index(idx: tuple[slice, ...], shape: Sequence[int]) -> Index:
 
 def _slices(index: Index) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in index)
-
-
-@dataclasses.dataclass
-class HostShards:
-    """Host copies of the pieces of one array that this process must write."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    # numpy arrays; or, from `stage_on_device`, device copies that `ready` turns into views.
-    pieces: list[tuple[Index, Any]]
-    # The pieces are (or were) device copies: their memory belongs to the runtime, so they are
-    # never reused as the next save's host buffers.
-    device_copies: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for _, p in self.pieces)
-
-    def ready(self) -> None:
-        """Waits for `stage_on_device`'s copies and swaps them for zero-copy numpy views."""
-        if not self.device_copies:
-            return
-        jax.block_until_ready([p for _, p in self.pieces])
-        self.pieces = [
-            (i, p if isinstance(p, np.ndarray) else np.asarray(p)) for i, p in self.pieces
-        ]
-
-
-def stage_on_device(xs: Sequence[Any]) -> list[HostShards]:
-    """Starts a copy of the shards this process owns (replica_id == 0) of every CPU array in
-    `xs`, and returns without waiting for it; other leaves are staged by `stage_to_host`.
-
-    On the CPU backend a device buffer *is* host memory, so a device-to-device copy is host
-    staging, and the runtime runs it on its own threads after `device_put` returns: the caller
-    gets control back after one dispatch instead of after copying every byte. The caller may
-    donate `xs` in the very next computation: the runtime orders a computation that donates a
-    buffer after the reads already enqueued on it, so the copy holds the values of the time of
-    this call (tests/test_checkpoints.py checks this, with the donation actually taking place).
-    The cost is moved, not gone: the donating computation starts only once the copy is done
-    (benchmarks/checkpoint_io.py times a donating step right after the save); what the trainer
-    gains is whatever it does before that step's inputs are needed (input pipeline, logging).
-
-    Not used on accelerators: there a device copy would take HBM the size of the state, and the
-    transfer to host has to happen anyway, so `stage_to_host` starts every transfer
-    (`copy_to_host_async`) before waiting on the first.
-
-    Call `HostShards.ready` (the writer thread does) before reading the pieces.
-
-    Args:
-      xs: leaves of the state: jax.Arrays on CPU devices, numpy arrays or scalars.
-
-    Returns:
-      One `HostShards` per leaf, in order.
-    """
-    out: list[HostShards | None] = [None] * len(xs)
-    srcs, owners = [], []
-    for k, x in enumerate(xs):
-        if not on_cpu(x):
-            out[k] = stage_to_host(x)
-            continue
-        check_storable(x)
-        shards = [s for s in x.addressable_shards if s.replica_id == 0]
-        pieces = [(_index(s.index, x.shape), None) for s in shards]
-        out[k] = HostShards(tuple(x.shape), np.dtype(x.dtype), pieces, device_copies=True)
-        srcs += [s.data for s in shards]
-        owners += [(k, j) for j in range(len(shards))]
-    if srcs:
-        # One call for every shard: one dispatch, the copies run in parallel on the runtime's
-        # threads. `may_alias=False` forces a copy onto the same device.
-        copies = jax.device_put(srcs, [next(iter(a.devices())) for a in srcs], may_alias=False)
-        for (k, j), c in zip(owners, copies):
-            h = out[k]
-            assert h is not None
-            h.pieces[j] = (h.pieces[j][0], c)
-    return out  # type: ignore[return-value]
-
-
-def on_cpu(x: Any) -> bool:
-    """Whether `x` is a jax.Array whose devices are all CPU devices."""
-    return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
-
-
-def check_storable(x: Any) -> None:
-    """Raises TypeError for arrays that have no on-disk dtype (typed PRNG keys)."""
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-        raise TypeError(
-            f"cannot checkpoint an array of dtype {x.dtype}; store typed PRNG keys as "
-            "jax.random.key_data(key)"
-        )
-
-
-def stage_to_host(x: Any, reuse: HostShards | None = None) -> HostShards:
-    """Copies the shards this process owns (replica_id == 0) of `x` to host memory.
-
-    The copy is what makes async saves safe: the caller may donate or overwrite `x` the moment
-    this returns. (On CPU a zero-copy `np.asarray` view kept for the write would pin the device
-    buffer instead, silently turning the next step's donation into a copy, and it stalled a
-    multi-process save; here such a view lives only for the copy.)
-    Non-jax leaves (numpy arrays, Python scalars) are written by process 0 only.
-
-    Args:
-      x: a jax.Array (any sharding), numpy array or scalar.
-      reuse: the previous save's `HostShards` of the same array, no longer used by any write:
-        copied into when its pieces match (same shape, dtype and shard ranges), since filling
-        fresh memory costs a page fault per 4 KiB, which made up most of the blocking copy
-        (measured for 1 GiB on this 2-core host: 0.6 s into reused buffers, 1.1-4.6 s fresh).
-
-    Returns:
-      The `HostShards` to pass to `write_arrays`.
-    """
-    if isinstance(x, jax.Array):
-        check_storable(x)
-        shards = [s for s in x.addressable_shards if s.replica_id == 0]
-        # Start every device->host transfer before blocking on the first one.
-        for s in shards:
-            s.data.copy_to_host_async()
-        indices = [_index(s.index, x.shape) for s in shards]
-        dtype = np.dtype(x.dtype)
-        if (
-            reuse is not None
-            and reuse.shape == tuple(x.shape)
-            and reuse.dtype == dtype
-            and [i for i, _ in reuse.pieces] == indices
-        ):
-            for s, (_, buf) in zip(shards, reuse.pieces):
-                np.copyto(buf, np.asarray(s.data))
-            return reuse
-        pieces = [(i, np.array(s.data, copy=True)) for i, s in zip(indices, shards)]
-        return HostShards(tuple(x.shape), dtype, pieces)
-    arr = np.array(x, copy=True)
-    pieces = [] if jax.process_index() != 0 else [(tuple((0, d) for d in arr.shape), arr)]
-    return HostShards(tuple(arr.shape), arr.dtype, pieces)
 
 
 def write_arrays(
@@ -605,7 +476,7 @@ def _plan_reads(items, infos, stores, check_finite: bool, context: ts.Context):
             dev_index = {None: tuple((0, d) for d in shape)}
         else:
             dev_index = {
-                d: _index(i, shape)
+                d: shard_ranges(i, shape)
                 for d, i in sharding.addressable_devices_indices_map(shape).items()
             }
         stored = info.dtype if store is None else store.dtype.numpy_dtype
