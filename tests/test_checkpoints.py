@@ -505,12 +505,24 @@ def _two_helper_processes(mode: str, directory: Path) -> list[subprocess.Popen]:
     ]
 
 
+def _outputs(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[str, str]]:
+    """(stdout, stderr) of every process; on a timeout, kills them all and fails with what each
+    printed (a hang in one process shows as a timeout in its peer, which waits at shutdown)."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [f"process {i}: {o[-1500:]!r} {e[-1500:]!r}" for i, (o, e) in
+                 enumerate(p.communicate() for p in procs)]  # fmt: skip
+        pytest.fail(f"timed out after {timeout} s:\n" + "\n".join(tails))
+
+
 def test_two_processes_save_one_restores(tmp_path):
     from checkpoint_helper import multi_state
 
     procs = _two_helper_processes("multi", tmp_path)
-    for p in procs:
-        out, err = p.communicate(timeout=120)
+    for p, (out, err) in zip(procs, _outputs(procs)):
         assert p.returncode == 0 and "DONE" in out, err[-3000:]
         # Each process wrote its params' chunks itself; `rows` shares chunks across processes.
         assert "DONE direct=4 tensorstore=1" in out
@@ -534,7 +546,7 @@ def test_two_processes_restore_and_agree_on_non_finite(tmp_path, nan_row):
         w[nan_row, 5] = np.nan
         state["params"]["w2"] = jax.device_put(w, state["params"]["w2"].sharding)
     CheckpointManager(tmp_path, async_save=False).save(7, state)
-    outs = [p.communicate(timeout=120) for p in _two_helper_processes("multi_restore", tmp_path)]
+    outs = _outputs(_two_helper_processes("multi_restore", tmp_path))
     # (Gloo prints its own lines to stdout.)
     lines = [
         next((x for x in out.splitlines() if x.startswith(("RESTORED", "REFUSED"))), err[-2000:])
@@ -559,7 +571,7 @@ def test_two_processes_restore_and_agree_on_non_finite(tmp_path, nan_row):
 def test_a_failed_write_on_one_process_fails_the_save_everywhere(tmp_path):
     """No process waits forever for a peer whose write failed, and nothing is committed."""
     procs = _two_helper_processes("multi_fail", tmp_path)
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [out for out, _ in _outputs(procs)]
     assert "writing checkpoint" in outs[0] and "failed on another process; not committed" in outs[0]
     assert "disk full (simulated)" in outs[1]
     assert not (tmp_path / "checkpoint_7").exists()
