@@ -375,7 +375,6 @@ class RowPacker:
         self._batch_size = batch_size
         self._lengths = lengths
         self.rows: list[list[Example]] = []
-        self._names = list(converter.groups.values())
         # Room left in each row, per group (columns in the order of `converter.groups`).
         self._free = np.tile(
             np.asarray([lengths[g] for g in converter.groups], np.int64), (batch_size, 1)
@@ -383,7 +382,7 @@ class RowPacker:
 
     def add(self, example: Example) -> bool:
         """Places `example`; False if the batch has no room for it."""
-        need = [len(example[names[0]]) for names in self._names]
+        need = list(self._conv.example_lengths(example).values())  # in `groups` order
         if self._conv.pack:
             # First fit: the first row with room in every group (one comparison over all rows;
             # a Python loop over rows and groups per example was the pipeline's hot spot).
