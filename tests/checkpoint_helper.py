@@ -23,6 +23,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def say(line: str) -> None:
+    """Prints `line` on a line of its own in one write: Gloo's C++ code prints to the same
+    stdout from its own threads, and a line split by its text once failed a test."""
+    sys.stdout.flush()
+    os.write(1, f"\n{line}\n".encode())
+
+
 def state_at(step: int, mesh: jax.sharding.Mesh, n: int = 24) -> dict:
     """A deterministic tree of sharded arrays for `step` (n arrays of 64x256 fp32)."""
     out = {}
@@ -72,10 +79,10 @@ def main() -> None:
             try:
                 got, _ = CheckpointManager(directory).restore(target)
             except CheckpointError as e:
-                print(f"REFUSED {e}", flush=True)
+                say(f"REFUSED {e}")
                 return
             shards = [s for v in got["params"].values() for s in v.addressable_shards]
-            print(f"RESTORED {sum(float(np.asarray(s.data).sum()) for s in shards)}", flush=True)
+            say(f"RESTORED {sum(float(np.asarray(s.data).sum()) for s in shards)}")
             return
         if mode == "multi_fail" and pid == 1:  # process 1's disk write fails
             from t5lite.checkpoint import tensorstore_io
@@ -89,12 +96,10 @@ def main() -> None:
         try:
             mgr.close()
         except Exception as e:
-            print(f"FAILED {e}", flush=True)
+            say(f"FAILED {e}")
             return
         st = mgr.last_save_stats
-        print(
-            f"DONE direct={st['direct_arrays']} tensorstore={st['tensorstore_arrays']}", flush=True
-        )
+        say(f"DONE direct={st['direct_arrays']} tensorstore={st['tensorstore_arrays']}")
         return
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
