@@ -154,6 +154,10 @@ def _parameter_collectives(
     cfg = trainer.model.network_config
     relative = not getattr(cfg, "use_rope", True)
     lookup_axes: tuple[str, ...] = ()  # batch axes splitting a looked-up (untied) table
+    # The lookup's all-to-all needs full-width activations: with 2D activations (embed split
+    # too) the partitioner gathers the table instead (as the other 2D parameters).
+    act_spec, _ = resolve_logical_axes(("batch", "length", "embed"), trainer.partitioner.rules)
+    wide = not [t for t in mesh_axes_of(act_spec[2]) if mesh_shape.get(t, 1) > 1]
     for p in report.placements:
         used = [t for e in p.spec for t in mesh_axes_of(e) if mesh_shape.get(t, 1) > 1]
         gathered = p.bytes_total // _split(mesh_shape, [t for t in used if t not in batch_axes])
@@ -162,6 +166,7 @@ def _parameter_collectives(
         if relative and "relpos_bias" in p.path.split("/"):
             continue  # its gradient is reduced at the bias's size: `_relpos_collectives`
         looked_up = "vocab" in (p.logical_axes or ()) and not p.path.endswith("/kernel")
+        looked_up = looked_up and wide and not getattr(cfg, "one_hot_embedding", False)
         if split_over and looked_up and not cfg.logits_via_embedding:
             lookup_axes = split_over  # `_lookup_collectives`: nothing gathered or reduced
             continue
@@ -521,9 +526,7 @@ def _best_choices(
     analytic one counts as as close); among those, the ones whose collective counts per kind
     match the compiled counts best (a choice worth a few KiB, like norm scales' gradients
     all-reduced, still accounts for dozens of collectives), then the fewest."""
-    subsets = [
-        list(s) for k in range(len(choices) + 1) for s in itertools.combinations(choices, k)
-    ]
+    subsets = [list(s) for k in range(len(choices) + 1) for s in itertools.combinations(choices, k)]
     sent = [analytic + sum(c.link_bytes for c in s) for s in subsets]
     closest = min(abs(v - compiled) for v in sent)
     near = [i for i, v in enumerate(sent) if abs(v - compiled) <= closest + 0.01 * max(analytic, 1)]
