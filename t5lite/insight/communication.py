@@ -1,5 +1,7 @@
 """Communication of the train step: compiled collectives grouped per kind and mesh axis, their
-ring-algorithm link bytes, and Mesh-TensorFlow's analytic volume for the layout.
+ring-algorithm link bytes, and Mesh-TensorFlow's analytic volume for the layout, compared.
+ZeRO-3's per-layer figures are in zero3.py, 2D tensor parallelism's per-layer ones in
+tensor_2d.py.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ import collections
 import dataclasses
 import itertools
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,8 @@ import numpy as np
 from t5lite.insight.hlo import KINDS, Collective
 from t5lite.insight.memory import rule_of
 from t5lite.insight.sharding import ShardingReport, format_bytes
+from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
+from t5lite.insight.zero3 import Zero3Figures, zero3_figures
 from t5lite.partitioning import mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
@@ -384,79 +387,6 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
 
 
 @dataclasses.dataclass(frozen=True)
-class Zero3Figures:
-    """ZeRO-3's gradient volume over the batch axes: the dense layers' kernels split over them
-    are gathered per use inside each layer (t5lite/collectives.py), so each kernel's gradient
-    leaves through one reduce-scatter to this device's shard. Bytes are results per device, in
-    the parameters' dtype (a ring reduce-scatter sends (n-1) times its result)."""
-
-    axes: tuple[str, ...]
-    group_size: int
-    count: int  # kernels (one reduce-scatter each per step; a scanned stack counts per layer)
-    bytes: int  # their results per device, all layers
-    layers: tuple[tuple[str, int, int], ...]  # (layer, how many alike, bytes of one)
-
-
-_LAYER_RE = re.compile(r"^layers(_\d+)?$")
-
-
-def zero3_figures(
-    report: ShardingReport, mesh_shape: dict[str, int], batch_axes: tuple[str, ...]
-) -> Zero3Figures | None:
-    """The figures when dense kernels are split over the batch axes (FSDP tables); else None.
-    Other parameters split so (norm scales, embeddings) are not gathered per use by a layer."""
-    per_layer: dict[str, int] = collections.defaultdict(int)
-    count, total = 0, 0
-    for p in report.placements:
-        used = {t for e in p.spec for t in mesh_axes_of(e) if mesh_shape.get(t, 1) > 1}
-        if not p.path.endswith("/kernel") or len(p.shape) < 2 or not used & set(batch_axes):
-            continue
-        parts = p.path.split("/")
-        cut = next((i for i, x in enumerate(parts) if _LAYER_RE.match(x)), len(parts) - 2)
-        n = 1
-        if p.logical_axes and "layers" in p.logical_axes:  # a scanned stack: one per layer
-            n = p.shape[p.logical_axes.index("layers")]
-        count += n
-        total += p.bytes_per_device
-        for i in range(n):
-            layer = "/".join(parts[: cut + 1]) + (f"[{i}]" if n > 1 else "")
-            per_layer[layer] += p.bytes_per_device // n
-    if not count:
-        return None
-    alike: dict[tuple[str, int], int] = collections.Counter(
-        (re.sub(r"layers_\d+|\[\d+\]", "layers_N", k), v) for k, v in per_layer.items()
-    )
-    layers = tuple((name, n, b) for (name, b), n in alike.items())
-    return Zero3Figures(batch_axes, _split(mesh_shape, batch_axes), count, total, layers)
-
-
-def format_zero3(z: Zero3Figures, rows: Sequence[CollectiveRow] | None) -> list[str]:
-    """Lines for a report: the per-layer ZeRO-3 volume and, compiled, the step's reduce-scatters
-    over the same axes beside it."""
-    axes, sent = "+".join(z.axes), (z.group_size - 1)
-    lines = [
-        f"ZeRO-3 over {axes} ({z.group_size} devices), each dense kernel's gradient "
-        "reduce-scattered; results per device:",
-        *(
-            f"  {name:<32}{format_bytes(b):>11}" + (f"  per layer, x{n}" if n > 1 else "")
-            for name, n, b in z.layers
-        ),
-        f"  analytic: {z.count} reduce-scatters, {format_bytes(z.bytes)} "
-        f"({format_bytes(sent * z.bytes)} sent)",
-    ]
-    if rows is not None:
-        mine = [r for r in rows if r.kind == "reduce-scatter" and set(r.axes or ()) == set(z.axes)]
-        n, got = sum(r.count for r in mine), sum(r.bytes for r in mine)
-        ratio = got / z.bytes
-        verdict = "agrees" if abs(ratio - 1) <= 0.10 else "differs"
-        lines.append(
-            f"  compiled: {n} reduce-scatters, {format_bytes(got)} "
-            f"({format_bytes(sum(r.link_bytes for r in mine))} sent): ratio {ratio:.2f}, {verdict}"
-        )
-    return lines
-
-
-@dataclasses.dataclass(frozen=True)
 class AxisComparison:
     """Compiled against analytic link bytes over one set of mesh axes, and why they differ.
 
@@ -608,75 +538,3 @@ def format_comparison(comparisons: Sequence[AxisComparison]) -> list[str]:
         lines += [f"      - {d}" for d in c.differences]
         lines += list(c.notes)
     return lines
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor2DFigures:
-    """One MLP layer's forward, per device, in elements: this 2D layout, SUMMA, 1D Megatron.
-
-    For `[T, D] x [D, F]` then `[T, F] x [F, D]` (a gated MLP has `n_in` input matrices) on a
-    `data = d` x `model = m` mesh. `received_*`: elements each device receives (ring
-    collectives: (n-1)/n of the gathered or reduced array). `weights_*` / `activations_*`:
-    weight and residual-stream elements each device holds.
-    """
-
-    d: int
-    m: int
-    tokens: int  # T: tokens of the global batch through the layer
-    emb: int  # D
-    mlp: int  # F
-    n_in: int
-    received_2d: float  # rules-only 2D (GSPMD): weights gathered over data, x over model
-    received_summa: float | None  # SUMMA on a q x q grid (None unless d == m)
-    received_megatron: float  # 1D: one all-reduce of [T/d, D] over model
-    weights_2d: int
-    weights_megatron: int
-    activations_2d: int
-    activations_megatron: int
-
-
-def tensor_2d_mlp_figures(trainer: Trainer) -> Tensor2DFigures | None:
-    """The figures when both the weights' `embed` and the activations' `embed` are split (the
-    `tensor_2d` / `fully_sharded` table) over mesh axes of size > 1; None otherwise."""
-    part, cfg = trainer.partitioner, trainer.model.network_config
-    shape = dict(part.mesh.shape)
-    w_spec, _ = resolve_logical_axes(("embed", "mlp"), part.rules)
-    x_spec, _ = resolve_logical_axes(("batch", "length", "embed"), part.rules)
-    w_axes, x_axes = mesh_axes_of(w_spec[0]), mesh_axes_of(x_spec[2])
-    f_axes = mesh_axes_of(w_spec[1])
-    if not (w_axes and x_axes and f_axes == x_axes) or set(w_axes) & set(x_axes):
-        return None
-    d, m = _split(shape, w_axes), _split(shape, x_axes)
-    if d == 1 or m == 1:
-        return None
-    length = trainer.lengths.get("inputs") or trainer.lengths["targets"]
-    t, emb, f = trainer.batch_size * length, cfg.emb_dim, cfg.mlp_dim
-    n_in = len(cfg.mlp_activations)
-    weights = (n_in + 1) * emb * f
-    received_2d = (d - 1) / d * weights / m + 2 * (m - 1) / m * t * emb / d
-    summa = None
-    if d == m:
-        q = d
-        summa = (q - 1) / q**2 * (n_in * (t * emb + emb * f) + (t * f + emb * f))
-    return Tensor2DFigures(
-        d, m, t, emb, f, n_in, received_2d, summa, 2 * (m - 1) / m * t * emb / d,
-        weights // (d * m), weights // m, t * emb // (d * m), t * emb // d,
-    )  # fmt: skip
-
-
-def format_tensor_2d(x: Tensor2DFigures) -> list[str]:
-    """Lines for a report: one MLP layer forward, this layout against the papers' formulas."""
-
-    def row(name: str, received: float | None, weights: int, acts: int) -> str:
-        got = "-" if received is None else f"{received:,.0f}"
-        return f"      {name:<30}{got:>12}{weights:>12,}{acts:>12,}"
-
-    summa = "SUMMA / Optimus q x q" if x.received_summa is not None else "SUMMA (data = model only)"
-    return [
-        f"    2D TP, one MLP layer forward (T={x.tokens}, D={x.emb}, F={x.mlp}), per device:",
-        f"      {'layout':<30}{'received':>12}{'weights':>12}{'residual':>12}",
-        row(f"this (2D by rules) {x.d}x{x.m}", x.received_2d, x.weights_2d, x.activations_2d),
-        row(summa, x.received_summa, x.weights_2d, x.activations_2d),
-        row(f"1D Megatron, model={x.m}", x.received_megatron, x.weights_megatron,
-            x.activations_megatron),
-    ]  # fmt: skip
