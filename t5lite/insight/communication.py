@@ -239,8 +239,6 @@ def _relpos_collectives(
         mesh_shape, [t for t in mesh_axes_of(rule_of(trainer.partitioner, "heads"))
                      if mesh_shape.get(t, 1) > 1 and t not in batch_axes]
     )  # fmt: skip
-    if not batch_axes:
-        return []
     stacks = _stack_lengths(trainer)
     return [ExpectedCollective(
         "all-reduce", batch_axes, sum(n for n, _ in stacks),
