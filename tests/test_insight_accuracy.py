@@ -284,7 +284,10 @@ def test_collectives_attributed_and_explained(preset):
         # analytic figure has them: no all-reduce + slice left to explain.
         rs = [c for c in collectives if c.kind == "reduce-scatter" and c.axes == ("data",)]
         assert len(rs) == 15
-        assert not any("reduce-scattered" in d for d in by_axes[("data",)].differences)
+        # (the norm scales, gathered by the partitioner, may still be all-reduced: named apart)
+        assert not any(
+            d.startswith("2D parameters' gradients") for d in by_axes[("data",)].differences
+        )
 
 
 def test_axis_attribution_of_partial_groups_and_permutes():

@@ -34,7 +34,6 @@ from t5lite.insight.communication import (
     communication_seconds,
     compare_communication,
     format_comparison,
-    format_zero3,
 )
 from t5lite.insight.estimate import StepEstimate, estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
@@ -47,6 +46,7 @@ from t5lite.insight.memory import (
 )
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
 from t5lite.insight.topology import get_topology
+from t5lite.insight.zero3 import format_zero3
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import (
     DATA,
