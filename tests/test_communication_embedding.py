@@ -11,11 +11,13 @@ What the compiled step sends over `data`, derived by hand below from the shapes:
   - the relative-position bias: its gradient [H/2, L, L] all-reduced in each layer.
 """
 
+import collections
+
 import pytest
 from conftest import require_devices
 
 from t5lite.insight import communication
-from t5lite.insight.hlo import parse_collectives
+from t5lite.insight.hlo import collective_ops, parse_collectives
 from t5lite.insight.report import compile_train_step
 from t5lite.insight.sharding import sharding_report
 from t5lite.model.models import EncoderDecoderModel
@@ -29,11 +31,11 @@ B, LI, LT = 8, 16, 8  # batch, input and target lengths
 DATA, MODEL = 4, 2
 
 
-@pytest.fixture(scope="module")
-def comparison():
+def _compare(scan_layers: bool = False):
     require_devices(8)
     cfg = T5Config(vocab_size=V, emb_dim=D, num_heads=H, head_dim=K, mlp_dim=F,
-                   num_encoder_layers=ENC, num_decoder_layers=DEC)  # fmt: skip
+                   num_encoder_layers=ENC, num_decoder_layers=DEC,
+                   scan_layers=scan_layers)  # fmt: skip
     part = Partitioner(create_mesh(MODEL), logical_axis_rules=preset_rules("fsdp"))
     tr = Trainer(EncoderDecoderModel(network_config=cfg), part, batch_size=B,
                  lengths={"inputs": LI, "targets": LT})  # fmt: skip
@@ -43,6 +45,11 @@ def comparison():
     analytic = communication.analytic_communication(tr, report)
     rows = communication.collective_rows(collectives)
     return {c.axes: c for c in communication.compare_communication(rows, analytic)}
+
+
+@pytest.fixture(scope="module")
+def comparison():
+    return _compare()
 
 
 def _kinds(cmp):
@@ -92,3 +99,44 @@ def test_token_ids_rows_explained(comparison):
         "token ids gathered for the lookup over part of the batch axis",
     )
     assert _kinds(half) == {"all-gather": (2, 2 * ids, 2, 2 * ids)}
+
+
+def test_scanned_stacks_count_every_layer():
+    """With scan_layers the kernels' collectives sit in the loop bodies: counted once per
+    iteration (the compiled loops' trip counts), and the analytic side counts a stacked
+    parameter once per layer, so both say one reduce-scatter per kernel per step as unscanned."""
+    f32 = 4
+    attn, mlp = D * H // MODEL * K * f32, D * F // MODEL * f32
+    kernels = ENC * (4 * attn + 3 * mlp) + DEC * (8 * attn + 3 * mlp) + D * V // MODEL * f32
+    n_kernels = ENC * 7 + DEC * 11 + 1
+    cmp = _compare(scan_layers=True)[("data",)]
+    assert _kinds(cmp)["reduce-scatter"] == (n_kernels, kernels // DATA) * 2
+    assert cmp.agrees, cmp
+
+
+def test_loop_bodies_run_their_trip_count():
+    """A collective in a while body counts once per iteration, nested loops multiply, and a
+    computation a body calls runs as often as the body."""
+    hlo = "\n".join([
+        "%callee (p: f32[4]) -> f32[4] {",
+        "  ROOT %ar = f32[4]{0} all-reduce(f32[4]{0} %p), replica_groups={{0,1}}",
+        "}",
+        "%inner (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+        "  %rs = f32[2]{0} reduce-scatter(f32[4]{0} %x), replica_groups={{0,1}}, dimensions={0}",
+        "  %f = f32[4]{0} fusion(f32[4]{0} %x), kind=kCustom, calls=%callee",
+        "}",
+        "%outer (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+        "  %ag = f32[8]{0} all-gather(f32[4]{0} %x), replica_groups={{0,1}}, dimensions={0}",
+        "  %w = (s32[], f32[4]) while(%t), condition=%c2, body=%inner,"
+        ' backend_config={"known_trip_count":{"n":"3"}}',
+        "}",
+        "ENTRY %main (p0: f32[4]) -> f32[4] {",
+        "  %w0 = (s32[], f32[4]) while(%t0), condition=%c1, body=%outer,"
+        ' backend_config={"known_trip_count":{"n":"2"}}',
+        "  %top = f32[4]{0} all-reduce(f32[4]{0} %p0), replica_groups={{0,1}}",
+        "}",
+    ])  # fmt: skip
+    runs = {op.name: op.runs for op in collective_ops(hlo)}
+    assert runs == {"ar": 6, "rs": 6, "ag": 2, "top": 1}
+    kinds = collections.Counter(c.kind for c in parse_collectives(hlo))
+    assert kinds == {"all-reduce": 7, "reduce-scatter": 6, "all-gather": 2}

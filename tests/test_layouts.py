@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices
-from hlo_consumers import collective_names, definitions, shapes
+from hlo_consumers import definitions, shapes
 from jax.sharding import PartitionSpec as P
 
-from t5lite.insight.hlo import parse_collectives
+from t5lite.insight.hlo import collective_ops, parse_collectives
 from t5lite.model import layers, network, optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.partitioning import (
@@ -68,15 +68,14 @@ def dp_losses():
     return _train("data_parallel")[0]
 
 
-def _arrays(kind, axes, hlo, mesh):
-    """Counter of result shapes of the collectives of `kind` over mesh `axes`."""
-    names = collective_names(hlo, kind)
-    colls = [c for c in parse_collectives(hlo, mesh) if c.kind == kind]
+def _arrays(kind, axes, hlo, mesh, runs=False):
+    """Counter of result shapes of the instructions of `kind` over mesh `axes` (with `runs`:
+    of their executions in one step, a loop body's once per iteration)."""
     defs = definitions(hlo)
     out = collections.Counter()
-    for name, c in zip(names, colls, strict=True):
-        if c.axes == axes:
-            out.update(shapes(defs[name][1]))
+    for op in collective_ops(hlo, mesh):
+        if op.collective.kind == kind and op.collective.axes == axes:
+            out.update(shapes(defs[op.name][1]) * (op.runs if runs else 1))
     return out
 
 
@@ -85,10 +84,9 @@ def _activations_reduced_over_model(hlo, mesh, trainer):
     scalars and the gradients of weights (by shape, in any layout): activations."""
     weights = {tuple(sorted(x.shape)) for x in jax.tree.leaves(trainer.state_abstract.params)}
     defs, out = definitions(hlo), collections.Counter()
-    colls = [c for c in parse_collectives(hlo, mesh) if c.kind == "all-reduce"]
-    for name, c in zip(collective_names(hlo, "all-reduce"), colls, strict=True):
-        if "model" in (c.axes or ()):
-            out.update(s for s in shapes(defs[name][1]) if s and tuple(sorted(s)) not in weights)
+    for op in collective_ops(hlo, mesh):
+        if op.collective.kind == "all-reduce" and "model" in (op.collective.axes or ()):
+            out.update(s for s in shapes(defs[op.name][1]) if s and tuple(sorted(s)) not in weights)
     return out
 
 
@@ -244,4 +242,11 @@ def test_fsdp_scanned_rematerialized_microbatched_equals_data_parallel():
         (D // 2, 1, 4): 9,
         (1, 4, D // 2): 3,
         (8, 8): 7,
+    }
+    # Each runs once per microbatch (the 1-layer scans' loops are gone; the microbatch loop's
+    # 2 iterations remain): a step sends every gradient twice.
+    assert _arrays("reduce-scatter", ("data",), hlo, part.mesh, runs=True) == {
+        (D // 2, 1, 4): 18,
+        (1, 4, D // 2): 6,
+        (8, 8): 14,
     }

@@ -173,13 +173,18 @@ def _parameter_collectives(
         if split_over and looked_up and not cfg.logits_via_embedding:
             lookup_axes = split_over  # `_lookup_collectives`: nothing gathered or reduced
             continue
+        # A scanned stack's parameter holds every layer's ([layers, ...]); the loop body
+        # gathers and reduces one layer's slice per iteration: one collective per layer.
+        axes = tuple(p.logical_axes or ())
+        per_layer = p.shape[axes.index("layers")] if "layers" in axes else 1
         if split_over:  # gathered over split_over, gradients reduce-scattered back over it
-            kind = "kernel" if p.path.endswith("/kernel") and len(p.shape) >= 2 else "other"
-            fsdp[(kind, split_over)][0] += 1
+            kernel = p.path.endswith("/kernel") and len(p.shape) >= 2 + (per_layer > 1)
+            kind = "kernel" if kernel else "other"
+            fsdp[(kind, split_over)][0] += per_layer
             fsdp[(kind, split_over)][1] += gathered
             gathered //= _split(mesh_shape, split_over)
         if rest:
-            reduce[rest][0] += 1
+            reduce[rest][0] += per_layer
             reduce[rest][1] += gathered
     out, choices = [], []
     for (kind, axes), (n, b) in fsdp.items():

@@ -22,7 +22,7 @@ _DTYPE_BYTES = {
 # `%name = <result shape> <op>(` where op may carry an async `-start` suffix; `-done` halves of
 # async pairs are skipped so each collective counts once.
 _OP_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
 )
 _ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
@@ -171,18 +171,81 @@ def _identify_axes(
     return tuple(out)
 
 
-def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
-    """Every collective in compiled HLO text, with bytes and (given the mesh) mesh axes.
+# A while loop's body and its trip count (XLA records it for loops it can analyse, such as a
+# scanned layer stack's: `backend_config={..."known_trip_count":{"n":"8"}}`).
+_WHILE_RE = re.compile(r"\swhile\(.*\bbody=%?(?P<body>[\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# Other computations an op runs once per execution: a call's or fusion's (a collective can sit
+# in a fusion, e.g. XLA:TPU's `all-reduce-scatter`) and a conditional's branches (at most one
+# of them runs: counting each once is an upper bound).
+_CALLS_RE = re.compile(
+    r"\b(?:calls|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)"
+)
 
-    Group ids in SPMD-partitioned HLO are positions in `mesh.devices.flat`.
-    """
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """How many times each computation of compiled HLO text runs per execution of the entry
+    computation: a while loop's body runs its known trip count times per run of the loop (1
+    where XLA recorded none), a called computation as often as its caller."""
+    callees: dict[str, list[tuple[str, int]]] = {}
+    order: list[str] = []
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header:
+            current = header.group("name")
+            order.append(current)
+            callees[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        if current is None:
+            continue
+        w = _WHILE_RE.search(line)
+        if w:
+            trip = _TRIP_RE.search(line)
+            callees[current].append((w.group("body"), int(trip.group(1)) if trip else 1))
+        for c in _CALLS_RE.finditer(line):
+            callees[current] += [(n.strip().lstrip("%"), 1) for n in c.group("names").split(",")]
+    runs = dict.fromkeys(order, 0)
+    if entry is None:  # a bare computation (tests): every op runs once
+        return dict.fromkeys(order, 1)
+    runs[entry] = 1
+    # XLA prints callees before their callers, so the reverse order visits every caller of a
+    # computation before the computation itself.
+    for name in reversed(order):
+        for callee, n in callees[name]:
+            if callee in runs:
+                runs[callee] += runs[name] * n
+    # A computation no edge above reaches (called through an attribute not parsed here, or HLO
+    # cut short) counts once rather than vanishing.
+    return {name: n or 1 for name, n in runs.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of compiled HLO text and how often one step runs it."""
+
+    name: str  # the instruction's name, e.g. `all-reduce.12`
+    collective: Collective
+    runs: int  # its computation's executions per step (`executions`)
+
+
+def collective_ops(hlo_text: str, mesh: Mesh | None = None) -> list[CollectiveOp]:
+    """Every collective instruction in compiled HLO text, in text order, with bytes, (given
+    the mesh) mesh axes, and runs per step. Group ids in SPMD-partitioned HLO are positions in
+    `mesh.devices.flat`."""
+    runs = executions(hlo_text)
     out = []
+    repeat = 1
     fused_result: str | None = None  # inside an `all-reduce-scatter` fusion: its result shape
     for line in hlo_text.splitlines():
         header = _COMPUTATION_RE.match(line)
         if header:
             fusion = header.group("name").startswith("all-reduce-scatter")
             fused_result = header.group("result") if fusion else None
+            repeat = runs.get(header.group("name"), 1)
             continue
         m = _OP_RE.match(line)
         if not m:
@@ -207,8 +270,18 @@ def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collectiv
         if not groups and mesh is not None and kind != "collective-permute":
             groups = (tuple(range(mesh.devices.size)),)  # `replica_groups={}`: all devices
         axes = _identify_axes(groups, mesh, pairs=kind == "collective-permute")
-        out.append(Collective(kind, _result_bytes(shape, kind), axes, groups))
+        c = Collective(kind, _result_bytes(shape, kind), axes, groups)
+        out.append(CollectiveOp(m.group("name"), c, repeat))
     return out
+
+
+def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
+    """Every collective one step runs, with bytes and (given the mesh) mesh axes.
+
+    One entry per execution: a collective in a loop body (a scanned layer stack's, or the
+    microbatch loop's) appears once per iteration, so counts and bytes are what a step sends.
+    """
+    return [op.collective for op in collective_ops(hlo_text, mesh) for _ in range(op.runs)]
 
 
 def count_collectives(hlo_text: str, mesh: Mesh | None = None) -> dict[str, int]:
