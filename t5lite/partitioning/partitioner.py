@@ -489,8 +489,9 @@ class Partitioner:
         with the features of one shape, dtype and sharding stacked into one transfer and split
         on the devices by one jitted call.
 
-        JAX's host-side cost of a transfer is per array, not per byte: a batch's eight small
-        features cost as much host time as a quarter of a small model's train step on CPU.
+        JAX's host-side cost of a transfer is per array, not per byte: the quickstart's eight
+        [32, 24] features took ~0.6-1 ms of the feeding thread's CPU per step one by one, ~0.35
+        ms stacked and split (measured on a 2-core CPU host, where that time is the devices').
         """
         kinds: dict[tuple[Any, ...], list[str]] = {}
         for name, a in arrays.items():

@@ -165,7 +165,7 @@ def _write_tb_events(tb: Any, scalars: list[tuple[str, float, int, float]]) -> N
     writer thread: a dozen per train step, host time taken from the devices on a CPU host.
     """
     from tensorboardX.proto.summary_pb2 import Summary
-    from tensorboardX.summary import _clean_tag
+    from tensorboardX.summary import _clean_tag  # the tag as `add_scalar` writes it
 
     groups: dict[tuple[int, float], list[Any]] = {}
     for tag, value, step, walltime in scalars:
