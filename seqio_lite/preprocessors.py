@@ -78,6 +78,14 @@ def append_eos_after_trim(
         if feat.add_eos:
             if sequence_length is not None and sequence_length.get(name) is not None:
                 ids = ids[: sequence_length[name] - 1]
+            if ids.ndim == 1:
+                # The ids then EOS written straight into the output array: what appending and
+                # casting give (the ids cast as `astype` casts them), in two numpy calls of five
+                # (per feature of every example, on the thread that feeds the devices).
+                out[name] = with_eos = np.empty(ids.size + 1, feat.dtype)
+                with_eos[:-1] = ids
+                with_eos[-1] = np.asarray(feat.vocabulary.eos_id).astype(feat.dtype)
+                continue
             # np.append's dtype (int64 for an int32 array and a Python int), without its
             # ravel / asanyarray overhead per example; cast below as before.
             ids = np.concatenate((ids, np.asarray([feat.vocabulary.eos_id])))

@@ -43,6 +43,30 @@ def test_train_resume_is_bit_identical(tmp_path):
     assert "TRAIN_STEPS = 6" in (full / "config.gin").read_text()
 
 
+def test_train_loop_traces_its_step_once(tmp_path):
+    """Every step of the loop (a new batch each, metrics read a step late, a save at step 3)
+    dispatches the same compiled train step: nothing it passes changes type or sharding."""
+    import collections
+
+    import jax
+
+    require_devices(8)
+    traces = collections.Counter()
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traces[kw.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{tmp_path}'") == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+    # The batch's features go over stacked and are split on the devices by one jitted call.
+    assert traces["_train_step"] == 1 and traces["split_stacked"] == 1, traces
+
+
 def test_eval_and_infer_from_checkpoint(tmp_path):
     require_devices(8)
     d = tmp_path / "m"

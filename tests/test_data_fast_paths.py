@@ -192,3 +192,27 @@ def test_a_preprocessor_error_surfaces_and_reading_can_go_on():
     for g, w in zip(got, want):
         for k in w:
             np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
+@pytest.mark.parametrize("ids_dtype", [np.int32, np.int64, np.uint8])
+@pytest.mark.parametrize("length", [None, 4, 40])
+def test_eos_after_trim_and_byte_encoding_match_the_generic_numpy_ops(ids_dtype, length):
+    """EOS written into the output array and the one-ufunc byte encoding give the arrays
+    (values and dtype) of `np.append` + `astype` and of widen-then-add, for every byte value."""
+    vocab = sl.ByteVocabulary()
+    text = bytes(range(256)).decode("latin-1")  # every byte value (2-byte UTF-8 above 127)
+    want_ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + 3
+    got_ids = vocab.encode_np(text)
+    assert got_ids.dtype == np.int32
+    np.testing.assert_array_equal(got_ids, want_ids)
+    features = {"targets": sl.Feature(vocab), "raw": sl.Feature(vocab, add_eos=False)}
+    ids = (want_ids % 250).astype(ids_dtype)
+    lengths = None if length is None else {"targets": length, "raw": length}
+    out = sl.preprocessors.append_eos_after_trim({"targets": ids, "raw": ids}, features, lengths)
+    cut = ids if length is None else ids[: length - 1]
+    want = np.append(cut, vocab.eos_id).astype(np.int32)
+    assert out["targets"].dtype == want.dtype
+    np.testing.assert_array_equal(out["targets"], want)
+    raw = ids if length is None else ids[:length]
+    np.testing.assert_array_equal(out["raw"], raw.astype(np.int32))
+    assert out["raw"].dtype == np.int32

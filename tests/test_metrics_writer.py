@@ -88,3 +88,41 @@ def test_records_are_written_in_batches_never_behind_the_log(tmp_path, clock):
     assert [r["step"] for r in records] == [*range(1, 12), 11, 12]
     assert records[-1]["split"] == "train" and math.isnan(records[-1]["loss"])
     assert records[-2] == {"step": 11, "split": "eval", "accuracy": 0.5}
+
+
+def _tb_events(log_dir) -> list:
+    """The events of every TensorBoard file under `log_dir` (TFRecord framing: length, its CRC,
+    the serialised `Event`, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(log_dir.glob("events.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            events.append(Event.FromString(data[at + 12 : at + 12 + n]))
+            at += 12 + n + 4
+    return [e for e in events if e.HasField("summary")]
+
+
+def test_tensorboard_gets_one_event_per_step_with_all_its_scalars(tmp_path, clock):
+    """Each record's finite numbers reach TensorBoard under `split/name` at its step and time,
+    one event per step (tensorboardX's `add_scalar` made one per number)."""
+    pytest.importorskip("tensorboardX")
+    w = mw.MetricsWriter(str(tmp_path), total_steps=100, stream=io.StringIO(), log_period=10)
+    for step in range(1, 4):
+        clock.now += 0.25
+        w.write(step, {"loss": 1.0 / step, "accuracy": 0.1 * step, "mfu": "n/a", "x": math.inf})
+    w.write(3, {"accuracy": 0.75}, prefix="eval")
+    w.close()
+    events = _tb_events(tmp_path / "tensorboard")
+    got = {(e.step, e.wall_time, v.tag): v.simple_value for e in events for v in e.summary.value}
+    want = {
+        **{(s, 1000.0 + 0.25 * s, "train/loss"): 1.0 / s for s in (1, 2, 3)},
+        **{(s, 1000.0 + 0.25 * s, "train/accuracy"): 0.1 * s for s in (1, 2, 3)},
+        (3, 1000.75, "eval/accuracy"): 0.75,
+    }
+    assert got == pytest.approx(want)
+    assert [e.step for e in events] == [1, 2, 3]  # step 3's eval shares its step and time

@@ -448,6 +448,47 @@ def test_data_layout_and_global_batch():
         part.host_local_to_global({"tokens": np.zeros((8, 3))}, 16)
 
 
+def test_global_batch_is_device_put_in_one_transfer_per_kind_of_feature():
+    """Features of one shape, dtype and sharding go over stacked and are split on the devices:
+    the same values, shardings and committed arrays as `jax.device_put` of each feature."""
+    require_devices(8)
+    part = Partitioner(partitioning.create_mesh(num_partitions=2))
+    rng = np.random.default_rng(0)
+    local = {
+        "a": rng.integers(0, 99, (16, 3)).astype(np.int32),
+        "b": rng.integers(0, 99, (16, 3)).astype(np.int32),
+        "w": rng.random((16, 3)).astype(np.float32),  # another dtype: a transfer of its own
+        "c": rng.integers(0, 99, (16, 4)).astype(np.int32),
+        "d": rng.integers(0, 99, (16, 4)).astype(np.int32),  # sharded over its length too
+        "e": rng.integers(0, 99, (16, 4)).astype(np.int32),
+    }
+    over_length = NamedSharding(part.mesh, P("data", "model"))
+    shardings = {"d": over_length, "e": over_length}
+    got = part.host_local_to_global(local, 16, shardings)
+    want = jax.device_put(local, {k: shardings.get(k) or part.batch_sharding(2) for k in local})
+    assert list(got) == list(local)
+    for k in local:
+        assert got[k].sharding == want[k].sharding and got[k].dtype == want[k].dtype, k
+        assert got[k].committed and got[k].aval == want[k].aval, k
+        np.testing.assert_array_equal(got[k], local[k])
+        for g, w in zip(got[k].addressable_shards, want[k].addressable_shards, strict=True):
+            assert g.device == w.device and g.index == w.index, k
+    # One split per kind of feature that has company (a, b; d, e), traced once whatever the
+    # values: the next batch reuses them.
+    traces = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traces.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        part.host_local_to_global({k: v + 1 for k, v in local.items()}, 16, shardings)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert traces == [] and len(part._splitters) == 2
+
+
 # --- report -------------------------------------------------------------------------------------
 
 
