@@ -10,7 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
-from t5lite.insight.hlo import parse_collectives
+from t5lite.insight import communication
+from t5lite.insight.hlo import collective_ops, parse_collectives
+from t5lite.insight.sharding import sharding_report
 from t5lite.model import network, optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer, summarize
@@ -77,9 +79,11 @@ def test_train_step_with_microbatches_matches_single_batch():
 
 def test_microbatches_are_split_without_moving_rows_between_devices():
     """Each device's block of the batch holds its share of every microbatch (rows i, i+k, ...),
-    so a microbatched data-parallel step communicates exactly what the plain step does: the
-    gradients' all-reduce over `data`, nothing to shuffle rows (t5x's contiguous microbatches
-    compiled to all-gathers of batch rows here, collective-permutes on other meshes)."""
+    so a microbatched data-parallel step has the plain step's collectives: the gradients'
+    all-reduce over `data`, nothing to shuffle rows (t5x's contiguous microbatches compiled to
+    all-gathers of batch rows here, collective-permutes on other meshes). XLA:CPU runs that
+    all-reduce in each microbatch of the accumulation loop (XLA:TPU moves it after the loop):
+    a step sends the gradients k times, which the communication comparison names."""
     require_devices(8)
 
     def collectives(k):
@@ -91,13 +95,31 @@ def test_microbatches_are_split_without_moving_rows_between_devices():
         batch = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_shardings[n])
                  for n, v in tr.batch_abstract.items()}  # fmt: skip
         hlo = tr.train_step.lower(tr.abstract_state(), batch).compile().as_text()
-        colls = parse_collectives(hlo, part.mesh)
-        return {(c.kind, c.axes) for c in colls}, sum(c.bytes for c in colls)
+        ops = collective_ops(hlo, part.mesh)
+        report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
+        rows = communication.collective_rows(parse_collectives(hlo, part.mesh))
+        (cmp,) = communication.compare_communication(
+            rows, communication.analytic_communication(tr, report)
+        )
+        grads = max(ops, key=lambda o: o.collective.bytes)
+        kinds = {(o.collective.kind, o.collective.axes) for o in ops}
+        params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tr.state_abstract.params))
+        # The gradients' all-reduce: every parameter's, with the relative-position bias's per
+        # layer and some metrics' scalars combined in.
+        assert params <= grads.collective.bytes
+        return kinds, sum(o.collective.bytes for o in ops), grads, cmp
 
-    (kinds2, bytes2), (kinds1, bytes1) = collectives(2), collectives(1)
+    (kinds2, bytes2, grads2, cmp2), (kinds1, bytes1, grads1, cmp1) = collectives(2), collectives(1)
     assert kinds2 == kinds1 == {("all-reduce", ("data",))}
-    # Not one byte more (XLA groups the metrics' scalar all-reduces differently in the two).
+    # Not one byte more per instruction (XLA groups the metrics' scalar all-reduces
+    # differently in the two), the gradients' run once per microbatch.
     assert bytes2 <= bytes1
+    assert (grads1.runs, grads2.runs) == (1, 2)
+    assert cmp1.agrees and cmp1.differences == ()
+    assert cmp2.agrees and cmp2.differences == (
+        "gradients reduced in each of the 2 microbatches, not once after accumulating "
+        "(XLA:CPU keeps the reduction in the loop; XLA:TPU moves it out)",
+    )
 
 
 def _step_cost(tr):

@@ -212,12 +212,45 @@ def _parameter_collectives(
     for axes, (n, b) in reduce.items():
         out.append(ExpectedCollective("all-reduce", axes, n, b, _split(mesh_shape, axes),
                                       "gradients summed over the batch"))  # fmt: skip
+    choices += _per_microbatch_choices(trainer.num_microbatches, mesh_shape, fsdp, reduce)
     if relative:
         out += _relpos_collectives(trainer, mesh_shape, batch_axes)
     if lookup_axes:
         more, more_choices = _lookup_collectives(trainer, mesh_shape, lookup_axes)
         out, choices = out + more, choices + more_choices
     return out, choices
+
+
+def _per_microbatch_choices(
+    k: int,
+    mesh_shape: dict[str, int],
+    fsdp: dict[tuple[str, tuple[str, ...]], list[int]],
+    reduce: dict[tuple[str, ...], list[int]],
+) -> list[CompilerChoice]:
+    """With k microbatches the gradients need reducing once, after the accumulation loop; XLA:TPU
+    moves the reductions there, XLA:CPU leaves them in the loop body: each runs k times (and an
+    FSDP kernel's backward gather with its reduce-scatter), k - 1 times more than analytic."""
+    if k <= 1:
+        return []
+    out = []
+    name = (
+        f"gradients reduced in each of the {k} microbatches, not once after accumulating "
+        "(XLA:CPU keeps the reduction in the loop; XLA:TPU moves it out)"
+    )
+    for axes in dict.fromkeys([a for _, a in fsdp] + list(reduce)):
+        size, kinds, link = _split(mesh_shape, axes), [], 0.0
+        n, b = fsdp.get(("kernel", axes), [0, 0])
+        if n:
+            kinds += [("all-gather", (k - 1) * n, (k - 1) * b),
+                      ("reduce-scatter", (k - 1) * n, (k - 1) * (b // size))]  # fmt: skip
+            link += (k - 1) * 2 * (size - 1) / size * b
+        n, b = reduce.get(axes, [0, 0])
+        if n:
+            kinds.append(("all-reduce", (k - 1) * n, (k - 1) * b))
+            link += (k - 1) * 2 * (size - 1) / size * b
+        if kinds:
+            out.append(CompilerChoice(name, axes, link, tuple(kinds)))
+    return out
 
 
 def _stack_lengths(trainer: Trainer) -> list[tuple[int, int]]:
