@@ -25,6 +25,40 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# T5LITE_COUNT_COMPILES=1 (=test: per test): the terminal summary lists, per test file, the
+# programs this process compiled (written to the compile cache: with an empty cache, every
+# program compiled), the cache hits and the seconds spent in XLA's compile. Compiling is most
+# of the suite's cold time, so this is what to read before making a test file cheaper (CLI
+# subprocesses are not counted: they are other processes).
+_COMPILES: dict[str, list[float]] = {}
+_CURRENT_FILE = ["(collection)"]
+
+
+def _count(name: str, seconds: float = 0.0) -> None:
+    row = _COMPILES.setdefault(_CURRENT_FILE[0], [0, 0, 0.0])
+    if name == "/jax/compilation_cache/cache_misses":
+        row[0] += 1
+    elif name == "/jax/compilation_cache/cache_hits":
+        row[1] += 1
+    elif name == "/jax/core/compile/backend_compile_duration":
+        row[2] += seconds
+
+
+if os.environ.get("T5LITE_COUNT_COMPILES"):
+    jax.monitoring.register_event_listener(lambda name, **_: _count(name))
+    jax.monitoring.register_event_duration_secs_listener(lambda name, s, **_: _count(name, s))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item):
+        # T5LITE_COUNT_COMPILES=test: per test rather than per file.
+        test = os.environ["T5LITE_COUNT_COMPILES"] == "test"
+        _CURRENT_FILE[0] = item.nodeid if test else item.location[0]
+
+    def pytest_terminal_summary(terminalreporter):
+        terminalreporter.section("compiled programs (written to the cache / cache hits / s)")
+        for f, (written, hits, secs) in sorted(_COMPILES.items()):
+            terminalreporter.write_line(f"{f}: {written} / {hits} / {secs:.1f} s")
+
 
 def require_devices(n: int) -> None:
     """Skips the calling test when fewer than `n` devices exist."""

@@ -112,12 +112,17 @@ def test_cached_logits_equal_full_forward_at_every_step():
     rng = np.random.RandomState(1)
     enc = jnp.asarray(rng.randint(2, 128, (B, S)), jnp.int32)
     dec = jnp.asarray(rng.randint(2, 128, (B, L)), jnp.int32).at[:, 0].set(0)
-    full = module.apply({"params": params}, enc, dec, enable_dropout=False)
-    encoded = module.apply({"params": params}, enc, enable_dropout=False, method=module.encode)
-    call = functools.partial(
+    # Every apply under jit: eagerly, each op of a forward pass compiles as its own program.
+    full = jax.jit(functools.partial(module.apply, enable_dropout=False))(
+        {"params": params}, enc, dec
+    )
+    encoded = jax.jit(functools.partial(module.apply, enable_dropout=False, method=module.encode))(
+        {"params": params}, enc
+    )
+    call = jax.jit(functools.partial(
         module.apply, enable_dropout=False, decode=True, max_decode_length=L,
         method=module.decode, mutable=["cache"],
-    )  # fmt: skip
+    ))  # fmt: skip
     cache = models._zero_cache(lambda: call({"params": params}, encoded, enc, dec))
     steps = []
     for i in range(L):
@@ -202,7 +207,9 @@ def test_model_eos_and_decoder_start_ids():
     first = jax.jit(_model("t5", decoder_start_token_id=start).predict_batch)(params, batch)
     dec_in = np.zeros((B, L), np.int32)
     dec_in[:, 0] = start
-    logits = _model("t5")._logits(params, {**batch, "decoder_input_tokens": dec_in}, None)
+    logits = jax.jit(lambda p, b: _model("t5")._logits(p, b, None))(
+        params, {**batch, "decoder_input_tokens": dec_in}
+    )
     np.testing.assert_array_equal(np.asarray(first)[:, 0], np.argmax(logits[:, 0], -1))
 
 
@@ -229,8 +236,10 @@ def test_model_decode_order_and_traced_decoder_params():
     got = np.asarray(fn(params, batch, jnp.array([0.0] * (B // 2) + [1.0] * (B // 2)))[0])
     np.testing.assert_array_equal(got[: B // 2], greedy[: B // 2])
     assert not np.array_equal(got[B // 2 :], greedy[B // 2 :])
+    # Traced, not run: the refusal comes after the encoder, whose ops eagerly compile one by one.
+    refused = functools.partial(model.predict_batch_with_aux, decoder_params={"beam_size": 2})
     with pytest.raises(ValueError, match=r"decoder_params \['beam_size'\] do not apply"):
-        model.predict_batch_with_aux(params, batch, decoder_params={"beam_size": 2})
+        jax.jit(refused)(params, batch)
 
 
 def test_sampling_top_k_one_and_tiny_top_p_are_greedy_and_seeds_reproduce():
@@ -280,9 +289,15 @@ def _markov(table_VV: np.ndarray):
     return tokens_to_logits
 
 
+def _log_softmax(table: np.ndarray) -> np.ndarray:
+    """jax's fp32 log-softmax of a table, read on the host: indexing a device array with Python
+    ints compiles a program per distinct index (hundreds over these tests on a cold cache)."""
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(table, jnp.float32), -1))
+
+
 def _score(table, seq, alpha, eos):
     """log p(seq) / brevity penalty for one complete sequence of generated tokens."""
-    logp = jax.nn.log_softmax(jnp.asarray(table, jnp.float32), -1)
+    logp = _log_softmax(table)
     prev, total = 0, 0.0
     for t in seq:
         total += float(logp[prev, t])
@@ -341,7 +356,7 @@ def test_beam_search_prefers_finished_beams_and_falls_back_to_live_ones():
     """t5x: a row returns its EOS-ended beams even when a live (length-limited) beam scores
     higher; a row where no beam finished returns its live beams, scored by log-probability."""
     tables, length, eos = _beam_tables(), 3, 1
-    logp = jax.nn.log_softmax(jnp.asarray(tables), -1)
+    logp = _log_softmax(tables)
     prompt = jnp.zeros((2, length), jnp.int32)
     seqs, scores = decoding.beam_search(
         prompt, jnp.arange(2), _markov_rows(tables), beam_size=2, alpha=0.0, eos_id=eos
@@ -405,7 +420,7 @@ def _chain(v: int, pairs, eos_logit: float = -5.0) -> np.ndarray:
 
 def _logp(table, seq, prev=0) -> float:
     """Log-probability of the tokens of seq under the bigram table, after token prev."""
-    logp = jax.nn.log_softmax(jnp.asarray(table, jnp.float32), -1)
+    logp = _log_softmax(table)
     return sum(float(logp[a, b]) for a, b in zip((prev, *seq[:-1]), seq))
 
 

@@ -212,7 +212,9 @@ def test_t5_1_0_variant_and_param_dtype():
     assert set(params["encoder"]["layers_0"]["mlp"]) == {"wi", "wo"}
     assert "logits_dense" not in params["decoder"]
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-    logits = _model(cfg).apply({"params": params}, **_t5_batch(), enable_dropout=False)
+    logits = jax.jit(functools.partial(_model(cfg).apply, enable_dropout=False))(
+        {"params": params}, **_t5_batch()
+    )
     assert logits.dtype == jnp.float32
     # The old `param_dtype` spelling now means bf16 parameters over fp32 masters.
     old = dataclasses.replace(T5_TINY, param_dtype="bfloat16")
@@ -263,7 +265,12 @@ def test_outputs_and_grads_equal_across_meshes(arch, mesh_shape, dims):
         in_shardings=(param_sh, batch_sh),
         out_shardings=(None, param_sh),
     )
-    loss, grads = step(jax.device_put(params, param_sh), jax.device_put(batch, batch_sh))
+    # Placed from host copies: putting device arrays onto another sharding compiles a resharding
+    # program per leaf shape and sharding (hundreds over the mesh x rules matrix, cold).
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    loss, grads = step(
+        jax.device_put(host(params), param_sh), jax.device_put(host(batch), batch_sh)
+    )
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
     diffs = jax.tree.map(_max_abs_diff, grads, ref_grads)
     assert max(jax.tree.leaves(diffs)) <= 1e-5, diffs
@@ -358,9 +365,10 @@ def _input_jacobian_norms(cfg, batch, t, **kwargs):
     """|d logits[:, t] / d embedded_inputs[:, s]| for every s, via the 'perturbations' hook."""
     model = _model(cfg)
     variables = meta.unbox(_init(cfg, batch))
-    _, state = model.apply(
-        variables, **batch, **kwargs, enable_dropout=False, mutable=["perturbations"]
-    )
+    # Under jit: an eager apply compiles every op of the forward pass as its own program.
+    _, state = jax.jit(
+        functools.partial(model.apply, enable_dropout=False, mutable=["perturbations"])
+    )(variables, **batch, **kwargs)
 
     def out_t(perturbations):
         logits = model.apply(
@@ -442,9 +450,10 @@ def test_dropout_is_active_only_when_enabled():
     batch = _lm_batch(b=2)
     variables = meta.unbox(_init(cfg, batch))
     model = _model(cfg)
-    a = model.apply(variables, **batch, enable_dropout=False)
-    b = model.apply(variables, **batch, enable_dropout=False)
-    c = model.apply(variables, **batch, rngs={"dropout": jax.random.PRNGKey(1)})
+    apply = jax.jit(model.apply, static_argnames="enable_dropout")
+    a = apply(variables, **batch, enable_dropout=False)
+    b = apply(variables, **batch, enable_dropout=False)
+    c = apply(variables, **batch, rngs={"dropout": jax.random.PRNGKey(1)})
     np.testing.assert_array_equal(a, b)
     assert _max_abs_diff(a, c) > 1e-3
 
