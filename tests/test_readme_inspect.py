@@ -21,3 +21,5 @@ def test_inspect_and_plan_commands():
     assert out.stdout.count("  verdict: ") == 2 and " on TPU v5: " in out.stdout
     assert "[16/16]" in out.stderr and ": compiling..." in out.stderr  # plan's progress
     assert "best: " in out.stdout
+    # Piped, not a terminal: every report fits 100 columns.
+    assert max(len(line) for line in out.stdout.splitlines()) <= 100

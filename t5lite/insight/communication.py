@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -561,8 +562,9 @@ def _choice_group_size(axes: Sequence[str], expected: Sequence[ExpectedCollectiv
     return math.prod(int(a.split("/")[1]) if "/" in a else 2 for a in axes)
 
 
-def format_comparison(comparisons: Sequence[AxisComparison]) -> list[str]:
-    """Lines for a report: per mesh axes, compiled vs analytic bytes sent and why they differ."""
+def format_comparison(comparisons: Sequence[AxisComparison], width: int | None = None) -> list[str]:
+    """Lines for a report: per mesh axes, compiled vs analytic bytes sent and why they differ
+    (each reason wrapped at `width` columns)."""
     lines = ["  mesh axes      compiled     analytic    explained  ratio"]
     for c in comparisons:
         verdict = "agrees" if c.agrees else "differs"
@@ -571,6 +573,11 @@ def format_comparison(comparisons: Sequence[AxisComparison]) -> list[str]:
             f"{format_bytes(c.analytic):>13}{format_bytes(c.explained):>13}"
             f"  {c.ratio:5.2f}  {verdict}"
         )
-        lines += [f"      - {d}" for d in c.differences]
+        for d in c.differences:
+            lines += (
+                textwrap.wrap(d, width, initial_indent="      - ", subsequent_indent=" " * 8)
+                if width
+                else [f"      - {d}"]
+            )
         lines += list(c.notes)
     return lines

@@ -179,7 +179,7 @@ class StepReport:
         ]
         if self.memory is not None:  # compiled: bytes sent per mesh axes, each gap named
             lines += ["", "bytes sent per device, compiled vs analytic:"]
-            lines += format_comparison(compare_communication(self.collectives, a))
+            lines += format_comparison(compare_communication(self.collectives, a), width)
         if a.zero3 is not None:
             lines += ["", *format_zero3(a.zero3, self.collectives if self.memory else None)]
         if self.flops is not None:
