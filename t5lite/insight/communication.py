@@ -511,21 +511,32 @@ def _formula_axes(analytic: AnalyticCommunication) -> tuple[str, ...] | None:
     return axes[-1] if axes else None
 
 
+def _tally(rows, expected, chosen, link: bool) -> dict[str, list]:
+    """Per kind: [compiled count, compiled bytes, explained count, explained bytes] (expected
+    plus the chosen compiler choices' changes); bytes sent over links with `link`, else result
+    bytes."""
+    by_kind: dict[str, list] = {k: [0, 0, 0, 0] for k in KINDS}
+    for r in rows:
+        by_kind[r.kind][0] += r.count
+        by_kind[r.kind][1] += r.link_bytes if link else r.bytes
+    for e in expected:
+        by_kind[e.kind][2] += e.count
+        by_kind[e.kind][3] += e.link_bytes if link else e.bytes
+    for c in chosen:
+        for kind, n, b in c.kinds:
+            if link:
+                size = _choice_group_size(c.axes, expected)
+                b = _link_bytes(Collective(kind, b, c.axes, (tuple(range(size)),)))
+            by_kind[kind][2] += n
+            by_kind[kind][3] += b
+    return by_kind
+
+
 def _kinds(rows, expected, chosen) -> tuple[tuple[str, int, int, int, int], ...]:
     """Per kind present: compiled count and result bytes, explained count and result bytes
     (expected plus the chosen compiler choices' changes)."""
-    by_kind = {k: [0, 0, 0, 0] for k in KINDS}
-    for r in rows:
-        by_kind[r.kind][0] += r.count
-        by_kind[r.kind][1] += r.bytes
-    for e in expected:
-        by_kind[e.kind][2] += e.count
-        by_kind[e.kind][3] += e.bytes
-    for c in chosen:
-        for kind, n, b in c.kinds:
-            by_kind[kind][2] += n
-            by_kind[kind][3] += b
-    return tuple((k, *v) for k, v in by_kind.items() if any(v))  # type: ignore[misc]
+    by_kind = _tally(rows, expected, chosen, link=False)
+    return tuple((k, *v) for k, v in by_kind.items() if any(v))
 
 
 def _kind_deltas(
@@ -535,18 +546,7 @@ def _kind_deltas(
 ) -> list[str]:
     """What remains unexplained, kind by kind: compiled count and bytes against expected (after
     the chosen compiler choices)."""
-    by_kind = {k: [0, 0.0, 0, 0.0] for k in KINDS}
-    for r in rows:
-        by_kind[r.kind][0] += r.count
-        by_kind[r.kind][1] += r.link_bytes
-    for e in expected:
-        by_kind[e.kind][2] += e.count
-        by_kind[e.kind][3] += e.link_bytes
-    for c in chosen:
-        for kind, n, b in c.kinds:
-            size = _choice_group_size(c.axes, expected)
-            by_kind[kind][2] += n
-            by_kind[kind][3] += _link_bytes(Collective(kind, b, c.axes, (tuple(range(size)),)))
+    by_kind = _tally(rows, expected, chosen, link=True)
     return [
         f"{kind}: {n} compiled ({format_bytes(link)} sent) vs {m} expected ({format_bytes(want)})"
         for kind, (n, link, m, want) in by_kind.items()
