@@ -134,8 +134,12 @@ def test_two_processes_match_one_and_restore_on_one(tmp_path, single):
 
 
 def test_dead_peer_stops_the_survivor_with_a_clear_error(tmp_path):
+    # The heartbeat timeout is above step_timeout_s: the runtime's reaction to a missed
+    # heartbeat is an abort, which this test is not about (the survivor ended by SIGABRT once,
+    # in a loaded suite run with 15 s: the likely cause, not confirmed); it must end by a
+    # failed collective or by the watchdog.
     procs = _start_multi(tmp_path / "m", 100000, "--gin.train.step_timeout_s=20",
-                         "--heartbeat_timeout_s=15", "--gin.CheckpointConfig.period=0")  # fmt: skip
+                         "--heartbeat_timeout_s=60", "--gin.CheckpointConfig.period=0")  # fmt: skip
     survivor, victim = procs
     # Wait until training is under way (process 0 logs each step), then kill process 1.
     deadline = time.time() + 300
@@ -151,7 +155,7 @@ def test_dead_peer_stops_the_survivor_with_a_clear_error(tmp_path):
     t0 = time.time()
     _, err = survivor.communicate(timeout=120)
     elapsed = time.time() - t0
-    assert survivor.returncode == 1
+    assert survivor.returncode == 1, err[-3000:]
     assert elapsed < 30, elapsed  # step_timeout_s=20 bounds it even if no collective fails
     last = err.strip().splitlines()[-1]
     assert last.startswith("t5lite train: error: process 0 of 2: "), err[-2000:]
