@@ -188,20 +188,37 @@ class Task:
         sequence_length: Mapping[str, int] | None,
     ) -> Example | None:
         """Runs the remaining preprocessors and checks the required features are present."""
+        return self.post_cache_fn(sequence_length)(example, rng)
+
+    def post_cache_fn(
+        self, sequence_length: Mapping[str, int] | None
+    ) -> Callable[[Example, np.random.Generator | None], Example | None]:
+        """`preprocess_post_cache` for one `sequence_length`, each preprocessor's keyword
+        arguments bound once rather than looked up per example: the loader calls it for every
+        example, on the thread that also feeds the devices."""
+        steps = []
         for fn in self.post_cache_preprocessors:
-            example = call_preprocessor(
-                fn, example, sequence_length=sequence_length, output_features=self.output_features,
-                rng=rng,
-            )  # fmt: skip
-            if example is None:
-                return None
-        missing = [k for k, f in self.output_features.items() if f.required and k not in example]
-        if missing:
-            raise ValueError(
-                f"Task {self.name!r}: example lacks required feature(s) {missing} after "
-                f"preprocessing (has {sorted(example)})"
-            )
-        return example
+            names = accepted_kwargs(fn)
+            static = {"sequence_length": sequence_length, "output_features": self.output_features}
+            static = {k: v for k, v in static.items() if k in names}
+            steps.append((functools.partial(fn, **static) if static else fn, "rng" in names))
+        required = [k for k, f in self.output_features.items() if f.required]
+
+        def run(example: Example, rng: np.random.Generator | None) -> Example | None:
+            for fn, wants_rng in steps:
+                example = fn(example, rng=rng) if wants_rng else fn(example)
+                if example is None:
+                    return None
+            for k in required:
+                if k not in example:
+                    missing = [k for k in required if k not in example]
+                    raise ValueError(
+                        f"Task {self.name!r}: example lacks required feature(s) {missing} after "
+                        f"preprocessing (has {sorted(example)})"
+                    )
+            return example
+
+        return run
 
     def preprocessed_examples(
         self,

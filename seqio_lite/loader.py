@@ -114,10 +114,12 @@ def task_examples(
         if num_epochs is None or num_epochs > 1:
             ds = ds.repeat(num_epochs)
 
+    preprocess = task.post_cache_fn(sequence_length)
+
     def post(example: dict, rng: np.random.Generator | None = None) -> dict:
         if not example:
             return _FILTERED
-        out = task.preprocess_post_cache(example, rng, sequence_length)
+        out = preprocess(example, rng)
         if out is None:
             return _FILTERED
         if converter is not None:

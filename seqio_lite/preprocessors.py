@@ -84,7 +84,7 @@ def append_eos_after_trim(
                 # (per feature of every example, on the thread that feeds the devices).
                 out[name] = with_eos = np.empty(ids.size + 1, feat.dtype)
                 with_eos[:-1] = ids
-                with_eos[-1] = np.asarray(feat.vocabulary.eos_id).astype(feat.dtype)
+                with_eos[-1] = _cast_id(feat.vocabulary.eos_id, feat.dtype)
                 continue
             # np.append's dtype (int64 for an int32 array and a Python int), without its
             # ravel / asanyarray overhead per example; cast below as before.
@@ -93,6 +93,12 @@ def append_eos_after_trim(
             ids = ids[: sequence_length[name]]
         out[name] = ids.astype(feat.dtype)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_id(token_id: int, dtype: Any) -> np.generic:
+    """`token_id` cast as `astype` casts it, once per id and dtype rather than per example."""
+    return np.asarray(token_id).astype(dtype)[()]
 
 
 def random_crop(

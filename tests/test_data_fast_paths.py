@@ -5,6 +5,7 @@ per-element iterator, and packing places and lays out a batch with numpy over al
 a user expects the same examples in the same rows in the same order.
 """
 
+import functools
 import itertools
 
 import numpy as np
@@ -57,20 +58,28 @@ def _reference_batch(conv, examples, batch_size, lengths):
     return out, placed
 
 
+# Three groups: a passthrough feature packs as a group of its own (the packer's general path).
+_EncDecWithIds = functools.partial(fc.EncDecFeatureConverter, passthrough_features=("ids",))
+
+
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize(
-    "conv_cls", [fc.EncDecFeatureConverter, fc.LMFeatureConverter, fc.PrefixLMFeatureConverter]
-)
+    "conv_cls",
+    [fc.EncDecFeatureConverter, fc.LMFeatureConverter, fc.PrefixLMFeatureConverter,
+     _EncDecWithIds],
+)  # fmt: skip
 def test_packing_matches_per_example_reference(conv_cls, pack):
     rng = np.random.default_rng(7)
     conv = conv_cls(pack=pack)
-    glen = conv.group_lengths(_LENGTHS)
+    lengths = {**_LENGTHS, "ids": 9}
+    glen = conv.group_lengths(lengths)
     raw = [
         {"inputs": rng.integers(3, 50, rng.integers(0, 15)),
-         "targets": rng.integers(3, 50, rng.integers(1, 13))}
+         "targets": rng.integers(3, 50, rng.integers(1, 13)),
+         "ids": rng.integers(1, 9, rng.integers(0, 8)).astype(np.int32)}
         for _ in range(300)
     ]  # fmt: skip
-    examples = [conv.convert_example(e, _LENGTHS) for e in raw]
+    examples = [conv.convert_example(e, lengths) for e in raw]
     batches = 0
     while examples:
         packer = fc.RowPacker(conv, 6, glen)
@@ -216,3 +225,53 @@ def test_eos_after_trim_and_byte_encoding_match_the_generic_numpy_ops(ids_dtype,
     raw = ids if length is None else ids[:length]
     np.testing.assert_array_equal(out["raw"], raw.astype(np.int32))
     assert out["raw"].dtype == np.int32
+
+
+def test_the_bound_post_cache_steps_pass_what_each_signature_asks_for():
+    """`Task.post_cache_fn` binds each preprocessor's keyword arguments once: the same ones
+    `call_preprocessor` passes per call, by signature (`**kwargs` gets all three)."""
+    seen: dict[str, list] = {}
+
+    def plain(ex):
+        seen["plain"] = []
+        return ex
+
+    def lengths_only(ex, sequence_length):
+        seen["lengths_only"] = [sequence_length]
+        return ex
+
+    def features_and_rng(ex, output_features, rng):
+        seen["features_and_rng"] = [sorted(output_features), rng]
+        return {**ex, "targets": ex["text"]}
+
+    def anything(ex, **kwargs):
+        seen["anything"] = sorted(kwargs)
+        return ex
+
+    vocab = sl.ByteVocabulary()
+    task = sl.Task(
+        "bound_steps_probe", sl.sources.FunctionSource(lambda s, i: {"text": "ab"}, {"train": 3}),
+        output_features={"targets": sl.Feature(vocab)},
+        preprocessors=[plain, lengths_only, features_and_rng, anything,
+                       functools.partial(sl.preprocessors.tokenize, copy_pretokenized=False)],
+    )  # fmt: skip
+    lengths = {"targets": 8}
+    rng = np.random.default_rng(0)
+    out = task.post_cache_fn(lengths)({"text": "ab"}, rng)
+    assert seen == {
+        "plain": [], "lengths_only": [lengths], "features_and_rng": [["targets"], rng],
+        "anything": ["output_features", "rng", "sequence_length"],
+    }  # fmt: skip
+    np.testing.assert_array_equal(out["targets"], vocab.encode_np("ab"))
+    assert task.preprocess_post_cache({"text": "ab"}, rng, lengths).keys() == out.keys()
+
+    dropping = sl.Task("bound_steps_drop", task.source, task.output_features,
+                       preprocessors=[lambda ex: None, plain])  # fmt: skip
+    seen.clear()
+    assert dropping.post_cache_fn(lengths)({"text": "ab"}, None) is None and seen == {}
+    lacking = sl.Task("bound_steps_lack", task.source, task.output_features, preprocessors=[plain])
+    with pytest.raises(ValueError, match=(
+        r"^Task 'bound_steps_lack': example lacks required feature\(s\) \['targets'\] after "
+        r"preprocessing \(has \['text'\]\)$"
+    )):  # fmt: skip
+        lacking.post_cache_fn(lengths)({"text": "ab"}, None)
