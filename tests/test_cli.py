@@ -43,14 +43,43 @@ def test_train_resume_is_bit_identical(tmp_path):
     assert "TRAIN_STEPS = 6" in (full / "config.gin").read_text()
 
 
-def test_train_loop_traces_its_step_once(tmp_path):
+def test_train_loop_traces_its_step_once_and_puts_the_next_batch_last(tmp_path, monkeypatch):
     """Every step of the loop (a new batch each, metrics read a step late, a save at step 3)
-    dispatches the same compiled train step: nothing it passes changes type or sharding."""
+    dispatches the same compiled train step: nothing it passes changes type or sharding. While
+    step N runs, step N-1's report comes before step N+1's batch is put on the devices (putting
+    it ends in a device program, which XLA:CPU runs only after step N, holding the host). The
+    set-up's objects are out of the garbage collector's sight while the steps run, and back in
+    it afterwards."""
     import collections
+    import gc
 
     import jax
 
+    import t5lite.programs.train as train_program
+
     require_devices(8)
+    frozen_while_stepping = []
+    run_steps = train_program._run_steps
+
+    def recording(*args, **kwargs):
+        frozen_while_stepping.append(gc.get_freeze_count())
+        return run_steps(*args, **kwargs)
+
+    monkeypatch.setattr(train_program, "_run_steps", recording)
+    events = []
+    prefetch, report = train_program._Batches.prefetch, train_program._StepReport.__call__
+
+    def recording_prefetch(self):
+        if self._next is None:
+            events.append("put")
+        prefetch(self)
+
+    def recording_report(self, step, *args):
+        events.append(f"report {step}")
+        return report(self, step, *args)
+
+    monkeypatch.setattr(train_program._Batches, "prefetch", recording_prefetch)
+    monkeypatch.setattr(train_program._StepReport, "__call__", recording_report)
     traces = collections.Counter()
 
     def listen(event, duration, **kw):
@@ -65,6 +94,16 @@ def test_train_loop_traces_its_step_once(tmp_path):
     assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
     # The batch's features go over stacked and are split on the devices by one jitted call.
     assert traces["_train_step"] == 1 and traces["split_stacked"] == 1, traces
+    assert events == [
+        "put", "put",  # steps 1 and 2
+        "report 1", "put",  # step 3's batch
+        "report 2", "put", "report 3",  # step 3 saves: read at once
+        "put",  # step 5's batch (nothing pending from step 3)
+        "report 4", "put",
+        "report 5", "report 6",  # the last step: no batch after it
+    ], events  # fmt: skip
+    # JAX, Flax, gin and the model: far more objects than a step makes.
+    assert frozen_while_stepping[0] > 100_000 and gc.get_freeze_count() == 0
 
 
 def test_eval_and_infer_from_checkpoint(tmp_path):
