@@ -7,6 +7,7 @@ batch = next(it)            # {"encoder_input_tokens": int32[8, 32], ...}
 state = it.get_state()      # small JSON-able dict; it.set_state(state) resumes
 """
 
+from seqio_lite.background import BackgroundIterator
 from seqio_lite.dataset_providers import (
     CacheDatasetPlaceholder,
     Feature,
@@ -67,6 +68,7 @@ __all__ = [
     "EOS_ID",
     "PAD_ID",
     "ArrayRecordSource",
+    "BackgroundIterator",
     "ByteVocabulary",
     "CacheDatasetPlaceholder",
     "DataIterator",

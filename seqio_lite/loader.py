@@ -364,6 +364,12 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
     def __iter__(self) -> DataIterator:
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Without the reading engine (a generator or grain's workers, which do not pickle) and
+        # the example it read ahead: `_next` still points at that example, so a copy restarts
+        # the reading exactly there (a `BackgroundIterator`'s data process).
+        return {**self.__dict__, "_it": None, "_pending": None}
+
     # -- state ---------------------------------------------------------------------------------
 
     def get_state(self) -> dict[str, Any]:

@@ -32,6 +32,11 @@ class DataConfig:
     cache_dir: str | None = None
     """Where `t5lite cache` writes the task's cache and `use_cached` reads it (also searched:
     `$SEQIO_LITE_CACHE_DIRS`)."""
+    data_process: bool = True
+    """Train: read, preprocess and pack the batches in a separate low-priority process, a few
+    steps ahead (`seqio_lite.BackgroundIterator`), so the pipeline's Python never takes the
+    CPU or the interpreter lock of the process that dispatches the steps. False: read them in
+    the training process."""
 
     def __post_init__(self) -> None:
         lengths = dict(self.task_feature_lengths)

@@ -125,7 +125,8 @@ def train(
         writer = mw.MetricsWriter(model_dir, total_steps=num_steps, enabled=is_chief,
                                   log_period=log.period)  # fmt: skip
         stack.callback(writer.close)
-        dataset = _train_dataset(data, model, partitioner, seed)
+        dataset = _train_dataset(data, model, partitioner, seed, writer)
+        stack.callback(dataset.close)  # the data process, where there is one
         ckpt = CheckpointManager(
             model_dir, save_period=checkpoint.period, keep=checkpoint.keep,
             keep_period=checkpoint.keep_period,
@@ -374,17 +375,28 @@ def _acquire_lock(model_dir: str, is_chief: bool, stack: contextlib.ExitStack) -
         stack.callback(lock.release)
 
 
-def _train_dataset(data: DataConfig, model: BaseModel, partitioner: Partitioner, seed: int):
-    """This process's shard of the training examples, in the model's features."""
+def _train_dataset(
+    data: DataConfig,
+    model: BaseModel,
+    partitioner: Partitioner,
+    seed: int,
+    writer: mw.MetricsWriter,
+):
+    """This process's shard of the training examples, in the model's features; read by a data
+    process (`DataConfig.data_process`), which starts now so its start-up overlaps the
+    restore and the compilation."""
     layout = partitioner.get_data_layout(data.batch_size)
     if data.use_cached and data.cache_dir:
         cache_tasks.add_global_cache_dirs([data.cache_dir])
-    return seqio_lite.get_dataset(
+    iterator = seqio_lite.get_dataset(
         data.task, dict(data.task_feature_lengths), split_of(data, "train"),
         layout.per_process_batch_size, shard_id=layout.shard_id, num_shards=layout.num_shards,
         seed=seed, feature_converter=feature_converter(model, data.pack),
         use_cached=data.use_cached,
     )  # fmt: skip
+    if not data.data_process:
+        return iterator
+    return seqio_lite.BackgroundIterator(iterator, on_fallback=writer.info)
 
 
 def _stop_non_finite(
