@@ -41,7 +41,8 @@ from seqio_lite.loader import DataIterator
 
 
 class BackgroundIterator(Iterator[dict[str, np.ndarray]]):
-    """`iterator`'s batches, made up to `buffer_size` ahead by a data process at priority `nice`.
+    """`iterator`'s batches, made ahead by a data process at priority `nice`: `buffer_size`
+    batches, plus those the pipe holds (64 KiB on Linux: dozens of small batches, one of a big).
 
     Has `DataIterator`'s interface (`get_state`, `set_state`, `close`, `feature_shapes`,
     `batch_size`). The data process ends with `close()`, or on its own once the training
@@ -85,8 +86,9 @@ class BackgroundIterator(Iterator[dict[str, np.ndarray]]):
         )
         assert self._proc.stdin is not None
         # stdin stays open: its end-of-file tells the data process this one is gone.
-        pickle.dump((payload, self._buffer_size, self._nice), self._proc.stdin)
-        self._proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # it died at once: `_receive` says so
+            pickle.dump((payload, self._buffer_size, self._nice), self._proc.stdin)
+            self._proc.stdin.flush()
 
     def _stop(self) -> None:
         if self._proc is not None:
