@@ -143,14 +143,15 @@ class BackgroundIterator(Iterator[dict[str, np.ndarray]]):
         assert self._proc is not None and self._proc.stdout is not None
         try:
             return pickle.load(self._proc.stdout)
-        except (EOFError, pickle.UnpicklingError):  # the data process is gone
+        except EOFError:  # the data process is gone
             code = self._proc.wait()
-            self._stop()
-            self._start()  # a batch not taken yet is made again, from the same state
-            raise RuntimeError(
-                f"seqio_lite data process ended with exit code {code} before sending its "
-                "batch (killed, or out of memory?)"
-            ) from None
+            problem = f"ended with exit code {code} before sending its batch (killed, or out of "
+            problem += "memory?)"
+        except Exception as e:
+            problem = f"sent a message this process cannot read ({type(e).__name__}: {e})"
+        self._stop()
+        self._start()  # a batch not taken yet is made again, from the same state
+        raise RuntimeError(f"seqio_lite data process {problem}")
 
     def __iter__(self) -> BackgroundIterator:
         return self
@@ -246,5 +247,10 @@ def _picklable(e: Exception) -> Exception:
 
 
 def main() -> None:
-    """The data process's entry point: its messages go to stdout; stderr stays the user's."""
-    _serve(sys.stdin.buffer, sys.stdout.buffer)
+    """The data process's entry point. Its messages go out on the pipe it was given as stdout;
+    whatever else writes to stdout (a preprocessor's `print`, a library's C code) goes to
+    stderr, the user's terminal, instead of into the messages."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(sys.stdin.buffer, out)

@@ -24,9 +24,11 @@ import seqio_lite as sl
 _LENGTHS = {"inputs": 12, "targets": 10}
 
 
-def _task(name: str, n: int, fail_at: int | None = None, extra: object = None) -> sl.Task:
+def _task(
+    name: str, n: int, fail_at: int | None = None, extra: object = None, chatty: bool = False
+) -> sl.Task:
     """A task whose source and preprocessor are closures (they travel by value); `fail_at`:
-    the source index whose example the preprocessor rejects."""
+    the source index whose example the preprocessor rejects; `chatty`: it prints each one."""
     vocab = sl.ByteVocabulary()
 
     def source(split, i):
@@ -35,6 +37,8 @@ def _task(name: str, n: int, fail_at: int | None = None, extra: object = None) -
     def check(ex):
         if ex["index"] == fail_at:
             raise ValueError(f"example {fail_at} is malformed")
+        if chatty:
+            print(f"preprocessing example {ex['index']}")  # a user's debugging
         _ = extra  # a free variable: it travels with the closure
         return ex
 
@@ -80,6 +84,20 @@ def test_same_batches_and_states_as_in_process_and_resumes_from_a_state():
             bg.set_state(other)
     finally:
         bg.close()
+
+
+def test_a_preprocessor_that_prints_does_not_disturb_the_batches(capfd):
+    task = _task("bg_chatty", 100, chatty=True)
+    ref = _iterator(task)
+    bg = sl.BackgroundIterator(_iterator(task))
+    try:
+        for _ in range(5):
+            _assert_same(next(bg), next(ref))
+            assert bg.get_state() == ref.get_state()
+    finally:
+        bg.close()
+    # The data process's prints reach the user (on stderr), not the batches' pipe.
+    assert "preprocessing example" in capfd.readouterr().err
 
 
 def test_finite_data_ends_like_the_in_process_iterator():
