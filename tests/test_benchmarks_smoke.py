@@ -52,7 +52,10 @@ def test_train_loop_quick(tmp_path):
     loop = next(f for f in record["figures"] if f["name"] == "train_loop_steps_per_s")
     assert set(loop) >= FIGURE_KEYS and loop["value"] > 0 and loop["reference"] > 0
     assert loop["goal"] == "<= 1.03"
-    assert len(record["seconds_per_step"]["loop"]) == 2  # one timing per round
+    # --quick: 3 loop blocks, each between two bare blocks, and a ratio per loop block
+    assert len(record["seconds_per_step"]["loop"]) == 3
+    assert len(record["seconds_per_step"]["bare"]) == 4
+    assert len(record["block_ratios"]) == 3 and all(r > 0 for r in record["block_ratios"])
 
 
 def test_memory_accuracy_smoke(tmp_path):
