@@ -14,6 +14,7 @@ from conftest import file_checksums, require_devices, run_cli
 
 import t5lite.programs.train as train_program
 from t5lite.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint
+from t5lite.pytree import finite_by_array
 
 QUICK = [
     "--gin_file=quickstart.gin",
@@ -23,6 +24,30 @@ QUICK = [
     "--gin.LogConfig.period=1",
     "--gin.warmup_cosine_schedule.warmup_steps=2",
 ]
+
+
+def test_finite_by_array_matches_numpy_element_by_element():
+    big = np.finfo(np.float32).max
+    tree = {
+        "a_nan": np.array([1.0, np.nan, 2.0], np.float32),
+        "b_inf": np.array([[1.0, np.inf]], np.float32),
+        "c_both_infs": np.array([np.inf, -np.inf], np.float32),  # sum NaN
+        "d_overflowing_sum": np.full([4], big, np.float32),  # finite values, sum inf: finite
+        "e_ok": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "f_bf16_nan": jnp.array([1.0, np.nan], jnp.bfloat16),
+        "g_bf16_overflowing_sum": jnp.full([4], 3e38, jnp.bfloat16),
+        "h_ints": np.array([1, 2], np.int32),  # not inexact: no flag
+        "i_ok_scalar": np.float32(3.0),
+    }
+    want = [
+        bool(np.isfinite(np.asarray(x, np.float32)).all())
+        for k, x in sorted(tree.items())
+        if k != "h_ints"
+    ]
+    assert want == [False, False, False, True, True, False, True, True]
+    assert np.asarray(jax.jit(finite_by_array)(tree)).tolist() == want
+    assert np.asarray(jax.jit(finite_by_array)({"e_ok": tree["e_ok"]})).tolist() == [True]
+    assert np.asarray(finite_by_array({"h_ints": tree["h_ints"]})).shape == (0,)
 
 
 def _committed(model_dir: Path) -> list[int]:
