@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks, args.block, args.warmup, args.runs = 3, 5, 5, 1
+    if min(args.blocks, args.block, args.runs) < 1:
+        ap.error("--blocks, --block and --runs must be at least 1")
     if args.warmup < args.block:
         ap.error("--warmup must be at least --block (the first bare block runs its batches)")
     _RecordingTrainer.block, _RecordingTrainer.warmup = args.block, args.warmup
