@@ -139,6 +139,7 @@ def run_cache_job(
       overwrite: replace a completed cache (otherwise refused: good data is never clobbered).
       pipeline_args: Beam pipeline options (`--runner=...` etc.); DirectRunner when empty.
     """
+    # The `[beam]` extra: only running the job needs it, not reading a cache.
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
