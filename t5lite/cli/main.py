@@ -245,8 +245,9 @@ def _run_program(
     from t5lite import distributed
     from t5lite.cli import gin_config as gin_utils
 
-    # Before joining: bad configs fail fast.
+    # Before joining: bad configs fail fast, and so does a binding that nothing would read.
     gin_utils.parse_gin(args.gin_file, bindings, search_paths=args.gin_search_path)
+    pending = gin_utils.check_read(args.command)
     distributed.initialize(
         args.coordinator_address,
         args.num_processes,
@@ -273,6 +274,7 @@ def _run_program(
     if args.command == "train":  # config.gin: what this run used, written once it is set up
         kwargs["operative_config"] = gin_utils.operative_config
     fn(**kwargs)
+    gin_utils.check_called(pending)  # flags on a user's configurables: called by now
 
 
 def _fake_host_devices(args: argparse.Namespace) -> None:
