@@ -213,6 +213,7 @@ def test_no_false_error_with_shared_user_files(tmp_path, monkeypatch):
         TASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': 8}
         TRAIN_STEPS = 30
         BATCH_SIZE = 16
+        train.evaluation = @EvalConfig()
         EvalConfig.num_examples = 32
         CheckpointConfig.period = 10
         AdamW.weight_decay = 0.01
