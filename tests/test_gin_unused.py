@@ -10,7 +10,7 @@ from pathlib import Path
 
 import gin
 import pytest
-from conftest import run_cli
+from conftest import require_devices, run_cli
 
 from t5lite.cli import gin_config
 from t5lite.cli import main as cli
@@ -256,3 +256,27 @@ def test_a_flag_on_a_users_configurable_is_checked_once_the_run_ends(tmp_path, m
 
     assert my_scaling.my_scale(2) == 6  # user code calls it: the binding was read
     gin_config.check_called(pending)
+
+
+def test_a_flag_on_a_users_configurable_that_the_run_never_called(tmp_path, monkeypatch, capsys):
+    """Through the CLI: the program runs (analytic inspect), then the flag is the one error."""
+    require_devices(8)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_unused_scaling.py").write_text(
+        "import gin\n\n@gin.configurable\ndef my_unused_scale(x, factor=1):\n"
+        "    return x * factor\n"
+    )
+    (tmp_path / "user.gin").write_text("import my_unused_scaling\ninclude 'inspect.gin'\n")
+    rc = run_cli(
+        "inspect",
+        "--gin_file=user.gin",
+        "--host_device_count=8",
+        "--gin.inspect.compile=False",
+        "--gin.my_unused_scale.factor=3",
+    )
+    out, err = capsys.readouterr()
+    assert "parameters: 76,961,152" in out  # the program ran
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        "t5lite inspect: error: --gin.my_unused_scale.factor: my_unused_scale was not called by "
+        "this run, so the binding was ignored"
+    )
