@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,9 +40,8 @@ from gin import config_parser
 
 from t5lite.cli.gin_checks import GinCheckError
 
-_Key = tuple[
-    str, str, str
-]  # (scope, complete selector, parameter); a macro's is (NAME, gin.macro, value)
+# (scope, complete selector, parameter); a macro's is (NAME, "gin.macro", "value").
+_Key = tuple[str, str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,17 +189,24 @@ def check_reached(
                 pending.append(Pending(scope, selector, source.describe(config_dirs)))
                 continue
             instead = _instead(selector, param, reach, own, alternatives)
-            if source.file is not None and (
-                _packaged(source.file, config_dirs)
-                or selector in referenced
-                or instead is None
-                or not any({selector, instead} <= group for group in alternatives)
+            if source.file is None or (
+                not _packaged(source.file, config_dirs)
+                and _superseded(selector, instead, referenced, alternatives)
             ):
-                continue
-            raise GinCheckError(
-                _message(scope, selector, param, source, instead, reach, sources, config_dirs)
-            )
+                raise GinCheckError(
+                    _message(scope, selector, param, source, instead, reach, sources, config_dirs)
+                )
     return pending
+
+
+def _superseded(
+    selector: str, instead: str | None, referenced: set[str], alternatives: Sequence[frozenset]
+) -> bool:
+    """Whether a user file's binding cannot be meant for another run: nothing references its
+    configurable, and the run calls an alternative of it that takes the same parameter."""
+    if selector in referenced or instead is None:
+        return False
+    return any({selector, instead} <= group for group in alternatives)
 
 
 def check_called(pending: Sequence[Pending]) -> None:
@@ -273,8 +280,6 @@ def _name(selector: str) -> str:
 
 
 def _parameters(selector: str) -> set[str]:
-    import inspect
-
     configurable = gin_config._REGISTRY.get_match(selector)
     if configurable is None:
         return set()
@@ -295,6 +300,4 @@ def _short_path(file: str, config_dirs: Sequence[Path]) -> str:
     for d in config_dirs:
         if path.is_relative_to(d.resolve()):
             return str(path.relative_to(d.resolve()))
-    with contextlib.suppress(ValueError):
-        return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
-    return str(path)
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
