@@ -61,7 +61,12 @@ ALLOWED: dict[str, set[str]] = {
         "pytree",
     },
 }
-GIN_MODULES = {"t5lite/cli/registry.py", "t5lite/cli/gin_config.py", "t5lite/cli/gin_checks.py"}
+GIN_MODULES = {
+    "t5lite/cli/registry.py",
+    "t5lite/cli/gin_config.py",
+    "t5lite/cli/gin_checks.py",
+    "t5lite/cli/gin_unused.py",
+}
 
 
 def _layer(module: str) -> str | None:
