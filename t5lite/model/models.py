@@ -56,14 +56,16 @@ class BaseModel(abc.ABC):
     num_decodes: int = 1
     """'sample': samples per example; the most likely is returned unless all are asked for."""
     min_log_prob: float | None = None
-    """'sample': a sample stops once its log-probability falls below this (None: never)."""
+    """'sample': a sample stops once its log-probability falls below this; 'beam': a row stops
+    once no live beam's log-probability is at or above it (t5x's `min_log_prob`). None: never."""
     beam_size: int = 4
     """'beam': beams per example."""
     alpha: float = 0.6
     """'beam': brevity penalty exponent, ((5 + length) / 6) ** alpha."""
     decode_order: str = "best_first"
     """Order of all decodes (`return_all_decodes`): 'best_first' ([:, 0] is the best, as HF's
-    generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best)."""
+    generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best; beam search then
+    breaks equal scores as t5x does, see `decoding.beam_search`)."""
     eos_id: int = decoding.EOS_ID
     """The model's end-of-sequence id: a row stops after generating it (t5x/T5: 1)."""
     pad_id: int = decoding.PAD_ID
@@ -250,14 +252,17 @@ class BaseModel(abc.ABC):
         max_decode_steps: int | None,
         decoder_params: Mapping[str, Any] | None,
     ) -> tuple[Array, Array]:
-        """Runs `decoding_method` with this model's settings and ids, best first."""
+        """Runs `decoding_method` with this model's settings and ids, in `decode_order`."""
         method = self.decoding_method
         kwargs: dict[str, Any] = dict(
             initial_index=initial_index, max_decode_steps=max_decode_steps, eos_id=self.eos_id,
             pad_id=self.pad_id, decoder_start_token_id=self.decoder_start_token_id,
+            order=self.decode_order,
         )  # fmt: skip
         if method == "beam":
-            kwargs.update(beam_size=self.beam_size, alpha=self.alpha)
+            kwargs.update(
+                beam_size=self.beam_size, alpha=self.alpha, min_log_prob=self.min_log_prob
+            )
         elif method == "sample":
             kwargs.update(
                 decode_rng=rng, num_decodes=self.num_decodes, temperature=self.temperature,
@@ -281,11 +286,10 @@ class BaseModel(abc.ABC):
     def _best_or_all(
         self, sequences_BNL: Array, scores_BN: Array, return_all: bool
     ) -> tuple[Array, dict[str, Array]]:
-        """Best-first decodes -> all of them in `decode_order`, or the best alone."""
+        """Decodes in `decode_order` -> all of them, or the best alone."""
         if not return_all:
-            return sequences_BNL[:, 0], {"scores": scores_BN[:, 0]}
-        if self.decode_order == "best_last":  # t5x: ascending scores
-            sequences_BNL, scores_BN = sequences_BNL[:, ::-1], scores_BN[:, ::-1]
+            best = -1 if self.decode_order == "best_last" else 0  # t5x: ascending scores
+            return sequences_BNL[:, best], {"scores": scores_BN[:, best]}
         return sequences_BNL, {"scores": scores_BN}
 
 
@@ -293,7 +297,7 @@ class BaseModel(abc.ABC):
 _DECODER_PARAMS = {
     "greedy": {"max_decode_steps"},
     "sample": {"max_decode_steps", "temperature", "top_k", "top_p", "min_log_prob"},
-    "beam": {"max_decode_steps", "alpha"},
+    "beam": {"max_decode_steps", "alpha", "min_log_prob"},
 }
 
 
@@ -433,8 +437,9 @@ class DecoderOnlyModel(BaseModel):
     and the loss on the targets (seqio's `PrefixLMFeatureConverter`), so the model is trained
     and prompted with the inputs."""
     inputs_bidirectional_attention: bool = True
-    """Prediction: the prompt attends bidirectionally within itself (prefix-LM, as the model is
-    trained on `decoder_causal_attention`); False for a causal LM such as Llama."""
+    """The inputs part of a row (marked by `decoder_causal_attention`) attends bidirectionally
+    within itself (prefix-LM); False: every position attends causally (a causal LM such as
+    Llama). One rule for the loss, scoring and decoding (see `_inputs`)."""
     FEATURES: ClassVar[tuple[str, ...]] = (
         "decoder_input_tokens",
         "decoder_target_tokens",
@@ -463,6 +468,14 @@ class DecoderOnlyModel(BaseModel):
     @property
     def feature_converter_name(self) -> str:
         return self.feature_converter
+
+    def _inputs(self, batch: Batch) -> dict[str, Array]:
+        # The one attention rule for the loss, scoring and decoding's prefill: the prompt
+        # marked by `decoder_causal_attention` attends bidirectionally only if the model says so.
+        inputs = super()._inputs(batch)
+        if not self.inputs_bidirectional_attention:
+            inputs.pop("decoder_causal_attention", None)
+        return inputs
 
     def module(self) -> network.DecoderOnly:
         return network.DecoderOnly(self.network_config)
@@ -512,8 +525,8 @@ class DecoderOnlyModel(BaseModel):
             initial_B = jnp.maximum(jnp.sum(causal_BL, axis=1) - 1, 0).astype(jnp.int32)
             prompt_BL = jnp.where(causal_BL > 0, tokens_BL, self.pad_id)
             prompt_BL = prompt_BL.at[:, 0].set(self.decoder_start_token_id)
-            bidirectional = causal_BL if self.inputs_bidirectional_attention else None
-            _, variables = call(cache, prompt_BL, bidirectional)
+            bidirectional_BL = self._inputs(batch).get("decoder_causal_attention")
+            _, variables = call(cache, prompt_BL, bidirectional_BL)
             # The prefill wrote all L positions; each row resumes at its last prompt token
             # (re-fed, so the first step yields the first target). Later positions are masked
             # until overwritten.
