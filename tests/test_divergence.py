@@ -14,6 +14,7 @@ from conftest import file_checksums, require_devices, run_cli
 
 import t5lite.programs.train as train_program
 from t5lite.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint
+from t5lite.programs import train_hooks
 from t5lite.pytree import finite_by_array
 
 QUICK = [
@@ -130,7 +131,7 @@ def _uniform(grad_norm=0.0):
 
 
 def test_a_stalled_run_stops_after_its_patience():
-    stall = train_program._StallDetector(384, 3, _Ckpt())
+    stall = train_hooks.StallDetector(384, 3, _Ckpt())
     stall.check(1, _uniform())
     stall.check(2, _uniform(grad_norm=0.5))  # still learning: the count starts again
     stall.check(3, _uniform())
@@ -145,8 +146,8 @@ def test_a_stalled_run_stops_after_its_patience():
 
 
 def test_a_learning_run_or_an_opt_out_never_stalls():
-    healthy = train_program._StallDetector(384, 2, _Ckpt())
-    off = train_program._StallDetector(384, 0, _Ckpt())
+    healthy = train_hooks.StallDetector(384, 2, _Ckpt())
+    off = train_hooks.StallDetector(384, 0, _Ckpt())
     for step in range(1, 50):
         healthy.check(step, {"loss": 5.0 - step / 100, "z_loss": 0.0, "grad_norm": 1.0})
         off.check(step, _uniform())
