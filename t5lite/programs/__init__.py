@@ -5,6 +5,12 @@ CLI; a notebook calls it directly), e.g. `from t5lite.programs.train import trai
 settings they take live in `configs`.
 """
 
-from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig
+from t5lite.programs.configs import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    RecoveryConfig,
+)
 
-__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "LogConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "LogConfig", "RecoveryConfig"]

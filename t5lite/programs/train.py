@@ -7,6 +7,7 @@ binds the same arguments with gin.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -24,9 +25,17 @@ from t5lite.model import lora
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
 from t5lite.programs import metrics_writer as mw
+from t5lite.programs import recovery as recovery_lib
 from t5lite.programs import run_dir
 from t5lite.programs import train_hooks as hooks
-from t5lite.programs.configs import CheckpointConfig, DataConfig, EvalConfig, LogConfig, split_of
+from t5lite.programs.configs import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    RecoveryConfig,
+    split_of,
+)
 from t5lite.programs.evaluate import check_task_and_model, feature_converter, make_evaluator
 from t5lite.programs.train_loop import Batches, LoopConfig, StepInfo, TrainingError, TrainLoop
 from t5lite.trainer import Trainer, TrainState, inexact_leaf_paths
@@ -70,6 +79,7 @@ def train(
     checkpoint: CheckpointConfig = CheckpointConfig(),  # noqa: B008 (frozen)
     evaluation: EvalConfig | None = None,
     log: LogConfig = LogConfig(),  # noqa: B008 (frozen)
+    recovery: RecoveryConfig = RecoveryConfig(),  # noqa: B008 (frozen)
     stop_after_steps: int | None = None,
     step_timeout_s: float | None = 600.0,
     max_stalled_steps: int = 200,
@@ -88,13 +98,19 @@ def train(
         checkpoint is also written at the final step and on SIGTERM).
       evaluation: evaluate during and after training (None: never).
       log: printed-log period and optional metrics.
+      recovery: at a non-finite or spiking step, roll back to a checkpoint known to be good
+        and skip the batches around it, a limited number of times; then stop, naming that
+        checkpoint (a rerun resumes from it). See `recovery.py`.
       stop_after_steps: stop (with a checkpoint) after this many steps of this invocation,
         as a preemption would; for tests and time-boxed jobs.
       step_timeout_s: exit with an error when no step completes for this long (after the
         first, compiled step): a multi-process run whose peer died stops instead of hanging.
       max_stalled_steps: stop with an error when the model has predicted the uniform
         distribution (cross-entropy ln(vocab_size), zero gradient norm where it is logged) for
-        this many consecutive steps: a run that diverged silently. 0: never stop for it.
+        this many consecutive steps: a run that diverged silently. 0: never stop for it. A run
+        whose last two or more steps are stalled ends with that error too, however short (the
+        last step's metrics record has `stalled_since`); with 0, or when the run only stops
+        (preemption, `stop_after_steps`), it ends with a warning instead.
       operative_config: returns the text written to `model_dir/config.gin` once the run is set
         up (the CLI passes gin's operative config).
 
@@ -146,33 +162,71 @@ def train(
         )
         watchdog = hooks.Watchdog(step_timeout_s, stack, writer)
         loop.add_hook(watchdog)
-        params = trainer.state_abstract.params
-        loop.add_hook(hooks.FiniteCheck(ckpt, inexact_leaf_paths(params)))
-        vocab_size = model.network_config.vocab_size
-        loop.add_hook(hooks.StallDetector(vocab_size, max_stalled_steps, ckpt))
-        log_step = hooks.LogStep(writer, _throughput(model, data.batch_size))
+        stall = hooks.StallDetector(model.network_config.vocab_size, max_stalled_steps, ckpt)
+        params_paths = inexact_leaf_paths(trainer.state_abstract.params)
+        health = recovery_lib.HealthCheck(recovery, ckpt, params_paths, stall, writer)
+        stall.stop_text = health.stop_text
+        loop.add_hook(health)
+        loop.add_hook(stall)
+        log_step = hooks.LogStep(writer, _throughput(model, data.batch_size), stall.annotation)
         loop.add_hook(log_step)
         loop.add_stop_hook(hooks.preemption(ckpt))
         # Saved with every checkpoint: what `t5lite convert` and a reader of the checkpoint need.
         info = run_dir.run_info(seed, model, checkpoint.init_checkpoint)
-        loop.add_state_hook(hooks.SaveCheckpoint(ckpt, trainer.state_axes, info))
+        loop.add_state_hook(hooks.SaveCheckpoint(ckpt, trainer.state_axes, info, health))
         evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
         if evaluate is not None:
             loop.add_state_hook(evaluate)
         with _setup_frozen():
-            _run(loop, state, writer)
+            _run(loop, state, _Recovery(trainer, ckpt, dataset, health, stall, writer))
         if start < num_steps:
             writer.info(_done_line(ckpt, time.time() - watchdog.t0))
         return {"train": log_step.last, "eval": evaluate.last if evaluate else {}}
 
 
-def _run(loop: TrainLoop, state: TrainState, writer: mw.MetricsWriter) -> None:
-    """Runs the loop's steps; says so when it stops before the run's last step."""
+@dataclasses.dataclass(frozen=True)
+class _Recovery:
+    """What a rollback restores, repositions and resets."""
+
+    trainer: Trainer
+    ckpt: CheckpointManager
+    dataset: Any
+    health: recovery_lib.HealthCheck
+    stall: hooks.StallDetector
+    writer: mw.MetricsWriter
+
+    def roll_back(self, loop: TrainLoop, r: recovery_lib.Rollback) -> TrainState:
+        """Restores checkpoint `r.to` with its data position, skips `r.skip` batches."""
+        state, extra = self.ckpt.restore(self.trainer.abstract_state(), step=r.to)
+        self.dataset.set_state(extra["data"])
+        for _ in range(r.skip):
+            next(self.dataset)
+        loop.batches.reset()
+        self.stall.since = self.stall.streak_since = None
+        return state
+
+
+def _run(loop: TrainLoop, state: TrainState, recovery: _Recovery) -> None:
+    """Runs the loop's steps, rolling back at bad steps (`recovery.HealthCheck`); says so when
+    it stops before the run's last step, or ends stalled."""
+    first, stop_after = loop.config.start, loop.config.stop_after_steps
     last: StepInfo | None = None
-    for info in loop.steps(state):
-        last = info
-    if last is not None and (last.preempted or last.stopping):
-        writer.info(f"stopped at step {last.step}; checkpoint committed")
+    while True:
+        recovery.health.started(loop.config.start)
+        try:
+            for info in loop.steps(state):
+                last = info
+            break
+        except recovery_lib.Rollback as r:
+            state = recovery.roll_back(loop, r)
+            # `stop_after_steps` still counts from where this invocation started.
+            remaining = None if stop_after is None else max(1, first + stop_after - r.to)
+            loop.config = dataclasses.replace(loop.config, start=r.to, stop_after_steps=remaining)
+    if last is None:
+        return
+    recovery.stall.end_of_run(last.final, recovery.writer)
+    if last.preempted or last.stopping:
+        recovery.writer.info(f"stopped at step {last.step}; checkpoint committed")
 
 
 @contextlib.contextmanager

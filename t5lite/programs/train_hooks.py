@@ -1,8 +1,9 @@
 """The hooks of the `train` program's loop (`train_loop.TrainLoop`), in the order it adds them.
 
 Metrics hooks, every step: `Watchdog` (the run stops when no step completes for too long),
-`FiniteCheck` (a non-finite step ends the run), `StallDetector` (a run that stopped learning
-ends), `LogStep` (metrics.jsonl, TensorBoard and the printed line, with throughput).
+`recovery.HealthCheck` (a non-finite or spiking step rolls back or ends the run),
+`StallDetector` (a run that stopped learning ends), `LogStep` (metrics.jsonl, TensorBoard and
+the printed line, with throughput).
 Stop hook: `preemption(ckpt)`. State hooks: `SaveCheckpoint`, then `Evaluate`.
 """
 
@@ -43,35 +44,6 @@ class Watchdog:
         self.watchdog.ping()
 
 
-class FiniteCheck:
-    """Ends the run at a step whose loss, gradient norm or parameters are not finite.
-
-    That step's state is never saved; the checkpoints already committed are all finite (each
-    was saved only after its own step passed this check), so the newest one is the last good.
-    """
-
-    def __init__(self, ckpt: CheckpointManager, param_paths: list[str]):
-        self.ckpt, self.param_paths = ckpt, param_paths
-
-    def __call__(self, m: StepMetrics) -> None:
-        if m.params_finite.all() and all(math.isfinite(v) for v in m.values.values()):
-            return
-        bad = [p for p, ok in zip(self.param_paths, m.params_finite) if not ok]
-        self.ckpt.wait()  # an earlier, finite step may still be committing: it is the last good
-        latest = self.ckpt.latest_step()
-        what = [f"loss {m.values['loss']:.4g}"]
-        if "grad_norm" in m.values:
-            what.append(f"gradient norm {m.values['grad_norm']:.4g}")
-        if bad:
-            what.append(f"{len(bad)} non-finite parameter arrays, first 'params/{bad[0]}'")
-        raise TrainingError(
-            f"step {m.step} is not finite ({', '.join(what)}); it was not saved. The last good "
-            "checkpoint is "
-            + (str(self.ckpt.step_dir(latest)) if latest is not None else "none (no save yet)")
-            + ": resume from it with a lower learning rate or stronger clipping"
-        )
-
-
 class StallDetector:
     """Notices a run that predicts the uniform distribution step after step (dead, diverged).
 
@@ -79,42 +51,99 @@ class StallDetector:
     change however long it runs; finite-value checks cannot see it.
     """
 
-    def __init__(self, vocab_size: int, patience: int, ckpt: CheckpointManager):
+    def __init__(
+        self,
+        vocab_size: int,
+        patience: int,
+        ckpt: CheckpointManager,
+        stop_text: Callable[[int], str] | None = None,
+    ):
+        # stop_text(since): where a rerun starts, for the error (`HealthCheck.stop_text`).
+        self.stop_text = stop_text
         self.uniform = math.log(vocab_size)
         self.patience = patience
         self.ckpt = ckpt
-        self.since: int | None = None
+        self.since: int | None = None  # the stall that counts towards `patience` started here
+        self.streak_since: int | None = None  # the current stall, however long
+        self.ended_stalled: tuple[int, int, float] | None = None  # (since, last step, ce)
 
     def __call__(self, m: StepMetrics) -> None:
         self.check(m.step, m.values)
+        if not self.is_stalled(m.values):
+            self.streak_since = None
+        elif self.streak_since is None:
+            self.streak_since = m.step
+        if m.last and self.streak_since is not None and m.step - self.streak_since >= 1:
+            self.ended_stalled = (self.streak_since, m.step, self._ce(m.values))
+
+    def _ce(self, m: dict[str, float]) -> float:
+        return m["loss"] - m.get("z_loss", 0.0)
+
+    def is_stalled(self, m: dict[str, float]) -> bool:
+        """Cross-entropy ln(V) (uniform predictions) and a zero gradient norm where logged."""
+        ce = self._ce(m)
+        return abs(ce - self.uniform) <= 1e-4 * self.uniform and m.get("grad_norm", 0.0) == 0
 
     def check(self, step: int, m: dict[str, float]) -> None:
-        ce = m["loss"] - m.get("z_loss", 0.0)
-        stalled = abs(ce - self.uniform) <= 1e-4 * self.uniform and m.get("grad_norm", 0.0) == 0
-        if not stalled or self.patience <= 0:
+        if not self.is_stalled(m) or self.patience <= 0:
             self.since = None
             return
         self.since = step if self.since is None else self.since
         if step - self.since + 1 >= self.patience:
-            latest = self.ckpt.latest_step()
             raise TrainingError(
-                f"the model has stopped learning: cross-entropy {ce:.4f} = ln(vocab_size) "
-                f"(uniform predictions) with zero gradients since step {self.since}; checkpoints "
-                f"are kept (latest: {latest}). Lower the learning rate, or set "
+                f"the model has stopped learning: cross-entropy {self._ce(m):.4f} = "
+                f"ln(vocab_size) (uniform predictions) with zero gradients since step "
+                f"{self.since}; {self._where(self.since)}. Lower the learning rate, or set "
                 "train.max_stalled_steps=0 to train on anyway"
             )
+
+    def _where(self, since: int) -> str:
+        if self.stop_text is not None:
+            return self.stop_text(since)
+        return f"checkpoints are kept (latest: {self.ckpt.latest_step()})"
+
+    def annotation(self, m: StepMetrics) -> dict[str, Any]:
+        """The metrics flag of the last step of a run that ends stalled."""
+        if m.last and self.ended_stalled is not None:
+            return {"stalled_since": self.ended_stalled[0]}
+        return {}
+
+    def end_of_run(self, final: bool, writer: mw.MetricsWriter) -> None:
+        """A run that ends stalled (two steps or more, however few) says so: an error at the
+        run's last step (exit 1; its checkpoints are kept), a warning when
+        `max_stalled_steps` is 0 or the run only stops (preemption, `stop_after_steps`)."""
+        if self.ended_stalled is None:
+            return
+        since, step, ce = self.ended_stalled
+        text = (
+            f"the run ended stalled: cross-entropy {ce:.4f} = ln(vocab_size) (uniform "
+            f"predictions) with zero gradients from step {since} to its last step {step}"
+        )
+        if final and self.patience > 0:
+            raise TrainingError(
+                f"{text}; {self._where(since)}. Lower the learning rate, or set "
+                "train.max_stalled_steps=0 to end with a warning"
+            )
+        writer.info(f"warning: {text}")
 
 
 class LogStep:
     """Writes each step's metrics and throughput (`metrics.jsonl`, TensorBoard, the printed
     line every `LogConfig.period` steps); `last` is the newest record."""
 
-    def __init__(self, writer: mw.MetricsWriter, throughput: mw.Throughput):
-        self.writer, self.throughput = writer, throughput
+    def __init__(
+        self,
+        writer: mw.MetricsWriter,
+        throughput: mw.Throughput,
+        annotate: Callable[[StepMetrics], dict[str, Any]] | None = None,
+    ):
+        self.writer, self.throughput, self.annotate = writer, throughput, annotate
         self.last: dict[str, Any] = {}
 
     def __call__(self, m: StepMetrics) -> None:
         self.last = {**m.values, **self.throughput.measure(m.local_batch)}
+        if self.annotate is not None:
+            self.last.update(self.annotate(m))
         self.writer.write(m.step, self.last)
 
 
@@ -128,15 +157,27 @@ class SaveCheckpoint:
     policy says (period, the last step, preemption); the save of the last step is committed
     before the hook returns."""
 
-    def __init__(self, ckpt: CheckpointManager, logical_axes: Any, run_info: dict[str, Any]):
+    def __init__(
+        self,
+        ckpt: CheckpointManager,
+        logical_axes: Any,
+        run_info: dict[str, Any],
+        health: Any = None,
+    ):
         self.ckpt, self.logical_axes, self.run_info = ckpt, logical_axes, run_info
+        # `recovery.HealthCheck`: its record of good checkpoints is saved; it judges each save.
+        self.health = health
 
     def due(self, info: StepInfo) -> bool:
         return self.ckpt.should_save(info.step, info.final or info.stopping, info.preempted)
 
     def __call__(self, info: StepInfo) -> None:
         extra = {"data": info.data_state, "step": info.step, **self.run_info}
+        if self.health is not None:
+            extra.update(self.health.good.record())
         self.ckpt.save(info.step, info.state, extra, self.logical_axes)
+        if self.health is not None:
+            self.health.saved(info.step)
         if info.last:
             self.ckpt.wait()
 

@@ -79,6 +79,10 @@ class StepMetrics:
     params_finite: np.ndarray
     """One flag per floating-point parameter array (`trainer.inexact_leaf_paths` order)."""
     local_batch: dict[str, np.ndarray]
+    last: bool = False
+    """This invocation ends at this step (`StepInfo.last`)."""
+    final: bool = False
+    """The step is the run's `num_steps`-th."""
 
 
 class StateHook(Protocol):
@@ -122,6 +126,10 @@ class Batches:
         if self._next is None:
             local = next(self.dataset)  # numpy, this process's rows: throughput counts its tokens
             self._next = (self.global_batch(local), self.dataset.get_state(), local)
+
+    def reset(self) -> None:
+        """Forgets the prefetched batch (the data iterator is set elsewhere: a rollback)."""
+        self._next = None
 
     def take(self) -> _Prepared:
         self.prefetch()
@@ -212,8 +220,9 @@ class TrainLoop:
     def _read(self, info: StepInfo) -> None:
         """Reads `info`'s metrics on the host (waits for its step) and runs the metrics hooks."""
         raw = jax.device_get(info.metrics)
+        flags = np.asarray(raw["params_finite"])
         m = StepMetrics(
-            info.step, summarize(raw), np.asarray(raw["params_finite"]), info.local_batch
+            info.step, summarize(raw), flags, info.local_batch, last=info.last, final=info.final
         )
         for hook in self._metrics_hooks:
             if info.last or info.step % hook.every == 0:
