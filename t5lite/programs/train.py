@@ -138,14 +138,7 @@ def train(
         stack.callback(writer.close)
         dataset = _train_dataset(data, model, partitioner, seed, writer)
         stack.callback(dataset.close)  # the data process, where there is one
-        ckpt = CheckpointManager(
-            model_dir,
-            save_period=checkpoint.period,
-            keep=checkpoint.keep,
-            keep_period=checkpoint.keep_period,
-        )
-        stack.callback(ckpt.close)  # also on errors: the last save committed or cleaned up
-        ckpt.install_preemption_handler()
+        ckpt = _checkpoint_manager(model_dir, checkpoint, stack)
         _check_start_checkpoint(ckpt, checkpoint.init_checkpoint, trainer)
         _check_fits(trainer, trainer.abstract_state())
         _warn_replicated(trainer, writer)
@@ -182,6 +175,21 @@ def train(
         if start < num_steps:
             writer.info(_done_line(ckpt, time.time() - watchdog.t0))
         return {"train": log_step.last, "eval": evaluate.last if evaluate else {}}
+
+
+def _checkpoint_manager(
+    model_dir: str, checkpoint: CheckpointConfig, stack: contextlib.ExitStack
+) -> CheckpointManager:
+    """The run's checkpoints, closed with `stack`, saving on SIGTERM."""
+    ckpt = CheckpointManager(
+        model_dir,
+        save_period=checkpoint.period,
+        keep=checkpoint.keep,
+        keep_period=checkpoint.keep_period,
+    )
+    stack.callback(ckpt.close)  # also on errors: the last save committed or cleaned up
+    ckpt.install_preemption_handler()
+    return ckpt
 
 
 @dataclasses.dataclass(frozen=True)
