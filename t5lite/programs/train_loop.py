@@ -204,26 +204,26 @@ class TrainLoop:
                 # sync point all of them reach.
                 preempted=any([fn(step) for fn in self._stop_hooks]),
             )
+            last = info.last
             due = [hook for hook in self._state_hooks if hook.due(info)]
-            if not info.last:
+            if not last:
                 self.batches.prefetch()
-            if due or info.last:
+            if due or last:
                 self._read(info)
             else:
                 pending = info
             for hook in due:
                 hook(info)
             yield info
-            if info.last:
+            if last:
                 return
 
     def _read(self, info: StepInfo) -> None:
         """Reads `info`'s metrics on the host (waits for its step) and runs the metrics hooks."""
         raw = jax.device_get(info.metrics)
         flags = np.asarray(raw["params_finite"])
-        m = StepMetrics(
-            info.step, summarize(raw), flags, info.local_batch, last=info.last, final=info.final
-        )
+        last, step = info.last, info.step
+        m = StepMetrics(step, summarize(raw), flags, info.local_batch, last=last, final=info.final)
         for hook in self._metrics_hooks:
-            if info.last or info.step % hook.every == 0:
+            if hook.every == 1 or last or step % hook.every == 0:
                 hook.fn(m)
