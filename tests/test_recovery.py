@@ -44,7 +44,9 @@ def _save(ckpt, health, step):
 def test_a_spike_rolls_back_to_the_newest_confirmed_checkpoint_then_the_run_stops(tmp_path):
     ckpt = CheckpointManager(tmp_path, keep=2)
     writer = _Writer()
-    config = RecoveryConfig(max_rollbacks=1, spike_window=20, good_after_steps=2, skip_batches=3)
+    config = RecoveryConfig(
+        max_rollbacks=1, spike_factor=2.0, spike_window=20, good_after_steps=2, skip_batches=3
+    )
     health = HealthCheck(config, ckpt, ["w", "b"], StallDetector(384, 0, ckpt), writer)
     health.started(0)
     for step in range(1, 26):

@@ -108,9 +108,10 @@ class RecoveryConfig:
     """Rollbacks one invocation may make; at the bad step after them (or at the first with 0)
     the run stops, naming the newest good checkpoint, and moves the newer ones aside so that a
     rerun resumes from it."""
-    spike_factor: float | None = 2.0
-    """A step whose loss exceeds this times the median of the recent healthy losses is a spike
-    (None: only non-finite steps are bad)."""
+    spike_factor: float | None = None
+    """A step whose loss exceeds this times the median of the recent healthy losses is a spike,
+    e.g. 2.0 for a long pre-training run (None: only non-finite steps are bad). Off by default:
+    once the loss is small (fine-tuning), a harder batch can double it without anything wrong."""
     spike_window: int = 100
     """How many recent healthy losses the median is taken over; no spike is called before
     `min(20, spike_window)` of them are seen in this invocation."""
