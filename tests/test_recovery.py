@@ -158,8 +158,13 @@ def test_a_run_diverged_at_lr_1e6_names_a_checkpoint_a_rerun_trains_from(tmp_pat
     capsys.readouterr()
     # Step 5's update leaves finite but useless parameters: from step 6 on the model predicts
     # the uniform distribution with zero gradients, for far fewer steps than the stall window.
-    rc = run_cli("train", *args, "--gin.TRAIN_STEPS=10", "--gin.CheckpointConfig.period=1",
-                 "--gin.warmup_cosine_schedule.peak_learning_rate=1e6")  # fmt: skip
+    rc = run_cli(
+        "train",
+        *args,
+        "--gin.TRAIN_STEPS=10",
+        "--gin.CheckpointConfig.period=1",
+        "--gin.warmup_cosine_schedule.peak_learning_rate=1e6",
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 1
     assert err == (
