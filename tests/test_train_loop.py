@@ -1,7 +1,7 @@
 """The train loop's documented order (`t5lite.programs.train_loop`), with a fake step: metrics
 hooks run a step late unless a state hook is due or the step is the last, the stop hook and each
 `due` are asked once per step, the next batch is put after the previous step's metrics hooks,
-and each step's info is yielded after its hooks."""
+and each step's info is yielded after its state hooks."""
 
 from __future__ import annotations
 
