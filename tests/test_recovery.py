@@ -183,3 +183,59 @@ def test_a_run_diverged_at_lr_1e6_names_a_checkpoint_a_rerun_trains_from(tmp_pat
     records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 10 and records[-1]["loss"] < UNIFORM - 0.5
     assert "stalled_since" not in records[-1]
+
+
+def test_a_transient_bad_step_rolls_back_skips_its_batches_and_the_run_finishes(
+    tmp_path, capsys, monkeypatch
+):
+    """A step whose loss is NaN once (its batch, say): back to the newest good checkpoint, the
+    batches of the rolled-back steps skipped, and the run goes on to its last step (exit 0)."""
+    import jax.numpy as jnp
+
+    import t5lite.programs.train as train_program
+
+    require_devices(8)
+    args = [*QUICK, "--gin.CheckpointConfig.period=2"]
+    ref = tmp_path / "ref"
+    assert run_cli("train", *args, "--gin.TRAIN_STEPS=12", f"--gin.MODEL_DIR='{ref}'") == 0
+
+    class Poisoned(train_program.Trainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            step_fn, calls = self.train_step, []
+
+            def train_step(state, batch):
+                state, metrics = step_fn(state, batch)
+                calls.append(None)
+                if len(calls) == 6:  # the first dispatch of step 6
+                    metrics = {**metrics, "loss_sum": metrics["loss_sum"] * jnp.nan}
+                return state, metrics
+
+            self.train_step = train_step
+
+    monkeypatch.setattr(train_program, "Trainer", Poisoned)
+    d = tmp_path / "run"
+    capsys.readouterr()
+    assert run_cli("train", *args, "--gin.TRAIN_STEPS=10", f"--gin.MODEL_DIR='{d}'") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "warning: step 6 is not finite (loss nan, gradient norm "
+        + warnings[0].split("gradient norm ")[1].split(")")[0]
+        + f"); rollback 1 of 3: back to {d / 'checkpoint_4'}, skipping 2 batches"
+    ]
+
+    def tokens(model_dir):
+        lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["target_tokens"]) for r in map(json.loads, lines)]
+
+    want = tokens(ref)  # steps 1..12 on the batches 1..12
+    got = tokens(d)
+    # Steps 1-5, then from checkpoint 4 again: steps 5-10 on batches 7-12 (5 and 6 skipped).
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]
+    assert [t for _, t in got] == [t for _, t in want[:5] + want[6:]]
+    assert [t for _, t in want[4:10]] != [t for _, t in want[6:]]  # the batches tell apart
+    assert sorted(p.name for p in d.glob("checkpoint_*")) == [
+        "checkpoint_10",
+        "checkpoint_6",
+        "checkpoint_8",
+    ]
