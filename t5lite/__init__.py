@@ -36,6 +36,7 @@ _EXPORTS = {
     "CheckpointConfig": "t5lite.programs.configs",
     "EvalConfig": "t5lite.programs.configs",
     "LogConfig": "t5lite.programs.configs",
+    "RecoveryConfig": "t5lite.programs.configs",
     "train": "t5lite.programs.train",
     "evaluate": "t5lite.programs.evaluate",
     "infer": "t5lite.programs.infer",

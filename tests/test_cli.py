@@ -56,30 +56,31 @@ def test_train_loop_traces_its_step_once_and_puts_the_next_batch_last(tmp_path, 
     import jax
 
     import t5lite.programs.train as train_program
+    from t5lite.programs import train_loop
 
     require_devices(8)
     frozen_while_stepping = []
-    run_steps = train_program._run_steps
+    run_steps = train_program._run
 
     def recording(*args, **kwargs):
         frozen_while_stepping.append(gc.get_freeze_count())
         return run_steps(*args, **kwargs)
 
-    monkeypatch.setattr(train_program, "_run_steps", recording)
+    monkeypatch.setattr(train_program, "_run", recording)
     events = []
-    prefetch, report = train_program._Batches.prefetch, train_program._StepReport.__call__
+    prefetch, report = train_loop.Batches.prefetch, train_loop.TrainLoop._read
 
     def recording_prefetch(self):
         if self._next is None:
             events.append("put")
         prefetch(self)
 
-    def recording_report(self, step, *args):
-        events.append(f"report {step}")
-        return report(self, step, *args)
+    def recording_report(self, info):
+        events.append(f"report {info.step}")
+        return report(self, info)
 
-    monkeypatch.setattr(train_program._Batches, "prefetch", recording_prefetch)
-    monkeypatch.setattr(train_program._StepReport, "__call__", recording_report)
+    monkeypatch.setattr(train_loop.Batches, "prefetch", recording_prefetch)
+    monkeypatch.setattr(train_loop.TrainLoop, "_read", recording_report)
     traces = collections.Counter()
 
     def listen(event, duration, **kw):

@@ -14,6 +14,7 @@ from conftest import file_checksums, require_devices, run_cli
 
 import t5lite.programs.train as train_program
 from t5lite.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint
+from t5lite.programs import train_hooks
 from t5lite.pytree import finite_by_array
 
 QUICK = [
@@ -68,20 +69,37 @@ def test_diverging_run_never_commits_a_non_finite_state(tmp_path, capsys):
         "--gin.CheckpointConfig.keep=None", f"--gin.MODEL_DIR='{d}'",
         "--gin.warmup_cosine_schedule.peak_learning_rate=1e30",
     )  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()[-1:]  # progress lines come before it
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = lines[-1:]  # progress lines come before it
     assert rc == 1 and err[0].startswith("t5lite train: error:"), err
-    steps = _committed(d)
-    assert steps[: len(before)] == before and len(steps) > len(before), (steps, err)
-    bad_step = steps[-1] + 1  # the step after the newest committed one went non-finite
-    assert err[0].startswith(f"t5lite train: error: step {bad_step} is not finite (loss ")
-    assert (
-        f"it was not saved. The last good checkpoint is {d / f'checkpoint_{steps[-1]}'}" in err[0]
-    )
-    assert not any(p.name.endswith(".tmp") for p in d.iterdir())
-    # Every committed checkpoint is finite: the default restore checks each array.
-    for step in steps:
-        tree, _ = restore_checkpoint(d / f"checkpoint_{step}", with_extra=False)
+    # Step 5 computes its loss with checkpoint 4's parameters: finite, so checkpoint 4 is good.
+    # Its update leaves finite but huge parameters (saved as checkpoint 5), and step 6 is not
+    # finite: checkpoint 5 is no good although finite. Three rollbacks to checkpoint 4 each
+    # end the same way, then the run stops naming it and moves checkpoint 5 aside.
+    rollbacks = [line for line in lines if line.startswith("warning:")]
+    assert len(rollbacks) == 3 and all(
+        line.startswith("warning: step 6 is not finite (loss ")
+        and f"back to {d / 'checkpoint_4'}, skipping 2 batches" in line
+        for line in rollbacks
+    ), rollbacks
+    assert _committed(d) == before == [2, 4]
+    assert err[0].startswith("t5lite train: error: step 6 is not finite (loss ")
+    assert err[0].endswith(
+        f"after 3 rollbacks; it was not saved. The last good checkpoint is {d / 'checkpoint_4'} "
+        f"(newer checkpoints moved to {d / 'rolled_back_4'}): a rerun resumes from it; lower "
+        "the learning rate or clip more strongly"
+    ), err
+    assert not any(p.name.endswith(".tmp") for p in d.rglob("*"))
+    moved = sorted(p.relative_to(d).as_posix() for p in d.glob("rolled_back_*/checkpoint_*"))
+    assert moved == [f"rolled_back_{n}/checkpoint_5" for n in (1, 2, 3, 4)]
+    # Every committed checkpoint is finite, the moved ones too: the default restore checks each.
+    for path in [d / f"checkpoint_{step}" for step in before] + [d / m for m in moved]:
+        tree, _ = restore_checkpoint(path, with_extra=False)
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(tree) if x.dtype.kind == "f")
+    # A rerun with the normal learning rate resumes from the named checkpoint and trains on.
+    assert run_cli("train", *QUICK, "--gin.TRAIN_STEPS=8", f"--gin.MODEL_DIR='{d}'") == 0
+    assert f"resumed from {d / 'checkpoint_4'}" in capsys.readouterr().err
+    assert _committed(d)[-1] == 8
 
 
 def test_a_silently_diverged_run_ends_with_an_error(tmp_path, capsys):
@@ -130,7 +148,7 @@ def _uniform(grad_norm=0.0):
 
 
 def test_a_stalled_run_stops_after_its_patience():
-    stall = train_program._StallDetector(384, 3, _Ckpt())
+    stall = train_hooks.StallDetector(384, 3, _Ckpt())
     stall.check(1, _uniform())
     stall.check(2, _uniform(grad_norm=0.5))  # still learning: the count starts again
     stall.check(3, _uniform())
@@ -145,8 +163,8 @@ def test_a_stalled_run_stops_after_its_patience():
 
 
 def test_a_learning_run_or_an_opt_out_never_stalls():
-    healthy = train_program._StallDetector(384, 2, _Ckpt())
-    off = train_program._StallDetector(384, 0, _Ckpt())
+    healthy = train_hooks.StallDetector(384, 2, _Ckpt())
+    off = train_hooks.StallDetector(384, 0, _Ckpt())
     for step in range(1, 50):
         healthy.check(step, {"loss": 5.0 - step / 100, "z_loss": 0.0, "grad_norm": 1.0})
         off.check(step, _uniform())

@@ -6,12 +6,13 @@ on another worker beside test_readme.py's quickstart chain. Each clears only wha
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 from readme_blocks import blocks, run
+
+from t5lite.programs.evaluate import read_eval_results
 
 pytestmark = pytest.mark.slow  # three trainings, an eval and a Beam job
 
@@ -22,8 +23,9 @@ def test_own_data_commands():
     shutil.rmtree("/tmp/t5lite_mydata", ignore_errors=True)
     out = run(blocks("bash")[3], timeout=1200)
     model = Path("/tmp/t5lite_mydata/model")
-    result = json.loads((model / "eval" / "step_400.json").read_text())
-    metrics = result["metrics"]["my_qa"]
+    results = read_eval_results(model, "my_qa")  # train's evaluation, then `t5lite eval`'s
+    assert [r["step"] for r in results] == [400, 400]
+    metrics = results[-1]["metrics"]
     assert metrics["exact_match"] > 50 and 1.0 <= metrics["perplexity"] < 2.0, metrics
     assert (model / "checkpoint_400" / "COMMIT").is_file()
     assert "my_qa/exact_match" in out.stderr  # printed by train's evaluation and by eval

@@ -40,7 +40,12 @@ def test_walkthrough_imports_finetunes_evaluates_and_exports():
     assert "transformers loads both" in out.stdout
     for run in ("t5_ft", "llama_lora"):
         assert (ROOT / run / "checkpoint_30" / "COMMIT").is_file()
-        assert (ROOT / run / "eval" / "step_30.json").is_file()
+        evals = [
+            json.loads(line)
+            for p in (ROOT / run / "eval").glob("*/*.jsonl")
+            for line in p.read_text().splitlines()
+        ]  # eval/<task>/<split>.jsonl
+        assert evals and {r["step"] for r in evals} == {30}
         losses = _losses(run)
         assert losses and losses[-1] < losses[0], (run, losses)
     # The exports keep the imported ids.

@@ -171,6 +171,9 @@ class CheckpointManager:
         # written and fsynced), `commit_s` (process 0's metadata, marker and rename), with the
         # writer's own breakdown and counts.
         self.last_save_stats: dict[str, float] = {}
+        # Steps the keep policy never deletes (the trainer's newest checkpoint known to be good,
+        # which newer ones must not push out).
+        self.protected: frozenset[int] = frozenset()
         if _is_process0():
             self.directory.mkdir(parents=True, exist_ok=True)
             self._cleanup()
@@ -345,6 +348,7 @@ class CheckpointManager:
         keep = set(steps[-self.keep :]) if self.keep > 0 else set()
         if self.keep_period:
             keep |= {s for s in steps if s % self.keep_period == 0}
+        keep |= self.protected
         for s in steps:
             if s not in keep:
                 d = self.step_dir(s)

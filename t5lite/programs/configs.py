@@ -94,6 +94,44 @@ class LogConfig:
     see `Trainer`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RecoveryConfig:
+    """What training does at a bad step, as large runs do it (PaLM, OPT): roll back to a
+    checkpoint known to be good, skip the batches around the bad step, and go on.
+
+    A step is bad when its loss, gradient norm or updated parameters are not finite, or its loss
+    is a spike. A checkpoint is known good once `good_after_steps` healthy steps (finite, no
+    spike, not stalled) have followed it; each checkpoint records which are (`good_checkpoints`).
+    """
+
+    max_rollbacks: int = 3
+    """Rollbacks one invocation may make; at the bad step after them (or at the first with 0)
+    the run stops, naming the newest good checkpoint, and moves the newer ones aside so that a
+    rerun resumes from it."""
+    spike_factor: float | None = None
+    """A step whose loss exceeds this times the median of the recent healthy losses is a spike,
+    e.g. 2.0 for a long pre-training run (None: only non-finite steps are bad). Off by default:
+    once the loss is small (fine-tuning), a harder batch can double it without anything wrong."""
+    spike_window: int = 100
+    """How many recent healthy losses the median is taken over; no spike is called before
+    `min(20, spike_window)` of them are seen in this invocation."""
+    good_after_steps: int = 1
+    """Healthy steps after a checkpoint that make it known good. The step after a checkpoint
+    computes its loss with the checkpoint's parameters, so one already shows finite but huge
+    parameters."""
+    skip_batches: int = 0
+    """Batches skipped after a rollback besides those of the rolled-back steps (from the
+    checkpoint's next step to the bad step, which are always skipped)."""
+
+    def __post_init__(self) -> None:
+        if self.max_rollbacks < 0 or self.good_after_steps < 1 or self.skip_batches < 0:
+            raise ValueError(
+                f"{self}: max_rollbacks and skip_batches must be >= 0, good_after_steps >= 1"
+            )
+        if self.spike_factor is not None and self.spike_factor <= 1:
+            raise ValueError(f"RecoveryConfig.spike_factor = {self.spike_factor}: must be > 1")
+
+
 def split_of(data: DataConfig, default: str) -> str:
     """`data.split`, or the program's own default split when it is not set."""
     return data.split if data.split is not None else default

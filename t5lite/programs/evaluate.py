@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -103,8 +105,9 @@ def run_evaluation(
     num_to_print: int = 3,
 ) -> dict[str, Any]:
     """The tasks' metrics: predict metrics on KV-cached decodes, score metrics on the targets'
-    log-likelihoods; written to metrics.jsonl, TensorBoard and `eval/step_<step>.json` in the
-    model directory. Prints a few predictions."""
+    log-likelihoods; written to metrics.jsonl, TensorBoard and, one line per task, appended to
+    `eval/<task>/<split>.jsonl` in the model directory (see `read_eval_results`). Prints a few
+    predictions."""
     kinds = {metric_kind(m) for t in evaluator.tasks for m in t.metric_fns}
     predict_fn = trainer.predict_fn(params, decode_len) if "predictions" in kinds else None
     score_fn = trainer.score_fn(params) if "scores" in kinds else None
@@ -124,13 +127,35 @@ def run_evaluation(
                 tgt = ex.get("targets_pretokenized", "")
                 shown.append(f"  {src!s:>20} -> {vocab.decode(row)!s:<20} (target {tgt})")
     writer.write(step, out, prefix="eval")
-    writer.write_json(
-        os.path.join("eval", f"step_{step}.json"),
-        {"step": step, "split": evaluator.split, "metrics": results},
-    )
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    for task_name, metrics in results.items():
+        record = {"step": step, "task": task_name, "split": evaluator.split, "metrics": metrics}
+        writer.append_jsonl(_results_file(task_name, evaluator.split), {**record, "time": when})
     if shown:
         writer.info("predictions:\n" + "\n".join(shown))
     return out
+
+
+def _results_file(task: str, split: str) -> str:
+    return os.path.join("eval", task, f"{split}.jsonl")
+
+
+def read_eval_results(
+    model_dir: str | os.PathLike, task: str, split: str = "validation"
+) -> list[dict[str, Any]]:
+    """Every evaluation of `task` on `split` recorded in `model_dir`, oldest first.
+
+    Like seqio's `JSONLogger` (`<task>-metrics.jsonl`), each evaluation appends one record
+    `{"step", "task", "split", "metrics", "time"}` to `MODEL_DIR/eval/<task>/<split>.jsonl`: a
+    mixture's tasks, other splits and a second `t5lite eval` of the same checkpoint each add
+    their own record, and nothing is ever replaced (an evaluation of the same step again, e.g.
+    with another batch size, is a second record of that step).
+    """
+    path = os.path.join(os.fspath(model_dir), _results_file(task, split))
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def restored_trainer(

@@ -101,16 +101,16 @@ class MetricsWriter:
             _write_tb_events(self._tb, self._scalars)
         self._scalars.clear()
 
-    def write_json(self, relative_path: str, value: Any) -> str | None:
-        """Writes `value` as JSON under the model directory (atomically); returns the path."""
+    def append_jsonl(self, relative_path: str, record: Mapping[str, Any]) -> str | None:
+        """Appends `record` as one JSON line to a file under the model directory (created with
+        its folders); what the file held is kept. Returns the path."""
         if not self.enabled:
             return None
         path = os.path.join(self.model_dir, relative_path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(value, f, indent=2, sort_keys=True, default=_num)
-            f.write("\n")
-        os.replace(path + ".tmp", path)
+        line = json.dumps(record, sort_keys=True, default=_num) + "\n"
+        with open(path, "a") as f:  # one write of the whole line
+            f.write(line)
         return path
 
     def _print(self, step: int, metrics: Mapping[str, float], prefix: str) -> None:
