@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import collectives, constraints
+from t5lite import constraints
 from t5lite.model import layers, positions
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
@@ -61,6 +61,7 @@ def _attention(cfg: AnyConfig, name: str) -> layers.MultiHeadAttention:
         use_rope=cfg.use_rope,
         rope_theta=cfg.rope_theta,
         rope_scaling=_rope_scaling(cfg),
+        attention_implementation=cfg.attention_implementation,
         name=name,
     )
 
@@ -148,6 +149,7 @@ class DecoderLayer(nn.Module):
                 param_dtype=cfg.policy.master,
                 dropout_rate=cfg.dropout_rate,
                 scale_logits=cfg.scale_attn_logits,
+                attention_implementation=cfg.attention_implementation,
                 name="encoder_decoder_attention",
             )(y, encoded_BSD, cross_mask_B1LS, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
@@ -336,19 +338,17 @@ def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) ->
             logits_BLV = logits_BLV / np.sqrt(cfg.emb_dim)
     else:
         kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-        x_BLD = x_BLD.astype(jnp.float32)
-        kernel_DV = layers.DenseGeneral(
+        # Vocab-parallel logits: under sequence parallelism the input is gathered by position
+        # here and its gradient reduce-scattered, like a block's.
+        logits_BLV = layers.DenseGeneral(
             cfg.vocab_size,
             ("embed", "vocab"),
+            input_axes=("batch", "length", "embed"),
             dtype=jnp.float32,
             param_dtype=cfg.policy.master,
             kernel_init=kernel_init,
             name="logits_dense",
-        )(x_BLD, kernel_only=True)
-        # Vocab-parallel logits: under sequence parallelism the input is gathered by position
-        # here and its gradient reduce-scattered, like a block's.
-        axes_BLD, axes_DV = ("batch", "length", "embed"), ("embed", "vocab")
-        (logits_BLV,) = collectives.column_parallel(x_BLD, axes_BLD, [(kernel_DV, axes_DV)])
+        )(x_BLD)
     logits_BLV = logits_BLV.astype(cfg.policy.output)
     return constraints.constrain(logits_BLV, ("batch", "length", "vocab"))
 
