@@ -33,12 +33,15 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from t5lite.model import splash
+from t5lite.model.chunked_attention import chunked_attention
+from t5lite.model.masks import MASK_VALUE, MaskParts
+
 Array = jax.Array
 DType = Any
 
-# NOTE: masked logits get this bias (fp32) instead of -inf, so fully masked rows (padding queries)
-# give a uniform softmax rather than NaN.
-_MASK_VALUE = -1e10
+Mask = Array | MaskParts | None
+"""A boolean mask [B or 1, 1, L, S] (True: attend), the same mask by its parts, or none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,14 @@ class Features:
     head_dim: int | None = None
     lengths: tuple[int, int] | None = None
     """(L, S) of a call with a mask."""
+    mask: str | None = None
+    """'none', 'dense' (a boolean array: the KV cache's decode steps) or 'parts' (`MaskParts`)."""
+    prefix: bool = False
+    """A prefix-LM's bidirectional prefix (a per-row mask)."""
+
+
+def _dense(mask: Mask, length_q: int, length_kv: int) -> Array | None:
+    return mask.dense(length_q, length_kv) if isinstance(mask, MaskParts) else mask
 
 
 def _xla(
@@ -62,7 +73,7 @@ def _xla(
     k_BSGK: Array,
     v_BSGK: Array,
     bias_bHLS: Array | None,
-    mask_B1LS: Array | None,
+    mask: Mask,
     *,
     dropout_rate: float,
     dropout_rng: Array | None,
@@ -70,6 +81,7 @@ def _xla(
 ) -> Array:
     """Einsum attention: logits, bias, masking and softmax in fp32, no logit scaling."""
     b, length, h, kd = q_BLHK.shape
+    mask_B1LS = _dense(mask, length, k_BSGK.shape[1])
     g = k_BSGK.shape[2]
     r = h // g
     # Query head index h = g_idx * R + r_idx, as in HF `repeat_kv`.
@@ -79,7 +91,7 @@ def _xla(
         bias = bias_bHLS.astype(jnp.float32)
         logits = logits + bias.reshape(bias.shape[0], g, r, *bias.shape[2:])
     if mask_B1LS is not None:
-        logits = jnp.where(mask_B1LS[:, :, None], logits, _MASK_VALUE)
+        logits = jnp.where(mask_B1LS[:, :, None], logits, MASK_VALUE)
     weights = jax.nn.softmax(logits, axis=-1)
     if dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
@@ -93,17 +105,31 @@ def fused_attention(
     k_BSGK: Array,
     v_BSGK: Array,
     bias_bHLS: Array | None,
-    mask_B1LS: Array | None,
+    mask: Mask,
     *,
     implementation: str | None,
 ) -> Array:
     """`jax.nn.dot_product_attention` on t5lite's conventions: queries come scaled (scale 1),
-    query head h reads key/value head h // R, masks are boolean [B or 1, 1, L, S].
+    query head h reads key/value head h // R, masks are boolean [B or 1, 1, L, S] or by parts.
+
+    A causal mask without a prefix is passed as `is_causal` (cuDNN then skips the blocks above
+    the diagonal) and only the rest of it (padding, segments) as a boolean mask.
 
     `cudnn` calls this with `implementation='cudnn'`; with `None` or `'xla'` it is JAX's own
     einsum path, which the tests compare with `_xla` on CPU."""
+    length_q, length_kv = q_BLHK.shape[1], k_BSGK.shape[1]
+    is_causal = isinstance(mask, MaskParts) and mask.causal and mask.prefix_q is None
+    if is_causal:
+        mask = mask.without_causal()
     return jax.nn.dot_product_attention(
-        q_BLHK, k_BSGK, v_BSGK, bias_bHLS, mask_B1LS, scale=1.0, implementation=implementation
+        q_BLHK,
+        k_BSGK,
+        v_BSGK,
+        bias_bHLS,
+        _dense(mask, length_q, length_kv),
+        scale=1.0,
+        is_causal=is_causal,
+        implementation=implementation,
     )
 
 
@@ -112,7 +138,7 @@ def _cudnn(
     k_BSGK: Array,
     v_BSGK: Array,
     bias_bHLS: Array | None,
-    mask_B1LS: Array | None,
+    mask: Mask,
     *,
     dropout_rate: float,
     dropout_rng: Array | None,
@@ -120,8 +146,22 @@ def _cudnn(
 ) -> Array:
     """cuDNN's fused attention (`_cudnn_refuses` has ruled out bias and dropout)."""
     del bias_bHLS, dropout_rate, dropout_rng
-    out = fused_attention(q_BLHK, k_BSGK, v_BSGK, None, mask_B1LS, implementation="cudnn")
+    out = fused_attention(q_BLHK, k_BSGK, v_BSGK, None, mask, implementation="cudnn")
     return out.astype(dtype)
+
+
+def _chunked(q_BLHK, k_BSGK, v_BSGK, bias_bHLS, mask: Mask, *, dropout_rate, dropout_rng, dtype):
+    """Flash-style attention in plain JAX (`chunked_attention.py`)."""
+    del dropout_rate, dropout_rng
+    parts = MaskParts() if mask is None else mask
+    return chunked_attention(q_BLHK, k_BSGK, v_BSGK, bias_bHLS, parts, dtype=dtype)
+
+
+def _splash(q_BLHK, k_BSGK, v_BSGK, bias_bHLS, mask: Mask, *, dropout_rate, dropout_rng, dtype):
+    """TPU splash attention (`splash.py`)."""
+    del bias_bHLS, dropout_rate, dropout_rng
+    parts = MaskParts() if mask is None else mask
+    return splash.splash_attention(q_BLHK, k_BSGK, v_BSGK, parts, dtype=dtype)
 
 
 def _xla_refuses(features: Features) -> str | None:
@@ -145,6 +185,33 @@ def _cudnn_refuses(f: Features) -> str | None:
     return None
 
 
+def _needs_parts(f: Features, name: str) -> str | None:
+    if f.mask == "dense":
+        return (
+            f"needs the mask by its parts, and the KV cache's decode steps give a whole one "
+            f"(decoding runs 'xla'; {name} is for training, scoring and prefill)"
+        )
+    return None
+
+
+def _chunked_refuses(f: Features) -> str | None:
+    if f.dropout:
+        return "cannot apply attention dropout (dropout_rate > 0 in training)"
+    return _needs_parts(f, "chunked")
+
+
+def _splash_refuses(f: Features) -> str | None:
+    if f.prefix:
+        return "cannot take a prefix-LM's bidirectional prefix (a per-row mask)"
+    length_q, length_kv = f.lengths or (splash.GRANULE, splash.GRANULE)
+    why = splash.unsupported(f.bias, length_q, length_kv, f.dropout)
+    return f"cannot take {why}" if why else _needs_parts(f, "splash")
+
+
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
 def _on_cuda() -> bool:
     if jax.default_backend() != "gpu":
         return False
@@ -166,11 +233,13 @@ class Implementation:
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "xla": Implementation(_xla, _xla_refuses, lambda: True),
     "cudnn": Implementation(_cudnn, _cudnn_refuses, _on_cuda),
+    "chunked": Implementation(_chunked, _chunked_refuses, lambda: True),
+    "splash": Implementation(_splash, _splash_refuses, _on_tpu),
 }
 """The implementations by name (`auto` is not one: it picks one of them per call)."""
-NAMES: tuple[str, ...] = ("xla", "cudnn", "auto")
+NAMES: tuple[str, ...] = ("xla", "cudnn", "chunked", "splash", "auto")
 """What `attention_implementation` accepts."""
-_AUTO_ORDER = ("cudnn", "xla")
+_AUTO_ORDER = ("splash", "cudnn", "xla")
 """`auto` picks the first of these that runs here and takes the call."""
 
 
@@ -209,7 +278,7 @@ def dot_product_attention(
     k_BSGK: Array,
     v_BSGK: Array,
     bias_bHLS: Array | None = None,
-    mask_B1LS: Array | None = None,
+    mask: Mask = None,
     *,
     implementation: str = "xla",
     dropout_rate: float = 0.0,
@@ -225,7 +294,8 @@ def dot_product_attention(
     Args:
       q_BLHK: queries [B, L, H, K]; k_BSGK, v_BSGK: keys and values [B, S, G, K].
       bias_bHLS: additive logit bias [1 or B, H, L, S] or None.
-      mask_B1LS: boolean mask [B or 1, 1, L, S] (True: attend) or None.
+      mask: a boolean mask [B or 1, 1, L, S] (True: attend), the mask by its parts
+        (`MaskParts`: what the network gives; the fused kernels need it), or None.
       implementation: a name in `NAMES` (see the module docstring).
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       dtype: the dtype of the weights x values product and of the output.
@@ -237,12 +307,16 @@ def dot_product_attention(
     if h % g:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {g}")
     dropout = not deterministic and dropout_rate > 0.0
+    if isinstance(mask, MaskParts) and mask.empty:
+        mask = None
     features = Features(
         dtype=q_BLHK.dtype,
         bias=bias_bHLS is not None,
         dropout=dropout,
         head_dim=q_BLHK.shape[-1],
-        lengths=None if mask_B1LS is None else (q_BLHK.shape[1], k_BSGK.shape[1]),
+        lengths=None if mask is None else (q_BLHK.shape[1], k_BSGK.shape[1]),
+        mask="none" if mask is None else "parts" if isinstance(mask, MaskParts) else "dense",
+        prefix=isinstance(mask, MaskParts) and mask.prefix_q is not None,
     )
     check_implementation(implementation, features)
     name = resolve(implementation, features)
@@ -251,7 +325,7 @@ def dot_product_attention(
         k_BSGK,
         v_BSGK,
         bias_bHLS,
-        mask_B1LS,
+        mask,
         dropout_rate=dropout_rate if dropout else 0.0,
         dropout_rng=dropout_rng,
         dtype=dtype,

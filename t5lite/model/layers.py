@@ -23,7 +23,7 @@ import numpy as np
 from flax import linen as nn
 
 from t5lite import collectives, constraints
-from t5lite.model.attention import dot_product_attention
+from t5lite.model.attention import Mask, dot_product_attention
 from t5lite.model.dense import (
     DenseGeneral,
     DenseGroup,
@@ -31,6 +31,7 @@ from t5lite.model.dense import (
     Projection,
     default_kernel_init,
 )
+from t5lite.model.masks import MaskParts
 from t5lite.model.positions import NO_ROPE_SCALING, RopeScaling, rotary_embedding
 
 Array = jax.Array
@@ -168,7 +169,7 @@ class MultiHeadAttention(nn.Module):
         self,
         inputs_q_BLD: Array,
         inputs_kv_BSD: Array,
-        mask_B1LS: Array | None = None,
+        mask: Mask = None,
         bias_bHLS: Array | None = None,
         positions_q_BL: Array | None = None,
         positions_kv_BS: Array | None = None,
@@ -179,8 +180,12 @@ class MultiHeadAttention(nn.Module):
         """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D].
 
         With `decode=True` (causal self-attention only) the keys and values go through the KV
-        cache of the 'cache' collection (see `_cached_kv`); `mask_B1LS` and `bias_bHLS` then
+        cache of the 'cache' collection (see `_cached_kv`); `mask` and `bias_bHLS` then
         span the cache length S, and a None mask means causal by the cache index.
+
+        `mask` is a boolean [B or 1, 1, L, S] array or the same mask by its parts
+        (`MaskParts`, what the network gives): the attention implementation builds from the parts
+        what it needs; decoding and context parallelism take the whole mask.
 
         With `decode=True, fixed_kv=True` (cross-attention to an encoding that does not change
         while decoding) the keys and values are projected once and kept in the 'cross_cache'
@@ -196,6 +201,9 @@ class MultiHeadAttention(nn.Module):
             q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
         axes_BLHK = ("batch", "length", "heads", "kv")
         q = constraints.constrain(q, axes_BLHK)
+        mask_B1LS = mask
+        if isinstance(mask, MaskParts):
+            mask_B1LS = mask.dense(q.shape[1], k.shape[1])
         # Context parallelism attends each device's queries to gathered keys and values; it runs
         # neither the KV cache nor dropout (whose mask would have to be split per device).
         choice = collectives.Choice(collectives.Strategy.PARTITIONER)
@@ -212,7 +220,15 @@ class MultiHeadAttention(nn.Module):
             )
         else:
             out_BLHK = self._attend(
-                q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode, fixed_kv
+                q,
+                k,
+                v,
+                bias_bHLS,
+                mask_B1LS if decode else mask,
+                kv_axis,
+                deterministic,
+                decode,
+                fixed_kv,
             )
         out_BLHK = constraints.constrain(out_BLHK, axes_BLHK)
         return DenseGeneral(
@@ -258,7 +274,8 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode, fixed_kv):
-        """Attention with whole keys and values on each device (and the KV cache)."""
+        """Attention with whole keys and values on each device (and the KV cache); the mask is
+        whole when decoding, else as the caller gave it."""
         # Key/value positions have a name of their own: context parallelism shards the queries'
         # `length` and keeps every key and value position on each device (all-gathered).
         k = constraints.constrain(k, ("batch", "kv_length", kv_axis, "kv"))

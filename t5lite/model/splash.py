@@ -28,33 +28,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5lite.model.chunked_attention import MaskParts
+from t5lite.model.masks import MaskParts
 
 Array = jax.Array
 
-_GRANULE = 128  # the kernel's block sizes and lengths are multiples of this
+GRANULE = 128  # the kernel's block sizes and lengths are multiples of this
 DEFAULT_BLOCK = 512
 
 
-def unsupported(
-    bias: Array | None, mask: MaskParts, length_q: int, length_kv: int, dropout: bool
-) -> str | None:
-    """Why splash cannot run this attention (None: it can)."""
-    if bias is not None:
+def unsupported(bias: bool, length_q: int, length_kv: int, dropout: bool) -> str | None:
+    """What of a call splash cannot take (None: it can take it; the prefix-LM's per-row prefix
+    is refused by the caller, which knows the mask)."""
+    if bias:
         return "an additive attention bias (T5's relative position bias)"
-    if mask.prefix_q is not None:
-        return "a prefix-LM's bidirectional prefix (a per-row mask)"
     if dropout:
         return "attention dropout"
-    if length_q % _GRANULE or length_kv % _GRANULE:
-        return f"lengths {length_q}/{length_kv} that are not multiples of {_GRANULE}"
+    if length_q % GRANULE or length_kv % GRANULE:
+        return f"lengths {length_q}/{length_kv} that are not multiples of {GRANULE}"
     return None
 
 
 def _block(length: int, block: int) -> int:
     size = min(block, length)
     while length % size:
-        size -= _GRANULE
+        size -= GRANULE
     return size
 
 
