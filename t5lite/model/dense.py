@@ -157,7 +157,8 @@ class DenseGroup(nn.Module):
     param_dtype: DType = jnp.float32
 
     def setup(self) -> None:
-        nn.share_scope(self, self.parent)
+        if isinstance(self.parent, nn.Module):  # a group applied on its own has nothing above
+            nn.share_scope(self, self.parent)
 
     @nn.compact
     def __call__(self, inputs: Array) -> list[Array]:
