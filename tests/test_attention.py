@@ -9,6 +9,8 @@ gradients of unit-scale inputs; the two paths sum in different orders).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from flax import linen as nn
 
 from t5lite import collectives
 from t5lite.model import attention, layers, network
+from t5lite.model.masks import MaskParts
 from t5lite.partitioning import create_mesh, preset_rules
 
 B, L, H, G, K = 2, 6, 6, 2, 8  # batch, length, heads, kv heads (R = 3), head width
@@ -103,7 +106,7 @@ SETTING = "DecoderOnlyConfig.attention_implementation"
     [
         (
             {"attention_implementation": "flash"},
-            f"{SETTING}='flash' is not one of xla, cudnn, auto",
+            f"{SETTING}='flash' is not one of xla, cudnn, chunked, splash, auto",
         ),
         (
             {"attention_implementation": "cudnn"},
@@ -147,7 +150,7 @@ def test_t5_config_refuses_cudnn_and_takes_the_others():
     with pytest.raises(ValueError) as e:
         network.T5Config(attention_implementation="XLA")
     assert str(e.value) == (
-        "T5Config.attention_implementation='XLA' is not one of xla, cudnn, auto"
+        "T5Config.attention_implementation='XLA' is not one of xla, cudnn, chunked, splash, auto"
     )
     assert network.T5Config(attention_implementation="auto").attention_implementation == "auto"
     cfg = network.DecoderOnlyConfig(attention_implementation="cudnn", precision=BF16)
@@ -166,8 +169,10 @@ def test_call_refusals():
         "(L=5, S=5); use 'xla'"
     )
     with pytest.raises(ValueError) as e:
-        attention.dot_product_attention(q, k, v, implementation="splash")
-    assert str(e.value) == "attention_implementation='splash' is not one of xla, cudnn, auto"
+        attention.dot_product_attention(q, k, v, implementation="flash")
+    assert str(e.value) == (
+        "attention_implementation='flash' is not one of xla, cudnn, chunked, splash, auto"
+    )
     with pytest.raises(ValueError) as e:
         attention.dot_product_attention(
             q,
@@ -286,3 +291,84 @@ def test_context_parallel_attention_goes_through_the_seam(cudnn_runs_as_jax_xla)
     # Each device attends its 2 of 8 query positions (1 of 2 batch rows) to all 8 keys.
     assert cudnn_runs_as_jax_xla[-1] == ("cudnn", (1, 2, 4, 8), (1, 8, 2, 8))
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2e-2)
+
+
+def test_cudnn_gets_a_causal_mask_as_is_causal_and_the_rest_as_a_mask(monkeypatch):
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def recording(q, k, v, bias=None, mask=None, *, implementation=None, is_causal=False, **kw):
+        calls.append((is_causal, None if mask is None else mask.shape))
+        return real(q, k, v, bias, mask, implementation="xla", is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    q, k, v = _qkv(dtype=jnp.bfloat16)
+    valid = jnp.arange(L)[None].repeat(B, 0) < jnp.array([[L], [L - 2]])
+    parts = {
+        "causal": MaskParts(causal=True),
+        "causal + padding": MaskParts(valid, valid, causal=True),
+        "prefix-LM": MaskParts(prefix_q=valid, prefix_kv=valid, causal=True),
+    }
+    for name, mask in parts.items():
+        want = attention.dot_product_attention(q, k, v, None, mask.dense(L, L), dtype=jnp.bfloat16)
+        got = attention.dot_product_attention(
+            q, k, v, None, mask, implementation="cudnn", dtype=jnp.bfloat16
+        )
+        np.testing.assert_allclose(np.float32(got), np.float32(want), atol=1e-2, err_msg=name)
+    # A plain causal mask is cuDNN's own (no mask array); a prefix is a per-row mask.
+    assert calls == [(True, None), (True, (B, 1, L, L)), (False, (B, 1, L, L))]
+
+
+def test_chunked_through_the_networks_equals_xla():
+    """Both families, every mask the networks build (padding, packing, causal, prefix-LM, T5's
+    relative bias and cross-attention): logits and gradients in fp32."""
+    lm = dict(LM, precision="float32")
+    tokens = jnp.array([[3, 4, 5, 6, 7, 0], [3, 4, 5, 6, 7, 8]])
+    segments = jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]])
+    prefix = jnp.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]])
+
+    def lm_apply(cfg):
+        model = network.DecoderOnly(cfg)
+        params = model.init(jax.random.PRNGKey(0), tokens, enable_dropout=False)["params"]
+
+        def loss(p):
+            logits = model.apply(
+                {"params": p}, tokens, tokens, segments, None, prefix, enable_dropout=False
+            )
+            return jnp.mean(logits**2), logits
+
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    t5 = dict(
+        vocab_size=32,
+        emb_dim=16,
+        num_heads=4,
+        head_dim=8,
+        mlp_dim=32,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+    )
+
+    def t5_apply(cfg):
+        model = network.EncoderDecoder(cfg)
+        inputs = jnp.array([[5, 6, 7, 8, 0, 0], [5, 6, 7, 8, 9, 10]])
+        args = (inputs, tokens, tokens)
+        params = model.init(jax.random.PRNGKey(0), *args, enable_dropout=False)["params"]
+
+        def loss(p):
+            logits = model.apply({"params": p}, *args, enable_dropout=False)
+            return jnp.mean(logits**2), logits
+
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    for name, run, base in (
+        ("lm", lm_apply, network.DecoderOnlyConfig(**lm)),
+        ("t5", t5_apply, network.T5Config(**t5)),
+    ):
+        (_, want), want_grads = run(base)
+        (_, got), got_grads = run(dataclasses.replace(base, attention_implementation="chunked"))
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)
+        for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(
+                nn.meta.unbox(g), nn.meta.unbox(w), atol=1e-5, rtol=1e-4, err_msg=name
+            )

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from t5lite.insight.topology import libtpu_available
-from t5lite.model import layers
-from t5lite.model.chunked_attention import MaskParts
-from t5lite.model.splash import splash_attention, unsupported
+from t5lite.model import attention, layers
+from t5lite.model.masks import MaskParts
+from t5lite.model.splash import splash_attention
 
 B, L, H, G, K = 2, 256, 4, 2, 64
 _VALID = np.arange(L)[None] < np.array([[200], [256]])
@@ -51,15 +51,30 @@ def test_equals_xla_on_real_positions_forward_and_gradients(case):
 
 
 def test_refusals_name_what_the_kernel_cannot_take():
-    parts = MaskParts(causal=True)
-    bias = jnp.zeros((1, H, L, L))
-    assert "relative position bias" in unsupported(bias, parts, L, L, False)
+    q = jnp.zeros((B, L, H, K), jnp.bfloat16)
+    kv = jnp.zeros((B, L, G, K), jnp.bfloat16)
+    causal = MaskParts(causal=True)
     prefix = jnp.ones((B, L), bool)
-    prefix_parts = MaskParts(prefix_q=prefix, prefix_kv=prefix, causal=True)
-    assert "prefix-LM" in unsupported(None, prefix_parts, L, L, False)
-    assert unsupported(None, parts, L, L, True) == "attention dropout"
-    assert "not multiples of 128" in unsupported(None, parts, 100, 100, False)
-    assert unsupported(None, parts, L, L, False) is None
+
+    def refusal(length=L, **kwargs):
+        with pytest.raises(ValueError) as e:
+            attention.dot_product_attention(
+                q[:, :length], kv[:, :length], kv[:, :length], implementation="splash", **kwargs
+            )
+        return str(e.value)
+
+    assert refusal(bias_bHLS=jnp.zeros((1, H, L, L)), mask=causal) == (
+        "attention_implementation='splash' cannot take an additive attention bias (T5's "
+        "relative position bias); use 'xla'"
+    )
+    assert "cannot take a prefix-LM's bidirectional prefix" in refusal(
+        mask=MaskParts(prefix_q=prefix, prefix_kv=prefix, causal=True)
+    )
+    assert "cannot take attention dropout" in refusal(
+        mask=causal, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0), deterministic=False
+    )
+    assert "lengths 100/100 that are not multiples of 128" in refusal(length=100, mask=causal)
+    assert "needs the mask by its parts" in refusal(mask=causal.dense(L, L))
 
 
 _AOT = textwrap.dedent(
@@ -68,7 +83,7 @@ _AOT = textwrap.dedent(
     import jax, jax.numpy as jnp
     from t5lite.insight.topology import get_topology
     from t5lite.model import layers
-    from t5lite.model.chunked_attention import MaskParts
+    from t5lite.model.masks import MaskParts
     from t5lite.model.splash import splash_attention
 
     sharding = jax.sharding.SingleDeviceSharding(get_topology("v5e:2x2").devices[0])
