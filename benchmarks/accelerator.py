@@ -239,6 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return {}
 
+    # This process only looks at the device and runs the small attention check: it must not
+    # take the accelerator's memory from the training processes it starts (JAX preallocates
+    # 75% of a GPU's memory by default).
+    child_env = dict(os.environ)
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import jax
 
     backend = jax.default_backend()
@@ -254,12 +259,18 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for impl in impls:
         cmd = [sys.executable, __file__, "--child", impl, *_forwarded(args)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            print(f"  {impl}: failed: {tail[0]}", flush=True)
-            results.append({"implementation": impl, "error": tail[0]})
+            lines = (proc.stderr or proc.stdout).strip().splitlines() or ["(no output)"]
+            # The reason is the last line of a Python error, or above a native stack trace.
+            native = [i for i, x in enumerate(lines) if x.lstrip().startswith("@ ")]
+            reason = lines[native[0] - 1] if native and native[0] > 0 else lines[-1]
+            log = Path(args.out).with_suffix(f".{impl}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(proc.stdout + proc.stderr)
+            print(f"  {impl}: failed: {reason} (whole output: {log})", flush=True)
+            results.append({"implementation": impl, "error": reason})
             continue
         r = json.loads(line[len("RESULT ") :])
         results.append(r)
