@@ -29,6 +29,10 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
 - `context_parallel` (attention only; the `context_parallel` preset): the rules split the
   queries' `length` and keep `kv_length` whole. Keys and values are all-gathered inside
   attention; their gradients reduce-scattered back.
+- `per_shard` (kernels the partitioner cannot split, e.g. the TPU splash attention, a Pallas
+  call): the kernel runs on each device's shard of its operands, laid out by the rules; no
+  collective. Only for operations that are independent across the split dimensions (attention
+  over batch and heads); `per_shard` refuses a split of any other dimension.
 
 Why the explicit ones exist: the SPMD partitioner writes every reduce-scatter as an all-reduce
 followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs and weight
@@ -74,6 +78,7 @@ class Strategy(enum.StrEnum):
     SEQUENCE_PARALLEL_SCATTER = "sequence_parallel_scatter"
     ZERO3 = "zero3"
     CONTEXT_PARALLEL = "context_parallel"
+    PER_SHARD = "per_shard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,3 +531,67 @@ def context_parallel_attention(
 
     args = [a for a in (q, k, v, bias, mask) if a is not None]
     return _shard_map(body, plan.dims, _spec(plan.out_dims))(*args)
+
+
+# --- kernels the partitioner cannot split: run on each device's shard ---------------------------
+
+
+def per_shard(
+    fn: Callable[..., Array],
+    args: Sequence[Array | None],
+    axes: Sequence[Axes],
+    out_axes: Axes,
+    independent: Sequence[str],
+    aligned: Sequence[tuple[str, str]] = (),
+) -> Array:
+    """`fn(*args)` on each device's shard of `args`, laid out by the rules (no collective).
+
+    The SPMD partitioner cannot split a custom kernel (a Pallas call): it would gather every
+    operand whole onto each device. Attention is independent across examples and heads, so a
+    kernel given each device's rows and heads computes that device's share of the output.
+
+    Args:
+      fn: the kernel, applied per device; `None` arguments are passed through as None.
+      args: its array arguments (or None).
+      axes: the logical axes of each argument (ignored for None).
+      out_axes: the logical axes of the output.
+      independent: the logical names the kernel may see split (e.g. 'batch', 'heads'); a rule
+        that splits any other dimension is refused.
+      aligned: pairs of names that must be split alike (grouped-query attention's `heads` and
+        `kv_heads`: each device's query heads must read its own key/value heads).
+
+    Returns:
+      The output, laid out by `out_axes`.
+    """
+    if _unsharded() is not None or _resolve(out_axes) is None:
+        return fn(*args)
+    present = [(a, ax) for a, ax in zip(args, axes) if a is not None]
+    dims = [_resolve(ax) for _, ax in present]
+    for (a, ax), d in zip(present, dims):
+        for name, mesh_axes in zip(ax, d):
+            if mesh_axes and name not in independent:
+                raise ValueError(
+                    f"this attention kernel runs per device and cannot have `{name}` split "
+                    f"over mesh axes {mesh_axes} (the rules in force); use 'xla' or 'cudnn'"
+                )
+        if not _divides(d, a.shape):
+            raise ValueError(
+                f"an attention operand {a.shape} with axes {tuple(ax)} does not divide over "
+                f"mesh axes {d}"
+            )
+    split = {name: d for (_, ax), ds in zip(present, dims) for name, d in zip(ax, ds)}
+    for first, second in aligned:
+        if first in split and second in split and split[first] != split[second]:
+            raise ValueError(
+                f"this attention kernel runs per device and needs `{first}` and `{second}` "
+                f"split alike (the rules give {split[first]} and {split[second]}); use 'xla' "
+                "or 'cudnn'"
+            )
+    slots = [a is not None for a in args]
+
+    def body(*local: Array) -> Array:
+        it = iter(local)
+        return fn(*(next(it) if present_ else None for present_ in slots))
+
+    out = _shard_map(body, dims, _spec(_resolve(out_axes)))
+    return out(*(a for a, _ in present))

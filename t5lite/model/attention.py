@@ -25,6 +25,7 @@ K=kv (head width).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from t5lite import collectives
 from t5lite.model import splash
 from t5lite.model.chunked_attention import chunked_attention
 from t5lite.model.masks import MASK_VALUE, MaskParts
@@ -158,10 +160,23 @@ def _chunked(q_BLHK, k_BSGK, v_BSGK, bias_bHLS, mask: Mask, *, dropout_rate, dro
 
 
 def _splash(q_BLHK, k_BSGK, v_BSGK, bias_bHLS, mask: Mask, *, dropout_rate, dropout_rng, dtype):
-    """TPU splash attention (`splash.py`)."""
+    """TPU splash attention (`splash.py`), on each device's examples and heads (the
+    partitioner cannot split a Pallas call)."""
     del bias_bHLS, dropout_rate, dropout_rng
     parts = MaskParts() if mask is None else mask
-    return splash.splash_attention(q_BLHK, k_BSGK, v_BSGK, parts, dtype=dtype)
+    (b, length, h, _), (s, g) = q_BLHK.shape, k_BSGK.shape[1:3]
+    segment_q, segment_kv = splash.segments(parts, b, length, s)
+    kernel = functools.partial(splash.splash_kernel, causal=parts.causal, dtype=dtype)
+    q_axes = ("batch", "length", "heads", "kv")
+    kv_axes = ("batch", "kv_length", "heads" if g == h else "kv_heads", "kv")
+    return collectives.per_shard(
+        kernel,
+        (q_BLHK, k_BSGK, v_BSGK, segment_q, segment_kv),
+        (q_axes, kv_axes, kv_axes, ("batch", "length"), ("batch", "kv_length")),
+        q_axes,
+        independent=("batch", "heads", "kv_heads"),
+        aligned=(("heads", "kv_heads"),),
+    )
 
 
 def _xla_refuses(features: Features) -> str | None:

@@ -70,6 +70,34 @@ def splash_attention(
     No logit scaling is applied (as in the `xla` path). Call `unsupported` first: this function
     assumes the inputs are within what the kernel takes.
     """
+    b, length = q_BLHK.shape[:2]
+    segment_q, segment_kv = segments(mask, b, length, k_BSGK.shape[1])
+    return splash_kernel(
+        q_BLHK,
+        k_BSGK,
+        v_BSGK,
+        segment_q,
+        segment_kv,
+        causal=mask.causal,
+        dtype=dtype,
+        block=block,
+        interpret=interpret,
+    )
+
+
+def splash_kernel(
+    q_BLHK: Array,
+    k_BSGK: Array,
+    v_BSGK: Array,
+    segment_q_BL: Array | None,
+    segment_kv_BS: Array | None,
+    *,
+    causal: bool,
+    dtype: jnp.dtype = jnp.float32,
+    block: int = DEFAULT_BLOCK,
+    interpret: bool = False,
+) -> Array:
+    """The kernel on arrays only (segment ids: padding = 0), so that it can run per device."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
@@ -80,7 +108,7 @@ def splash_attention(
     b, length, h, kd = q_BLHK.shape
     s, g = k_BSGK.shape[1], k_BSGK.shape[2]
     r = h // g
-    base = mask_lib.CausalMask((length, s)) if mask.causal else mask_lib.FullMask((length, s))
+    base = mask_lib.CausalMask((length, s)) if causal else mask_lib.FullMask((length, s))
     bq, bkv = _block(length, block), _block(s, block)
     sizes = kernel_lib.BlockSizes(
         block_q=bq,
@@ -95,7 +123,6 @@ def splash_attention(
     kernel = kernel_lib.make_splash_mqa_single_device(
         mask_lib.MultiHeadMask([base] * r), block_sizes=sizes, interpret=interpret
     )
-    segment_q, segment_kv = _segments(mask, b, length, s)
 
     def one_group(q_RLK, k_SK, v_SK, seg):
         return kernel(q_RLK, k_SK, v_SK, seg)
@@ -108,11 +135,11 @@ def splash_attention(
     q_BGRLK = q_BLHK.reshape(b, length, g, r, kd).transpose(0, 2, 3, 1, 4).astype(dt)
     k_BGSK = k_BSGK.transpose(0, 2, 1, 3).astype(dt)
     v_BGSK = v_BSGK.transpose(0, 2, 1, 3).astype(dt)
-    out_BGRLK = jax.vmap(one_example)(q_BGRLK, k_BGSK, v_BGSK, segment_q, segment_kv)
+    out_BGRLK = jax.vmap(one_example)(q_BGRLK, k_BGSK, v_BGSK, segment_q_BL, segment_kv_BS)
     return out_BGRLK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, kd).astype(dt)
 
 
-def _segments(mask: MaskParts, b: int, length: int, s: int):
+def segments(mask: MaskParts, b: int, length: int, s: int):
     """Segment ids [B, L] and [B, S] carrying packing and padding (padding = segment 0)."""
     if mask.segment_q is None and mask.valid_q is None:
         return None, None
