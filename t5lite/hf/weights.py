@@ -6,6 +6,11 @@ Supported architectures (both directions, scanned or unscanned t5lite trees):
   - `LlamaForCausalLM` (RoPE, SwiGLU, GQA, tied or untied)  <->  `network.DecoderOnly` /
     `DecoderOnlyConfig`.
 
+The output layer is read as the installed transformers (5.x) reads it: tied to the input
+embedding where the config asks for it (T5: always) unless the file holds an `lm_head.weight`
+that differs from the embedding. Export writes a head that transformers 4.x and 5.x both read
+back as the same logits.
+
 Only `config.json` and `*.safetensors` (optionally sharded with `model.safetensors.index.json`) are
 read or written; no hub access, no torch, no pickle. Mistakes raise ValueError with one line naming
 the file or the parameter.
@@ -32,6 +37,7 @@ Params = dict[str, Any]
 _CONFIG = "config.json"
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
+_HEAD = "lm_head.weight"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +77,7 @@ def _hf_shape(e: _Entry) -> tuple[int, ...]:
 # --- T5 -----------------------------------------------------------------------------------------
 
 
-def _t5_config_from_hf(c: dict[str, Any], where: str) -> network.T5Config:
+def _t5_config_from_hf(c: dict[str, Any], where: str, tied: bool) -> network.T5Config:
     proj = c.get("feed_forward_proj", "relu")
     variants = {"relu": "t5.1.0", "gated-gelu": "t5.1.1"}
     if proj not in variants:
@@ -79,15 +85,16 @@ def _t5_config_from_hf(c: dict[str, Any], where: str) -> network.T5Config:
             f"{where}: unsupported T5 variant feed_forward_proj={proj!r} (supported: "
             "'relu' = T5 v1.0, 'gated-gelu' = T5.1.1)"
         )
-    # transformers 4.x: tie_word_embeddings ties the head *and* scales the decoder output by
-    # D**-0.5. transformers 5.x always ties (and writes tie_word_embeddings=true, so a T5.1.1
-    # file has no lm_head.weight) and records the scaling as `scale_decoder_outputs`.
-    tied = bool(c.get("tie_word_embeddings", True))
-    scaled = bool(c.get("scale_decoder_outputs", tied))
+    # transformers 5.x's T5Config: `scale_decoder_outputs` as saved, else (a 4.x file) what 4.x
+    # did, scale iff `tie_word_embeddings` is not false. Whether the head is tied follows from
+    # the tensors (`_head_is_tied`), not from `tie_word_embeddings`.
+    scaled = bool(c.get("scale_decoder_outputs", c.get("tie_word_embeddings", True) is not False))
     if scaled and not tied:
         raise ValueError(
             f"{where}: unsupported T5 variant: untied lm_head with scale_decoder_outputs=true "
-            "(supported: tied and scaled = T5 v1.0, tied or untied and unscaled = T5.1.1)"
+            "(lm_head.weight differs from shared.weight while the decoder output is scaled by "
+            "d_model**-0.5; supported: tied and scaled = T5 v1.0, tied or untied and unscaled "
+            "= T5.1.1)"
         )
     return network.T5Config(
         vocab_size=c["vocab_size"],
@@ -124,8 +131,9 @@ def _t5_config_to_hf(cfg: network.T5Config) -> dict[str, Any]:
         "layer_norm_epsilon": cfg.layer_norm_epsilon,
         "feed_forward_proj": "relu" if cfg.variant == "t5.1.0" else "gated-gelu",
         # NOTE: transformers 4.x ignores `scale_decoder_outputs` and scales iff tied, so a tied
-        # unscaled head (what 5.x writes for T5.1.1) loads correctly in 5.x only.
-        "tie_word_embeddings": cfg.logits_via_embedding,
+        # unscaled head (5.x's T5.1.1) is written untied, with the embedding as its lm_head:
+        # 4.x reads an unscaled untied head, 5.x ties the two (they are equal).
+        "tie_word_embeddings": cfg.scale_tied_logits,
         "scale_decoder_outputs": cfg.scale_tied_logits,
         "is_encoder_decoder": True,
         "torch_dtype": cfg.policy.params,
@@ -209,18 +217,14 @@ def _t5_entries(cfg: network.T5Config) -> list[_Entry]:
         norm = f"{stack}_norm"
         out.append(_Entry(f"{stack}.final_layer_norm.weight", (stack, norm, "scale"), (d,), "copy"))
     if not cfg.logits_via_embedding:
-        out.append(
-            _Entry(
-                "lm_head.weight", ("decoder", "logits_dense", "kernel"), (d, cfg.vocab_size), "t"
-            )
-        )
+        out.append(_Entry(_HEAD, ("decoder", "logits_dense", "kernel"), (d, cfg.vocab_size), "t"))
     return out
 
 
 # --- Llama --------------------------------------------------------------------------------------
 
 
-def _llama_config_from_hf(c: dict[str, Any], where: str) -> network.DecoderOnlyConfig:
+def _llama_config_from_hf(c: dict[str, Any], where: str, tied: bool) -> network.DecoderOnlyConfig:
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: unsupported Llama hidden_act={c['hidden_act']!r} (want 'silu')")
     if c.get("attention_bias") or c.get("mlp_bias"):
@@ -237,7 +241,7 @@ def _llama_config_from_hf(c: dict[str, Any], where: str) -> network.DecoderOnlyC
         mlp_activation="silu",
         position_embedding="rope",
         **_rope_from_hf(c, where),
-        logits_via_embedding=bool(c.get("tie_word_embeddings", False)),
+        logits_via_embedding=tied,
         scale_attn_logits=True,
         layer_norm_epsilon=c.get("rms_norm_eps", 1e-6),
     )
@@ -359,18 +363,48 @@ def _llama_entries(cfg: network.DecoderOnlyConfig) -> list[_Entry]:
         out += _mlp_entries(f"{hf}.mlp", ours, d, f, ("gate_proj", "up_proj", "down_proj"))
     out.append(_Entry("model.norm.weight", ("decoder", "decoder_norm", "scale"), (d,), "copy"))
     if not cfg.logits_via_embedding:
-        out.append(
-            _Entry(
-                "lm_head.weight", ("decoder", "logits_dense", "kernel"), (d, cfg.vocab_size), "t"
-            )
-        )
+        out.append(_Entry(_HEAD, ("decoder", "logits_dense", "kernel"), (d, cfg.vocab_size), "t"))
     return out
 
 
-_ARCHITECTURES: dict[str, tuple[Callable, Callable]] = {
-    "T5ForConditionalGeneration": (_t5_config_from_hf, _t5_entries),
-    "LlamaForCausalLM": (_llama_config_from_hf, _llama_entries),
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """One supported HF architecture: its config and tensor mapping, and how it ties."""
+
+    config_from_hf: Callable[[dict[str, Any], str, bool], Any]
+    entries: Callable[[Any], list[_Entry]]
+    embedding_keys: tuple[str, ...]
+    """Where the input embedding may be stored, in the order transformers looks for it."""
+    always_tied: bool
+    """transformers 5.x ties this architecture whatever `tie_word_embeddings` says."""
+
+
+_ARCHITECTURES: dict[str, _Arch] = {
+    "T5ForConditionalGeneration": _Arch(
+        _t5_config_from_hf,
+        _t5_entries,
+        ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"),
+        # NOTE: 5.x's T5Config sets tie_word_embeddings=True whatever the file says.
+        always_tied=True,
+    ),
+    "LlamaForCausalLM": _Arch(
+        _llama_config_from_hf, _llama_entries, ("model.embed_tokens.weight",), always_tied=False
+    ),
 }
+
+
+def _head_is_tied(raw: dict[str, Any], arch: _Arch, get: Callable[[str], Any]) -> bool:
+    """transformers 5.x's `tie_weights` on load: where the config asks for tying, the head is
+    tied to the input embedding unless both tensors are in the file with different values
+    (then 5.x warns and keeps the file's head). 4.x tied whenever the config asked, dropping
+    a saved head; its own files never hold a different one."""
+    if not (arch.always_tied or raw.get("tie_word_embeddings", False)):
+        return False
+    head = get(_HEAD)
+    if head is None:
+        return True
+    embedding = next((x for x in map(get, arch.embedding_keys) if x is not None), None)
+    return embedding is None or (head.shape == embedding.shape and np.array_equal(head, embedding))
 
 
 # --- safetensors I/O ----------------------------------------------------------------------------
@@ -455,15 +489,17 @@ def import_hf(
         raise ValueError(
             f"{cfg_path}: unsupported architectures {archs}; supported: {sorted(_ARCHITECTURES)}"
         )
-    config_from_hf, entries_of = _ARCHITECTURES[arch]
-    cfg = config_from_hf(raw, str(cfg_path))
-    cfg = dataclasses.replace(cfg, scan_layers=scan_layers, precision=precision)
+    spec = _ARCHITECTURES[arch]
     get = _read_tensors(hf_dir)
+    tied = _head_is_tied(raw, spec, get)
+    cfg = spec.config_from_hf(raw, str(cfg_path), tied)
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers, precision=precision)
+    # A tied head may be the only copy of the embedding (5.x then ties the other way round).
+    embedding_keys = [*spec.embedding_keys, *([_HEAD] if tied else [])]
     params: Params = {}
-    for e in entries_of(cfg):
-        x = get(e.hf_key)
-        if x is None and e.hf_key == "shared.weight":
-            x = get("encoder.embed_tokens.weight")
+    for e in spec.entries(cfg):
+        keys = embedding_keys if e.hf_key == spec.embedding_keys[0] else [e.hf_key]
+        x = next((x for x in map(get, keys) if x is not None), None)
         if x is None:
             raise ValueError(f"{hf_dir}: tensor {e.hf_key!r} missing from the checkpoint")
         if tuple(x.shape) != _hf_shape(e):
@@ -529,6 +565,8 @@ def export_hf(
         # Written out as well so that loaders which do not re-tie them still share one table.
         for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
             tensors[key] = tensors["shared.weight"].copy()
+        if config.logits_via_embedding and not config.scale_tied_logits:
+            tensors[_HEAD] = tensors["shared.weight"].copy()  # see `_t5_config_to_hf`
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / _WEIGHTS), metadata={"format": "pt"})

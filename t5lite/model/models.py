@@ -433,8 +433,9 @@ class DecoderOnlyModel(BaseModel):
     and the loss on the targets (seqio's `PrefixLMFeatureConverter`), so the model is trained
     and prompted with the inputs."""
     inputs_bidirectional_attention: bool = True
-    """Prediction: the prompt attends bidirectionally within itself (prefix-LM, as the model is
-    trained on `decoder_causal_attention`); False for a causal LM such as Llama."""
+    """The inputs part of a row (marked by `decoder_causal_attention`) attends bidirectionally
+    within itself (prefix-LM); False: every position attends causally (a causal LM such as
+    Llama). One rule for the loss, scoring and decoding (see `_inputs`)."""
     FEATURES: ClassVar[tuple[str, ...]] = (
         "decoder_input_tokens",
         "decoder_target_tokens",
@@ -463,6 +464,14 @@ class DecoderOnlyModel(BaseModel):
     @property
     def feature_converter_name(self) -> str:
         return self.feature_converter
+
+    def _inputs(self, batch: Batch) -> dict[str, Array]:
+        # The one attention rule for the loss, scoring and decoding's prefill: the prompt
+        # marked by `decoder_causal_attention` attends bidirectionally only if the model says so.
+        inputs = super()._inputs(batch)
+        if not self.inputs_bidirectional_attention:
+            inputs.pop("decoder_causal_attention", None)
+        return inputs
 
     def module(self) -> network.DecoderOnly:
         return network.DecoderOnly(self.network_config)
@@ -512,8 +521,8 @@ class DecoderOnlyModel(BaseModel):
             initial_B = jnp.maximum(jnp.sum(causal_BL, axis=1) - 1, 0).astype(jnp.int32)
             prompt_BL = jnp.where(causal_BL > 0, tokens_BL, self.pad_id)
             prompt_BL = prompt_BL.at[:, 0].set(self.decoder_start_token_id)
-            bidirectional = causal_BL if self.inputs_bidirectional_attention else None
-            _, variables = call(cache, prompt_BL, bidirectional)
+            bidirectional_BL = self._inputs(batch).get("decoder_causal_attention")
+            _, variables = call(cache, prompt_BL, bidirectional_BL)
             # The prefill wrote all L positions; each row resumes at its last prompt token
             # (re-fed, so the first step yields the first target). Later positions are masked
             # until overwritten.
