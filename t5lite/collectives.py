@@ -593,5 +593,13 @@ def per_shard(
         it = iter(local)
         return fn(*(next(it) if present_ else None for present_ in slots))
 
-    out = _shard_map(body, dims, _spec(_resolve(out_axes)))
+    # NOTE: check_vma=False: a Pallas call's outputs carry no record of how they vary over the
+    # manual axes, which the check needs.
+    out = jax.shard_map(
+        body,
+        mesh=_mesh(),
+        in_specs=tuple(_spec(d) for d in dims),
+        out_specs=_spec(_resolve(out_axes)),
+        check_vma=False,
+    )
     return out(*(a for a, _ in present))
