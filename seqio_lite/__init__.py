@@ -40,7 +40,7 @@ from seqio_lite.file_tasks import (
     parquet_task,
     text_lines_task,
 )
-from seqio_lite.loader import DataIterator, StateMismatchError, get_dataset
+from seqio_lite.loader import DataIterator, StateMismatchError, get_dataset, preprocessed_examples
 from seqio_lite.sources import (
     ArrayRecordSource,
     DataSource,
@@ -102,6 +102,7 @@ __all__ = [
     "hf_dataset_task",
     "jsonl_task",
     "parquet_task",
+    "preprocessed_examples",
     "rate_num_examples",
     "rate_unsupervised",
     "register_embedded_tasks",

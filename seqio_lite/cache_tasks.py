@@ -32,119 +32,14 @@ import numpy as np
 
 from seqio_lite import dataset_providers as dp
 from seqio_lite import sources
+from seqio_lite.cache import COMPLETED, pre_cache_fingerprint, shard_path
 
-_CACHE_DIRS: list[str] = []
-COMPLETED = "COMPLETED"
-
-
-def add_global_cache_dirs(dirs: Sequence[str]) -> None:
-    """Adds folders in which `use_cached=True` looks for `<dir>/<task name>/COMPLETED`."""
-    for d in dirs:
-        if d not in _CACHE_DIRS:
-            _CACHE_DIRS.append(os.fspath(d))
-
-
-def get_global_cache_dirs() -> list[str]:
-    """Registered cache folders, then those of `$SEQIO_LITE_CACHE_DIRS`."""
-    env = [d for d in os.environ.get("SEQIO_LITE_CACHE_DIRS", "").split(os.pathsep) if d]
-    return _CACHE_DIRS + [d for d in env if d not in _CACHE_DIRS]
-
-
-def pre_cache_fingerprint(task: dp.Task, split: str) -> str:
-    """Identity of what the cache holds: the source split and the pre-cache steps."""
-    procs = [dp.preprocessor_name(p) for p in task.pre_cache_preprocessors]
-    vocabs = sorted((k, f.vocabulary.fingerprint) for k, f in task.output_features.items())
-    return sources._hash(task.name, task.source.fingerprint(split), procs, vocabs)
-
-
-def _shard_path(task_dir: str, split: str, shard: int, num_shards: int) -> str:
-    return os.path.join(task_dir, f"{split}.array_record-{shard:05d}-of-{num_shards:05d}")
-
-
-# --------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------
-
-
-class _CachedSplit(sources.SplitData):
-    def __init__(self, files: list[str], num_examples: int, fingerprint: str):
-        self._files = files
-        self._n = num_examples
-        self._fingerprint = fingerprint
-        self._readers: list[Any] | None = None
-
-    def _open_readers(self) -> list[Any]:
-        from array_record.python.array_record_module import ArrayRecordReader
-
-        if self._readers is None:
-            self._readers = [ArrayRecordReader(f) for f in self._files]
-        return self._readers
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index: int) -> dict:
-        if not 0 <= index < self._n:
-            raise IndexError(f"index {index} out of range for {self._n} cached examples")
-        n = len(self._files)
-        record = self._open_readers()[index % n].read([index // n])[0]
-        return sources.decode_example(record)
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def __getstate__(self) -> dict:
-        return {"files": self._files, "n": self._n, "fp": self._fingerprint}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["files"], state["n"], state["fp"])
-
-
-class CachedSource(sources.DataSource):
-    """The output of this job for one task, as a random-access source."""
-
-    def __init__(self, task_dir: str):
-        super().__init__(f"cache:{task_dir}")
-        self.task_dir = task_dir
-        with open(os.path.join(task_dir, "info.json")) as f:
-            self.info = json.load(f)
-
-    @property
-    def splits(self) -> Sequence[str]:
-        return list(self.info["splits"])
-
-    def _open(self, split: str) -> sources.SplitData:
-        meta = self.info["splits"][split]
-        files = [
-            _shard_path(self.task_dir, split, s, meta["num_shards"])
-            for s in range(meta["num_shards"])
-        ]
-        fp = sources._hash("cache", meta["fingerprint"], meta["num_examples"])
-        return _CachedSplit(files, meta["num_examples"], fp)
-
-
-def cached_source(task: dp.Task) -> CachedSource:
-    """The completed cache of `task` in the global cache dirs; a clear error if there is none."""
-    dirs = get_global_cache_dirs()
-    for d in dirs:
-        task_dir = os.path.join(d, task.name)
-        if os.path.exists(os.path.join(task_dir, COMPLETED)):
-            src = CachedSource(task_dir)
-            for split in src.splits:
-                expected = src.info["splits"][split]["fingerprint"]
-                if expected != pre_cache_fingerprint(task, split):
-                    raise ValueError(
-                        f"Cache of task {task.name!r} in {task_dir} is stale for split {split!r}: "
-                        "its source or pre-cache preprocessors changed; rerun cache_tasks"
-                    )
-            return src
-    raise FileNotFoundError(
-        f"No completed cache for task {task.name!r} in cache dirs {dirs}; run `python -m "
-        f"seqio_lite.cache_tasks --task={task.name} --output_dir=DIR` and "
-        "add_global_cache_dirs([DIR])"
-    )
-
+# Where callers have always found them (`cache_tasks.add_global_cache_dirs([dir])`); they live in
+# `cache.py`, the reading side that the loader imports.
+from seqio_lite.cache import CachedSource as CachedSource
+from seqio_lite.cache import add_global_cache_dirs as add_global_cache_dirs
+from seqio_lite.cache import cached_source as cached_source
+from seqio_lite.cache import get_global_cache_dirs as get_global_cache_dirs
 
 # --------------------------------------------------------------------------------------------
 # The Beam pipeline
@@ -196,7 +91,7 @@ def _write_shard(item: tuple[int, Iterable], task_dir: str, split: str, num_shar
 
     shard, records = item
     records = sorted(records, key=lambda r: r[0])
-    path = _shard_path(task_dir, split, shard, num_shards)
+    path = shard_path(task_dir, split, shard, num_shards)
     tmp = path + ".tmp"
     # group_size:1 keeps random access to one record cheap.
     writer = ArrayRecordWriter(tmp, "group_size:1")
@@ -244,6 +139,7 @@ def run_cache_job(
       overwrite: replace a completed cache (otherwise refused: good data is never clobbered).
       pipeline_args: Beam pipeline options (`--runner=...` etc.); DirectRunner when empty.
     """
+    # The `[beam]` extra: only running the job needs it, not reading a cache.
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -299,7 +195,7 @@ def run_cache_job(
         with open(os.path.join(task_dir, f"stats.{split}.json")) as f:
             stats[split] = json.load(f)
         for s in range(num_shards):  # shards that got no example still exist, empty
-            path = _shard_path(task_dir, split, s, num_shards)
+            path = shard_path(task_dir, split, s, num_shards)
             if not os.path.exists(path):
                 _write_shard((s, []), task_dir, split, num_shards)
         if stats[split]["examples"] == 0:
@@ -333,8 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--module", action="append", default=[], help="module registering tasks")
     parser.add_argument("--overwrite", action="store_true")
     args, beam_args = parser.parse_known_args(argv)
-    import seqio_lite  # noqa: F401 -- registers the embedded tasks
-
+    # The embedded tasks are registered already: importing any `seqio_lite.*` module (this one
+    # too, also under `python -m`) runs the package's `__init__`, which registers them.
     for m in args.module:
         importlib.import_module(m)
     splits = [s for s in args.splits.split(",") if s] or None

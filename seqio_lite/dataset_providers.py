@@ -2,7 +2,8 @@
 
 A `Task` ties a `DataSource` to a list of per-example preprocessors, the output features (with
 their vocabularies), a postprocessing function and metric functions. A `Mixture` samples several
-tasks at given rates. Loading (shuffling, sharding, batching) lives in `loader.py`.
+tasks at given rates. Loading (shuffling, sharding, batching) lives in `loader.py`, the offline
+cache in `cache.py` and `cache_tasks.py`: they consume tasks, and this module imports neither.
 
 Preprocessors are plain per-example functions: `fn(example, **kwargs) -> example | None`
 (`None` drops the example). Keyword arguments are passed according to the function's signature:
@@ -21,7 +22,7 @@ import functools
 import inspect
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -151,13 +152,13 @@ class Task:
         """Number of raw examples in `split`."""
         return self.source.num_examples(split)
 
-    def fingerprint(self, split: str, use_cached: bool = False) -> str:
-        """Identity of this task's data and preprocessing for `split`."""
+    def fingerprint(self, split: str, cached: sources_lib.DataSource | None = None) -> str:
+        """Identity of this task's data and preprocessing for `split`; with `cached` (the task's
+        offline cache, `cache.cached_source(task)`), of the cached data and the post-cache
+        preprocessors."""
         procs = [preprocessor_name(p) for p in self.post_cache_preprocessors]
-        if use_cached:
-            from seqio_lite import cache_tasks
-
-            base = cache_tasks.cached_source(self).fingerprint(split)
+        if cached is not None:
+            base = cached.fingerprint(split)
         else:
             base = self.source.fingerprint(split)
             procs = [preprocessor_name(p) for p in self.pre_cache_preprocessors] + procs
@@ -219,23 +220,6 @@ class Task:
             return example
 
         return run
-
-    def preprocessed_examples(
-        self,
-        split: str,
-        sequence_length: Mapping[str, int] | None = None,
-        use_cached: bool = False,
-        seed: int = 0,
-    ) -> Iterable[Example]:
-        """Yields the fully preprocessed examples of `split` in source order (for inspection)."""
-        from seqio_lite import loader
-
-        ds = loader.task_examples(self, split, sequence_length, use_cached, seed, shuffle=False,
-                                  num_epochs=1)  # fmt: skip
-        for i in range(len(ds)):
-            ex = ds[i]
-            if ex:
-                yield ex
 
 
 def _is_placeholder(p: Any) -> bool:

@@ -217,7 +217,7 @@ class Evaluator:
         self._examples: dict[str, list[dict]] = {}
         for task in self.tasks:
             exs = []
-            for ex in task.preprocessed_examples(split, self.sequence_length):
+            for ex in loader.preprocessed_examples(task, split, self.sequence_length):
                 exs.append(ex)
                 if num_examples is not None and len(exs) >= num_examples:
                     break

@@ -30,13 +30,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import grain
 import numpy as np
 
+from seqio_lite import cache
 from seqio_lite import dataset_providers as dp
 from seqio_lite import feature_converters as fc
 
@@ -53,9 +54,7 @@ def _derive_seed(*parts: Any) -> int:
 def _source_dataset(task: dp.Task, split: str, use_cached: bool) -> grain.MapDataset:
     """The task's examples after the pre-cache preprocessors (filtered ones are `{}`)."""
     if use_cached:
-        from seqio_lite import cache_tasks
-
-        return SourceMapDataset(cache_tasks.cached_source(task).open(split))
+        return SourceMapDataset(cache.cached_source(task).open(split))
     data = task.source.open(split)
 
     def pre_cache(index: int, example: dict) -> dict:
@@ -131,6 +130,22 @@ def task_examples(
         # much host time as reading a synthetic example. Same output, same order.
         return ds.map(post)
     return ds.random_map(post, seed=_derive_seed(seed, task.name, "preprocess"))
+
+
+def preprocessed_examples(
+    task: dp.Task,
+    split: str,
+    sequence_length: Mapping[str, int] | None = None,
+    use_cached: bool = False,
+    seed: int = 0,
+) -> Iterable[dp.Example]:
+    """Yields the fully preprocessed examples of `task`'s `split` in source order (for inspection
+    and evaluation): steps 1-3 without shuffling, one epoch, dropped examples skipped."""
+    ds = task_examples(task, split, sequence_length, use_cached, seed, shuffle=False, num_epochs=1)
+    for i in range(len(ds)):
+        ex = ds[i]
+        if ex:
+            yield ex
 
 
 # Up to this many examples, an epoch's shuffle is one numpy permutation (4 bytes per example),
@@ -530,7 +545,8 @@ def get_dataset(
     config = {
         "name": obj.name,
         "tasks": [
-            [t.name, t.fingerprint(split, use_cached), p] for t, p in zip(tasks, proportions)
+            [t.name, t.fingerprint(split, cache.cached_source(t) if use_cached else None), p]
+            for t, p in zip(tasks, proportions)
         ],
         "split": split,
         "seed": seed,

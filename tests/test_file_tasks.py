@@ -43,7 +43,7 @@ def _texts(task: seqio_lite.Task, split: str, lengths=LENGTHS) -> list[tuple[str
     vocab = task.output_features["targets"].vocabulary
     return [
         (vocab.decode(ex["inputs"]) if "inputs" in ex else "", vocab.decode(ex["targets"]))
-        for ex in task.preprocessed_examples(split, lengths)
+        for ex in seqio_lite.preprocessed_examples(task, split, lengths)
     ]
 
 
@@ -97,7 +97,7 @@ gin_lines_sc/TextLinesTask.objective = 'span_corruption'
 """)  # fmt: skip
     vocab = sc.output_features["inputs"].vocabulary
     assert vocab.extra_ids == 100  # the byte vocabulary gets T5's sentinels
-    ex = next(iter(sc.preprocessed_examples("train", {"inputs": 32, "targets": 32})))
+    ex = next(iter(seqio_lite.preprocessed_examples(sc, "train", {"inputs": 32, "targets": 32})))
     sentinel = vocab.vocab_size - 1
     assert sentinel in ex["inputs"] and sentinel in ex["targets"]
 
@@ -109,7 +109,7 @@ def test_prefix_lm_objective_splits_each_document(tmp_path):
     )
     task = seqio_lite.get_task_or_mixture(name)
     cuts = set()
-    for ex in task.preprocessed_examples("train", {"inputs": 10, "targets": 10}):
+    for ex in seqio_lite.preprocessed_examples(task, "train", {"inputs": 10, "targets": 10}):
         inputs, targets = ex["inputs"][:-1], ex["targets"][:-1]  # without EOS
         whole = bytes((np.concatenate([inputs, targets]) - 3).astype(np.uint8)).decode()
         assert whole in "abcdefghijklmnopqrstuvwxyz"  # one contiguous window, prefix first

@@ -1,4 +1,5 @@
-"""The package's folders are layers: imports point one way, and only the CLI touches gin.
+"""The package's folders are layers: imports point one way, no module imports itself back through
+others (no cycle, also inside a folder), and only the CLI touches gin.
 
 Checked two ways: statically (every `import` in every module, including ones inside functions)
 and by importing a layer in a fresh interpreter and looking at what got loaded.
@@ -10,13 +11,18 @@ import ast
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "t5lite"
+# Packages checked for import cycles.
+CYCLE_CHECKED = ("t5lite", "seqio_lite")
 
-# layer -> the t5lite layers it may import (besides itself). Mirrors README's layout table.
+# Folders are layers: a module imports only from its own folder and from the layers listed for
+# its folder here (imports point down: `model/` at the bottom, `cli/` at the top), never in a
+# cycle, also inside a folder; only `cli/` touches gin.
 ALLOWED: dict[str, set[str]] = {
     # `constraints.py` is the one point model code and the partitioning layer share (model code
     # states layouts through it; an explicit-mode partitioner installs how they resolve).
@@ -55,7 +61,12 @@ ALLOWED: dict[str, set[str]] = {
         "pytree",
     },
 }
-GIN_MODULES = {"t5lite/cli/registry.py", "t5lite/cli/gin_config.py", "t5lite/cli/gin_checks.py"}
+GIN_MODULES = {
+    "t5lite/cli/registry.py",
+    "t5lite/cli/gin_config.py",
+    "t5lite/cli/gin_checks.py",
+    "t5lite/cli/gin_unused.py",
+}
 
 
 def _layer(module: str) -> str | None:
@@ -166,3 +177,146 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _body_lines(node) > 80:
                 too_big.append(f"{rel}:{node.lineno} {node.name}: {_body_lines(node)} lines")
     assert too_big == []
+
+
+# --- import cycles ----------------------------------------------------------------------------
+
+
+def _module_files(root: Path, packages: Iterable[str]) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, whether it is a package's `__init__.py`)."""
+    out = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _imported_names(module: str, is_package: bool, node: ast.Import | ast.ImportFrom):
+    """The dotted names one import statement asks for, relative imports resolved: `from p import
+    x` names `p.x` (a module if one exists, else a name in `p`)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join([*package, base] if base else package)
+    return [f"{base}.{a.name}" for a in node.names]
+
+
+def import_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` (under `root`) it imports, from every import statement
+    (inside functions and `if TYPE_CHECKING:` too).
+
+    An import of `p.q.x` counts as an import of the longest module prefix that exists (`p.q.x` if
+    it is a module, else `p.q`, whose `__init__` defines `x`). A submodule's import does not
+    count as importing its parent package's `__init__`: Python runs that first, but it is not a
+    dependency the submodule states.
+    """
+    modules = _module_files(root, packages)
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_package) in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for name in _imported_names(module, is_package, node):
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def _shortest_cycle_through(graph: Mapping[str, set[str]], start: str) -> list[str] | None:
+    """The shortest import chain from `start` back to itself (breadth first), or None."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for dep in sorted(graph.get(node, ())):
+                if dep == start:
+                    chain = [node]
+                    while chain[-1] != start:
+                        chain.append(parent[chain[-1]])
+                    return [start, *reversed(chain[:-1]), start]
+                if dep not in parent:
+                    parent[dep] = node
+                    nxt.append(dep)
+        frontier = nxt
+    return None
+
+
+def import_cycles(graph: Mapping[str, set[str]]) -> list[str]:
+    """One readable chain (`a -> b -> a`) per group of modules that import each other, found
+    from each group's first module in sorted order."""
+    covered: set[str] = set()
+    out = []
+    for module in sorted(graph):
+        if module in covered:
+            continue
+        chain = _shortest_cycle_through(graph, module)
+        if chain is None:
+            continue
+        # Every module on a path from `module` that leads back to it is in the same group.
+        reach = _reachable(graph, module)
+        covered |= {m for m in reach if module in _reachable(graph, m)}
+        out.append(" -> ".join(chain))
+    return out
+
+
+def _reachable(graph: Mapping[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_no_import_cycle():
+    graph = import_graph(PACKAGE.parent, CYCLE_CHECKED)
+    assert "t5lite.insight.report" in graph and "seqio_lite.loader" in graph
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_finds_a_cycle_inside_a_folder(tmp_path):
+    # `pkg.a` imports `pkg.b` at the top; `pkg.b` imports `pkg.a` back inside a function,
+    # through a relative import. `pkg.c` and the package's own `__init__` are no part of it.
+    files = {
+        "pkg/__init__.py": "from pkg.a import run\n",
+        "pkg/a.py": "from pkg import b\nfrom pkg.c import VALUE\n\ndef run():\n    return b\n",
+        "pkg/b.py": "def late():\n    from . import a\n    return a\n",
+        "pkg/c.py": "import os\nVALUE = os.sep\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "from ..c import VALUE\nfrom .. import c\n",
+        "other/__init__.py": "",
+        "other/e.py": "from other import f\n",
+        "other/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import other.e\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ["pkg", "other"])
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.b", "pkg.c"},
+        "pkg.b": {"pkg.a"},
+        "pkg.c": set(),
+        "pkg.sub": set(),
+        "pkg.sub.d": {"pkg.c"},
+        "other": set(),
+        "other.e": {"other.f"},
+        "other.f": {"other.e"},
+    }
+    assert import_cycles(graph) == ["other.e -> other.f -> other.e", "pkg.a -> pkg.b -> pkg.a"]
+    # A longer chain is reported whole, from its first module.
+    assert import_cycles({"x": {"y"}, "y": {"z"}, "z": {"x", "w"}, "w": set()}) == [
+        "x -> y -> z -> x"
+    ]

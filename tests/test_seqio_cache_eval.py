@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import seqio_lite as sl
-from seqio_lite import cache_tasks, evaluation
+from seqio_lite import cache, cache_tasks, evaluation
 
 TASK = "tiny_corpus_span_corruption"
 SEQ = {"inputs": 48, "targets": 16}
@@ -22,7 +22,7 @@ def cache_dir(tmp_path_factory):
     assert rc == 0
     cache_tasks.add_global_cache_dirs([out])
     yield out
-    cache_tasks._CACHE_DIRS.remove(out)
+    cache._CACHE_DIRS.remove(out)
 
 
 def test_cache_job_writes_shards_info_stats_and_marker(cache_dir):

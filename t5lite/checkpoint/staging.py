@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5lite.checkpoint import tensorstore_io as tsio
+from t5lite.checkpoint.threads import parallel_map
+from t5lite.checkpoint.zarr_format import Index, shard_ranges
 
 
 def stage_leaves(
@@ -36,7 +37,7 @@ def stage_leaves(
         # CPU: the copies run on the runtime's threads; the writer waits for them.
         return stage_on_device([x for _, x in leaves])
     # numpy copies release the GIL: a few threads shorten the blocking part.
-    return tsio.parallel_map(lambda item: stage_to_host(item[1], spare.get(item[0])), leaves, 4)
+    return parallel_map(lambda item: stage_to_host(item[1], spare.get(item[0])), leaves, 4)
 
 
 @dataclasses.dataclass
@@ -46,7 +47,7 @@ class HostShards:
     shape: tuple[int, ...]
     dtype: np.dtype
     # numpy arrays; or, from `stage_on_device`, device copies that `ready` turns into views.
-    pieces: list[tuple[tsio.Index, Any]]
+    pieces: list[tuple[Index, Any]]
     # The pieces are (or were) device copies: their memory belongs to the runtime, so they are
     # never reused as the next save's host buffers.
     device_copies: bool = False
@@ -99,7 +100,7 @@ def stage_on_device(xs: Sequence[Any]) -> list[HostShards]:
             continue
         check_storable(x)
         shards = [s for s in x.addressable_shards if s.replica_id == 0]
-        pieces = [(tsio.shard_ranges(s.index, x.shape), None) for s in shards]
+        pieces = [(shard_ranges(s.index, x.shape), None) for s in shards]
         out[k] = HostShards(tuple(x.shape), np.dtype(x.dtype), pieces, device_copies=True)
         srcs += [s.data for s in shards]
         owners += [(k, j) for j in range(len(shards))]
@@ -141,8 +142,8 @@ def stage_to_host(x: Any, reuse: HostShards | None = None) -> HostShards:
       x: a jax.Array (any sharding), numpy array or scalar.
       reuse: the previous save's `HostShards` of the same array, no longer used by any write:
         copied into when its pieces match (same shape, dtype and shard ranges), since filling
-        fresh memory costs a page fault per 4 KiB, which made up most of the blocking copy
-        (measured for 1 GiB on this 2-core host: 0.6 s into reused buffers, 1.1-4.6 s fresh).
+        fresh memory costs a page fault per 4 KiB, most of the blocking copy's time (figures in
+        docs/performance.md).
 
     Returns:
       The `HostShards` to pass to `write_arrays`.
@@ -153,7 +154,7 @@ def stage_to_host(x: Any, reuse: HostShards | None = None) -> HostShards:
         # Start every device->host transfer before blocking on the first one.
         for s in shards:
             s.data.copy_to_host_async()
-        indices = [tsio.shard_ranges(s.index, x.shape) for s in shards]
+        indices = [shard_ranges(s.index, x.shape) for s in shards]
         dtype = np.dtype(x.dtype)
         if (
             reuse is not None

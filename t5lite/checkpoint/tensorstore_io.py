@@ -3,15 +3,7 @@
 This module knows nothing about steps, commits or trees (that is `manager.py`); it only turns
 sharded arrays into chunk writes and chunk reads back into sharded arrays.
 
-On-disk array format (plain zarr v3, readable with `tensorstore` alone):
-  - driver `zarr3`, codecs `bytes` (little endian, uncompressed) + `crc32c` (a checksum per chunk,
-    so a flipped bit or a truncated chunk is an error instead of silently wrong weights);
-  - chunk shape derived from the array's shape and dtype only (see `chunk_shape_for`), never from
-    the mesh, so any mesh can read what any other mesh wrote;
-  - every chunk is written: readers open with `fill_missing_data_reads=False`, so a deleted chunk
-    file is an error rather than a block of zeros.
-
-    >>> ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": ".../arrays/params.w"}})
+The on-disk array format (plain zarr v3) is `zarr_format.py`'s.
 
 Writes: each process writes only its addressable shards whose `replica_id == 0` (staged by
 `staging.py`), so no element is written twice. Reads: each process reads only the index ranges
@@ -26,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,14 +28,15 @@ import tensorstore as ts
 
 from t5lite.checkpoint import zarr_reader as zr
 from t5lite.checkpoint import zarr_writer as zw
-
-if TYPE_CHECKING:
-    from t5lite.checkpoint.staging import HostShards
-
-# Chunks of at most 4 MiB: large enough that per-file costs stay small against disk bandwidth,
-# small enough (and square enough, see `chunk_shape_for`) that the shards of common meshes are
-# whole numbers of chunks, so no chunk is read-modified-written on save or over-read on restore.
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+from t5lite.checkpoint.staging import HostShards
+from t5lite.checkpoint.threads import parallel_map
+from t5lite.checkpoint.zarr_format import (
+    DEFAULT_CHUNK_BYTES,
+    Index,
+    array_spec,
+    chunk_shape_for,
+    shard_ranges,
+)
 
 # Writer threads of the direct chunk path: enough fsyncs in flight for the file system to batch
 # its journal commits; the copies and checksums they also run release the GIL.
@@ -53,8 +45,6 @@ WRITE_THREADS = 8
 # Reader threads of the direct chunk path: `preadv` from the page cache and crc32c both release
 # the GIL, so a few threads per core keep both cores busy while others wait on the disk.
 READ_THREADS = 8
-
-Index = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
 
 def make_context(concurrency: int = 128, sync: bool = False) -> ts.Context:
@@ -73,85 +63,13 @@ def make_context(concurrency: int = 128, sync: bool = False) -> ts.Context:
     return ts.Context(
         {
             "file_io_concurrency": {"limit": concurrency},
-            # Copies and crc32c run here; a few threads per core hide the file reads they wait on
-            # (measured: 8-16 threads beat 2 on a 2-core host, by ~1.5x with checksums).
+            # Copies and crc32c run here; a few threads per core hide the file reads they wait on.
             "data_copy_concurrency": {"limit": max(16, 2 * (os.cpu_count() or 1))},
             "file_io_sync": sync,
             # Checkpoint data is read or written once: caching it only costs memory.
             "cache_pool": {"total_bytes_limit": 0},
         }
     )
-
-
-def chunk_shape_for(
-    shape: Sequence[int], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES
-) -> list[int]:
-    """A mesh-independent chunk shape: halve the largest dimension until a chunk fits.
-
-    Even dimensions are halved first, so for power-of-two shard counts every shard boundary is
-    also a chunk boundary (no two processes ever write the same chunk).
-
-    Args:
-      shape: array shape.
-      itemsize: bytes per element.
-      target_bytes: upper bound on one chunk's size (unless a single element row exceeds it).
-
-    Returns:
-      The chunk shape, one entry ≥ 1 per dimension.
-    """
-    chunk = [max(1, int(d)) for d in shape]
-    while int(np.prod(chunk, dtype=np.int64)) * itemsize > target_bytes:
-        even = [i for i, c in enumerate(chunk) if c > 1 and c % 2 == 0]
-        odd = [i for i, c in enumerate(chunk) if c > 1]
-        if not odd:
-            break
-        i = max(even or odd, key=lambda j: chunk[j])
-        chunk[i] = (chunk[i] + 1) // 2
-    return chunk
-
-
-def array_spec(path: str, shape: Sequence[int] | None = None, dtype: Any = None, **kw) -> dict:
-    """The TensorStore spec of one checkpoint array at directory `path`.
-
-    Args:
-      path: local directory of the array.
-      shape: when given (with `dtype`), the spec creates the array with a derived chunk shape.
-      dtype: numpy-compatible dtype of the array to create.
-      **kw: `chunk_bytes` to override `DEFAULT_CHUNK_BYTES`; `checksum=False` to drop the crc32c
-        codec (faster on slow CPUs; a flipped bit then goes undetected).
-
-    Returns:
-      A JSON spec for `ts.open`.
-    """
-    spec: dict[str, Any] = {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": path},
-        "fill_missing_data_reads": False,
-        # NOTE: zarr skips chunks equal to the fill value (all zeros) by default; since a missing
-        # chunk is an error on read, such chunks must be stored too (fresh optimizer state,
-        # zero biases).
-        "store_data_equal_to_fill_value": True,
-    }
-    if shape is not None:
-        dt = np.dtype(dtype)
-        chunks = chunk_shape_for(shape, dt.itemsize, kw.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
-        spec["metadata"] = {
-            "shape": list(shape),
-            "data_type": dt.name,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]
-            + ([{"name": "crc32c"}] if kw.get("checksum", True) else []),
-        }
-    return spec
-
-
-def shard_ranges(idx: tuple[slice, ...], shape: Sequence[int]) -> Index:
-    """Turns a shard's tuple of slices into concrete [start, stop) pairs."""
-    out = []
-    for s, d in zip(idx, shape):
-        start, stop, _ = s.indices(d)
-        out.append((start, stop))
-    return tuple(out)
 
 
 def _slices(index: Index) -> tuple[slice, ...]:
@@ -218,12 +136,18 @@ def write_arrays(
         sums = [sum(x) for x in zip(*done)] if done else [0, 0.0, 0.0, 0.0]
         chunks = len(jobs) + sum(_chunk_count(h, chunk_bytes) for _, h in fallback)
         stats.update(
-            plan_s=t_planned - t_start, prepare_s=sums[1], write_s=sums[2], fsync_s=sums[3],
-            written_s=t_written - t_planned, dirs_fsync_s=time.perf_counter() - t_written,
+            plan_s=t_planned - t_start,
+            prepare_s=sums[1],
+            write_s=sums[2],
+            fsync_s=sums[3],
+            written_s=t_written - t_planned,
+            dirs_fsync_s=time.perf_counter() - t_written,
             files=len(jobs) + len(direct) * metadata_here + len(dirs) + ts_files + len(parents),
-            chunk_writes=chunks, direct_arrays=len(direct), tensorstore_arrays=len(fallback),
+            chunk_writes=chunks,
+            direct_arrays=len(direct),
+            tensorstore_arrays=len(fallback),
             bytes=sum(h.nbytes for _, h in items),
-        )  # fmt: skip
+        )
 
 
 def _chunk_count(h: HostShards, chunk_bytes: int) -> int:
@@ -307,38 +231,6 @@ def _fsync_path(p: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def parallel_map(fn: Any, items: Sequence[Any], threads: int = 4) -> list[Any]:
-    """`[fn(x) for x in items]` on plain threads; re-raises the first error.
-
-    NOTE: not a ThreadPoolExecutor on purpose: an async save may still be finishing while the
-    interpreter exits, and executors refuse new work once shutdown has begun.
-    """
-    out: list[Any] = [None] * len(items)
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    next_i = iter(range(len(items)))
-
-    def worker() -> None:
-        while not errors:
-            with lock:
-                i = next(next_i, None)
-            if i is None:
-                return
-            try:
-                out[i] = fn(items[i])
-            except BaseException as e:
-                errors.append(e)
-
-    pool = [threading.Thread(target=worker) for _ in range(max(1, min(threads, len(items))))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any, align: int = 64) -> np.ndarray:
@@ -444,14 +336,20 @@ def read_arrays(
     if stats is not None:
         sums = [sum(x) for x in zip(*done)] if done else [0.0] * 5
         stats.update(
-            plan_s=t_planned - t_start, read_s=sums[0], crc_s=sums[1], copy_s=sums[2],
+            plan_s=t_planned - t_start,
+            read_s=sums[0],
+            crc_s=sums[1],
+            copy_s=sums[2],
             finite_s=sums[3],
-            chunks_s=t_read - t_planned, cast_s=t_cast - t_read,
-            device_put_s=time.perf_counter() - t_cast, chunks=len(jobs),
+            chunks_s=t_read - t_planned,
+            cast_s=t_cast - t_read,
+            device_put_s=time.perf_counter() - t_cast,
+            chunks=len(jobs),
             chunks_copied=sum(not j.direct for j in jobs),
-            direct_arrays=sum(i is not None for i in infos), tensorstore_arrays=len(stores),
+            direct_arrays=sum(i is not None for i in infos),
+            tensorstore_arrays=len(stores),
             bytes=sum(buf.nbytes for _, reads in plans for buf, _ in reads.values()),
-        )  # fmt: skip
+        )
     return out
 
 

@@ -2,7 +2,7 @@
 
 Why not TensorStore for the reads: with the `crc32c` codec it decodes every chunk into a buffer
 of its own, checksums it there and copies it again into the destination, all on a few threads
-of a shared pool; restores with checksums ran at half the speed of restores without (issue 20).
+of a shared pool, so checksums slow a restore down (docs/performance.md has the figures).
 Here each chunk file is read once, with one `preadv`, straight into the destination shard's
 memory wherever the chunk is one contiguous block of it (else into a scratch buffer the chunk's
 part is copied out of), and its crc32c is computed over those same bytes by the thread that
@@ -19,7 +19,6 @@ truncated or corrupt chunk is a ValueError naming the chunk file, as TensorStore
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -31,16 +30,24 @@ import crc32c
 import jax.numpy as jnp
 import numpy as np
 
-from t5lite.checkpoint.zarr_writer import _DTYPES
-
-Index = tuple[tuple[int, int], ...]  # per dimension [start, stop)
+from t5lite.checkpoint.zarr_format import DTYPES, Index, chunk_key, chunk_overlaps
 
 # Buffers one `preadv` takes (Linux's IOV_MAX); a chunk made of more blocks is read in batches.
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 
 # `zarr.json` keys that do not change how chunk bytes decode.
-_INERT_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "codecs",
-               "chunk_key_encoding", "fill_value", "attributes", "dimension_names"}  # fmt: skip
+_INERT_KEYS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "codecs",
+    "chunk_key_encoding",
+    "fill_value",
+    "attributes",
+    "dimension_names",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +73,7 @@ def array_info(path: str) -> ArrayInfo | None:
             meta = json.loads(f.read())
         if set(meta) - _INERT_KEYS or meta.get("zarr_format") != 3:
             return None
-        if meta.get("node_type") != "array" or meta["data_type"] not in _DTYPES:
+        if meta.get("node_type") != "array" or meta["data_type"] not in DTYPES:
             return None
         grid = meta["chunk_grid"]
         keys = meta.get("chunk_key_encoding", {"name": "default"})
@@ -114,7 +121,7 @@ def finite_checkable(dtype: np.dtype) -> bool:
 def all_finite(x: np.ndarray) -> bool:
     """No NaN or Inf in `x` (a dtype `finite_checkable` accepts)."""
     if x.dtype == jnp.bfloat16:
-        # ml_dtypes' isfinite loops element by element (15x numpy's on this host): test the
+        # ml_dtypes' isfinite loops element by element, far slower than numpy's: test the
         # exponent bits, all ones exactly for Inf and NaN.
         u = x.view(np.uint16)
         return not bool(np.any(np.bitwise_and(u, 0x7F80) == 0x7F80))
@@ -127,17 +134,11 @@ def plan_reads(
     """The chunk reads that fill `dest` (C-order, shape of `index`) with the array's `index`;
     with `check_finite`, each also checks the values it places (see `read_chunk`)."""
     out = []
-    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(index, info.chunks)]
-    for pos in itertools.product(*ranges):
-        lo = [max(i * c, a) for i, c, (a, _) in zip(pos, info.chunks, index)]
-        hi = [min((i + 1) * c, b) for i, c, (_, b) in zip(pos, info.chunks, index)]
-        src = tuple(slice(x - i * c, y - i * c) for x, y, i, c in zip(lo, hi, pos, info.chunks))
-        dst = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, index))
+    for pos, src, dst in chunk_overlaps(index, info.chunks):
         # Direct when the part is the whole chunk (not clipped by the range or padded at the
         # array's edge): it is read straight into `dest`.
-        direct = tuple(y - x for x, y in zip(lo, hi)) == info.chunks
-        key = "c/" + "/".join(map(str, pos))
-        out.append(ChunkRead(info, key, src, dst, dest, direct, check_finite))
+        direct = tuple(s.stop - s.start for s in src) == info.chunks
+        out.append(ChunkRead(info, chunk_key(pos), src, dst, dest, direct, check_finite))
     return out
 
 

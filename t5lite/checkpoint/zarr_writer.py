@@ -1,25 +1,23 @@
 """Direct zarr3 chunk writes: the save's fast path, straight from the staged host buffers.
 
 Why not TensorStore for the writes: its write path copies the source, encodes every chunk into
-a buffer of its own and commits each chunk file through its own locking, and the save ran at
-half the disk's fsync'd rate (issue 20). Writing the same files here: 1 GiB in 2.9-3.5 s against
-4.0-8.8 s through TensorStore, 3 interleaved runs on the contended 2-core host. The format
-(`bytes` little endian, then `crc32c`, regular chunk grid, default `c/i/j` keys, full-size edge
-chunks padded with the fill value) is simple enough to write by hand: each chunk is one `writev`
-of the staged shard's own memory (a copy only where a chunk is not one contiguous block of one
-piece) and its checksum, and one `fsync`. What lands on disk is byte for byte what TensorStore
-writes (`zarr.json` comes from TensorStore itself, see `_metadata_bytes`; tested), and restore
-reads it with TensorStore.
+a buffer of its own and commits each chunk file through its own locking, which keeps a save
+well below the disk's fsync'd rate (docs/performance.md has the figures). The format
+(`zarr_format.py`: `bytes` little endian, then `crc32c`, regular chunk grid, default `c/i/j`
+keys, full-size edge chunks padded with the fill value) is simple enough to write by hand: each
+chunk is one `writev` of the staged shard's own memory (a copy only where a chunk is not one
+contiguous block of one piece) and its checksum, and one `fsync`. What lands on disk is byte for
+byte what TensorStore writes (`zarr.json` comes from TensorStore itself, see `_metadata_bytes`;
+tested), and restore reads it with TensorStore.
 
 Arrays with a chunk that this process's pieces do not fill (it is shared with another process's
-shards), 0-d or empty arrays, and dtypes outside `_DTYPES` are left to TensorStore, whose
+shards), 0-d or empty arrays, and dtypes outside `zarr_format.DTYPES` are left to TensorStore, whose
 read-modify-write merges shared chunks: `plan_chunks` returns None for them.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import os
 import time
@@ -30,11 +28,7 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-# Dtypes whose in-memory little-endian bytes are exactly zarr3's encoding of them.
-_DTYPES = {
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "bfloat16",
-}  # fmt: skip
+from t5lite.checkpoint.zarr_format import DTYPES, Index, array_spec, chunk_key, chunk_overlaps
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,8 +36,6 @@ def _metadata_bytes(
     shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...], crc: bool
 ) -> bytes:
     """`zarr.json` exactly as TensorStore writes it (created in memory, never on disk)."""
-    from t5lite.checkpoint.tensorstore_io import array_spec
-
     spec = array_spec("", shape, dtype)
     spec["metadata"]["chunk_grid"]["configuration"]["chunk_shape"] = list(chunks)
     if not crc:
@@ -60,7 +52,7 @@ def plan_chunks(
     shape: tuple[int, ...],
     dtype: np.dtype,
     chunks: Sequence[int],
-    pieces: Sequence[tuple[tuple[tuple[int, int], ...], np.ndarray]],
+    pieces: Sequence[tuple[Index, np.ndarray]],
 ) -> list[tuple[str, list[Part]]] | None:
     """(chunk key, the parts of this process's pieces that fill it) for every chunk they touch.
 
@@ -69,18 +61,12 @@ def plan_chunks(
     shared with another process's pieces (TensorStore must merge it), or the array is 0-d, empty
     or of a dtype this writer does not encode.
     """
-    if not shape or 0 in shape or dtype.name not in _DTYPES or dtype.byteorder == ">":
+    if not shape or 0 in shape or dtype.name not in DTYPES or dtype.byteorder == ">":
         return None
     by_chunk: dict[tuple[int, ...], list[Part]] = {}
     for index, piece in pieces:
-        ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(index, chunks)]
-        for pos in itertools.product(*ranges):
-            # The overlap of chunk `pos` and this piece, in array coordinates.
-            lo = [max(i * c, a) for i, c, (a, _) in zip(pos, chunks, index)]
-            hi = [min((i + 1) * c, b) for i, c, (_, b) in zip(pos, chunks, index)]
-            dst = tuple(slice(x - i * c, y - i * c) for x, y, i, c in zip(lo, hi, pos, chunks))
-            src = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, index))
-            by_chunk.setdefault(pos, []).append((dst, piece[src]))
+        for pos, in_chunk, in_piece in chunk_overlaps(index, chunks):
+            by_chunk.setdefault(pos, []).append((in_chunk, piece[in_piece]))
     out = []
     for pos, parts in by_chunk.items():
         # Pieces with replica_id == 0 never overlap, so volumes add up.
@@ -88,7 +74,7 @@ def plan_chunks(
         valid = math.prod(min(c, d - i * c) for i, c, d in zip(pos, chunks, shape))
         if filled != valid:
             return None
-        out.append(("c/" + "/".join(map(str, pos)), parts))
+        out.append((chunk_key(pos), parts))
     return out
 
 

@@ -47,7 +47,7 @@ def parse_gin(
     Raises ConfigError with gin's message (naming the binding) on any mistake, before anything
     is built or compiled.
     """
-    from t5lite.cli import gin_checks
+    from t5lite.cli import gin_checks, gin_unused
     from t5lite.cli import registry as gin_registry  # registers the configurables
 
     try:
@@ -75,12 +75,14 @@ def parse_gin(
     try:
         # Finalising runs gin's hook that rejects `%gin.REQUIRED` macros left unset; unlocking
         # first lets a notebook (or a test) parse again after an earlier finalised parse.
-        with gin.unlock_config():
+        with gin.unlock_config(), gin_unused.recording_sources() as sources:
             gin.parse_config_files_and_bindings(
                 [find_gin_file(f, search_paths) for f in gin_files],
                 list(bindings),
                 finalize_config=True,
             )
+        _SOURCES.clear()
+        _SOURCES.update(sources)
     except ImportError as e:  # a gin `import` (gin's message names the file and line)
         # gin re-raises a copy of the error with the file and line added, without `e.name`.
         missing = re.search(r"No module named '([\w.]+)'", str(e))
@@ -102,6 +104,39 @@ def parse_gin(
     try:
         gin_checks.check_macros(bindings)
         gin_checks.check_types()
+    except gin_checks.GinCheckError as e:
+        raise ConfigError(str(e)) from None
+
+
+# Where each binding of the last parse was written (gin_unused.Source), for check_read.
+_SOURCES: dict = {}
+
+
+def check_read(command: str) -> list:
+    """Raises ConfigError naming a binding that `command`'s program would never read (see
+    gin_unused); returns the flags whose configurables are checked once it has returned."""
+    from t5lite.cli import gin_checks, gin_unused
+    from t5lite.cli import registry as gin_registry
+
+    try:
+        return gin_unused.check_reached(
+            gin_registry.PROGRAMS[command],
+            _SOURCES,
+            set(gin_registry.SELECTORS.values()),
+            gin_registry.ALTERNATIVES,
+            _CONFIG_DIRS,
+        )
+    except gin_checks.GinCheckError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_called(pending: Sequence) -> None:
+    """After the program returned: ConfigError naming a pending flag whose configurable was
+    never called."""
+    from t5lite.cli import gin_checks, gin_unused
+
+    try:
+        gin_unused.check_called(pending)
     except gin_checks.GinCheckError as e:
         raise ConfigError(str(e)) from None
 

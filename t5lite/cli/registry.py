@@ -22,9 +22,15 @@ from t5lite.programs import evaluate as _evaluate
 from t5lite.programs import infer as _infer
 from t5lite.programs import train as _train
 
+# The configurables registered here -> their gin selectors. Nothing but gin (and the CLI, for
+# the programs) calls them: the library calls the originals (gin_unused.py relies on it).
+SELECTORS: dict[object, str] = {}
 
-def _register(obj, module: str = "t5lite"):
-    return gin.external_configurable(obj, module=module)
+
+def _register(obj, module: str = "t5lite", name: str | None = None):
+    configurable = gin.external_configurable(obj, name, module=module)
+    SELECTORS[configurable] = f"{module}.{name or obj.__name__}"
+    return configurable
 
 
 # --- partitioning -------------------------------------------------------------------------
@@ -72,18 +78,37 @@ inspect = _register(report.inspect)
 plan = _register(_plan.plan)
 
 # --- data: tasks, mixtures and vocabularies from gin alone (see seqio_lite.file_tasks) ----
-JsonlTask = gin.external_configurable(file_tasks.jsonl_task, "JsonlTask", module="seqio_lite")
-TextLinesTask = gin.external_configurable(
-    file_tasks.text_lines_task, "TextLinesTask", module="seqio_lite"
-)
-ParquetTask = gin.external_configurable(file_tasks.parquet_task, "ParquetTask", module="seqio_lite")
-HFDatasetTask = gin.external_configurable(
-    file_tasks.hf_dataset_task, "HFDatasetTask", module="seqio_lite"
-)
-Mixture = gin.external_configurable(file_tasks.mixture, "Mixture", module="seqio_lite")
+JsonlTask = _register(file_tasks.jsonl_task, "seqio_lite", "JsonlTask")
+TextLinesTask = _register(file_tasks.text_lines_task, "seqio_lite", "TextLinesTask")
+ParquetTask = _register(file_tasks.parquet_task, "seqio_lite", "ParquetTask")
+HFDatasetTask = _register(file_tasks.hf_dataset_task, "seqio_lite", "HFDatasetTask")
+Mixture = _register(file_tasks.mixture, "seqio_lite", "Mixture")
 ByteVocabulary = _register(seqio_lite.ByteVocabulary, "seqio_lite")
 SentencePieceVocabulary = _register(seqio_lite.SentencePieceVocabulary, "seqio_lite")
 TrainedSentencePiece = _register(file_tasks.TrainedSentencePiece, "seqio_lite")
+
+# --- what each command calls, and configurables that fill the same slot ----------------------
+# The configurables each command calls itself; gin calls the rest from their bindings.
+PROGRAMS = {
+    "train": [SELECTORS[train]],
+    "eval": [SELECTORS[evaluate]],
+    "infer": [SELECTORS[infer]],
+    "cache": [SELECTORS[cache], SELECTORS[DataConfig]],  # the training run's data
+    "inspect": [SELECTORS[inspect]],
+    "plan": [SELECTORS[plan]],
+}
+# A binding on one of a group that the run does not call, while it calls another that takes
+# the same parameter, is an error naming that one (t5x's `standard_logical_axis_rules` where the
+# presets call `preset_rules`). Tasks and vocabularies are not grouped: a user's gin file may
+# define several of them for a flag to pick.
+ALTERNATIVES = tuple(
+    frozenset(SELECTORS[fn] for fn in group)
+    for group in (
+        (preset_rules, standard_logical_axis_rules, data_parallel_logical_axis_rules),
+        (AdamW, Adafactor),
+        (rsqrt_schedule, warmup_cosine_schedule, constant_schedule),
+    )
+)
 
 # --- t5x's module names ----------------------------------------------------------------------
 # t5x's gin files turn on dynamic registration and import t5x's modules by name (`from t5x

@@ -16,28 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from t5lite.insight.hlo import KINDS, Collective
+from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
 from t5lite.insight.sharding import ShardingReport, format_bytes
 from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
 from t5lite.insight.zero3 import Zero3Figures, zero3_figures
 from t5lite.partitioning import mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveRow:
-    """All collectives of one kind over the same mesh axes."""
-
-    kind: str
-    axes: tuple[str, ...] | None
-    count: int
-    bytes: int  # sum of their result sizes per device
-    link_bytes: float  # bytes each device sends over its links (ring algorithms)
-
-    @property
-    def axes_str(self) -> str:
-        return "?" if self.axes is None else ("+".join(self.axes) or "-")
 
 
 def _link_bytes(c: Collective) -> float:

@@ -7,10 +7,11 @@ import dataclasses
 from collections.abc import Callable
 
 from t5lite.insight.memory import predict_memory
-from t5lite.insight.report import StepReport, mesh_over
+from t5lite.insight.meshes import mesh_over
 from t5lite.insight.sharding import ShardingReport, format_bytes
 from t5lite.insight.summary import memory_verdict
 from t5lite.insight.tables import elide, fold_indices, layer_pattern
+from t5lite.insight.types import StepReport
 from t5lite.model.config import REMAT_POLICIES
 from t5lite.partitioning import DATA, MODEL, Partitioner, PartitioningError, preset_rules
 from t5lite.trainer import Trainer

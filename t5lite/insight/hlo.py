@@ -61,6 +61,22 @@ class Collective:
         return max((len(g) for g in self.groups), default=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveRow:
+    """All collectives of one kind over the same mesh axes (`communication.collective_rows`
+    groups them)."""
+
+    kind: str
+    axes: tuple[str, ...] | None
+    count: int
+    bytes: int  # sum of their result sizes per device
+    link_bytes: float  # bytes each device sends over its links (ring algorithms)
+
+    @property
+    def axes_str(self) -> str:
+        return "?" if self.axes is None else ("+".join(self.axes) or "-")
+
+
 def _result_bytes(shape_text: str, kind: str) -> int:
     arrays = [
         math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]

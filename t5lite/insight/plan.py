@@ -27,22 +27,18 @@ from typing import Any, TextIO
 
 import jax
 
-from t5lite.insight.estimate import StepEstimate
-from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
-from t5lite.insight.memory import PredictedMemory
-from t5lite.insight.report import (
-    AnalyticFigures,
-    StepReport,
-    analytic_figures,
-    mesh_over,
-    step_report,
-)
+from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_named
+from t5lite.insight.meshes import mesh_over
+from t5lite.insight.plot import check_plot_path, plot_layouts
+from t5lite.insight.report import analytic_figures, step_report
 from t5lite.insight.sharding import format_bytes
 from t5lite.insight.tables import format_table as _table
+from t5lite.insight.tables import terminal_width
 from t5lite.insight.topology import get_topology
+from t5lite.insight.types import Candidate, Layout
 from t5lite.model.config import REMAT_POLICIES
 from t5lite.model.models import BaseModel
-from t5lite.partitioning import PRESETS, Partitioner, PartitioningError, preset_rules
+from t5lite.partitioning import PRESETS, Partitioner, PartitioningError
 from t5lite.trainer import Trainer
 
 # Used only to rank when the device's figures are unknown (CPU): the order of layouts then
@@ -53,74 +49,6 @@ _ASSUMED_HBM_BYTES_PER_S = 1e12
 # The analytic memory is a model of XLA's buffer assignment, good to about this fraction: a
 # layout is screened out only when its prediction exceeds the device by more.
 FIT_MARGIN = 0.10
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One point of the search space."""
-
-    data: int
-    model: int
-    preset: str
-    remat: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.preset} data={self.data} model={self.model} remat={self.remat}"
-
-    def rules(self) -> tuple[tuple[str, Any], ...]:
-        return preset_rules(self.preset)
-
-    def gin(self, config_class: str) -> str:
-        """Gin bindings that reproduce this layout for `t5lite train` (include after the run)."""
-        rules = [
-            "Partitioner.logical_axis_rules = @preset_rules()",
-            f"preset_rules.name = '{self.preset}'",
-        ]
-        return "\n".join(
-            [
-                f"# Written by `t5lite plan`: mesh data={self.data} x model={self.model}, "
-                f"{self.preset} rules, remat={self.remat}.",
-                "# Pass it after the model and run configs: --gin_file=<this file>.",
-                *rules,
-                f"NUM_PARTITIONS = {self.model}",
-                "Partitioner.num_partitions = %NUM_PARTITIONS",
-                f"REMAT_POLICY = '{self.remat}'",
-                f"network.{config_class}.remat_policy = %REMAT_POLICY",
-                "",
-            ]
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """A layout, its analytic figures and, if it was compiled, what compiling showed.
-
-    status: "fits" | "does not fit" (compiled), "screened: ..." (analytic only, with the
-    reason), "invalid: ..." (the layout cannot be built), "failed: ..." (the compiler refused).
-    """
-
-    layout: Layout
-    status: str
-    step: StepReport | None = None
-    compile_seconds: float = 0.0
-    predicted: PredictedMemory | None = None
-    estimate: StepEstimate | None = None
-    analytic: AnalyticFigures | None = None  # what screening built, reused when compiling
-
-    @property
-    def fits(self) -> bool:
-        return self.status == "fits"
-
-    @property
-    def memory(self) -> int | None:
-        """Compiled memory per device (None if not compiled)."""
-        return self.step.memory.total if self.step and self.step.memory else None
-
-    @property
-    def step_seconds(self) -> float | None:
-        """Compiled step estimate (None if not compiled)."""
-        return self.step.step_seconds if self.step else None
 
 
 def enumerate_layouts(
@@ -332,8 +260,6 @@ def _resolve_devices(
     num_devices: int | None, topology: str | None, device_name: str | None
 ) -> tuple[Sequence[Any], DeviceSpec]:
     """The devices to lay meshes over and the per-device figures to judge them by."""
-    from t5lite.insight.hardware import device_spec_named
-
     named = device_spec_named(device_name) if device_name else None  # fails before any work
     if topology:
         topo = get_topology(topology)
@@ -397,8 +323,6 @@ def plan(
     """
     stream, progress = stream or sys.stdout, progress or sys.stderr
     if plot:
-        from t5lite.insight.plot import check_plot_path
-
         check_plot_path(plot)  # before anything slow
     devices, spec = _resolve_devices(num_devices, topology, device)
     spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
@@ -416,7 +340,7 @@ def plan(
             trainers[layout] = trainer
     results = _compile_winners(screened, trainers, spec, top_k, say)
     ranked = rank(results)
-    stream.write(format_table(ranked, spec, width=None if wide else _width()) + "\n")
+    stream.write(format_table(ranked, spec, width=None if wide else terminal_width()) + "\n")
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:
         stream.write("no layout fits: use more devices, a smaller batch or microbatches\n")
@@ -428,17 +352,9 @@ def plan(
     else:
         stream.write(f"best: {best.layout.name}\n")
     if plot:
-        from t5lite.insight.plot import plot_layouts
-
         plot_layouts([c for c in ranked if c.predicted is not None], plot)
         stream.write(f"plot: {plot}\n")
     return ranked
-
-
-def _width() -> int:
-    from t5lite.insight.tables import terminal_width
-
-    return terminal_width()
 
 
 def _with_overrides(

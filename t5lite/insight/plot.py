@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from t5lite.insight.hardware import GiB
 
 if TYPE_CHECKING:
-    from t5lite.insight.plan import Candidate
-    from t5lite.insight.report import StepReport
+    # Types only: the CLI checks `--plot` (`check_plot_path`) before it sets JAX's devices up, so
+    # importing this module must not import JAX and the model.
+    from t5lite.insight.types import Candidate, StepReport
 
 _FORMATS = (".png", ".svg")
 _CATEGORIES = ("state", "batch", "gradients", "update", "activations")

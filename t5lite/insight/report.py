@@ -17,199 +17,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from jax.sharding import Mesh
 
 from t5lite.insight.communication import (
-    AnalyticCommunication,
-    CollectiveRow,
     analytic_communication,
     collective_rows,
     communication_seconds,
-    compare_communication,
-    format_comparison,
 )
-from t5lite.insight.estimate import StepEstimate, estimate_step
-from t5lite.insight.hardware import DeviceSpec, GiB, device_spec
-from t5lite.insight.hlo import KINDS, parse_collectives
-from t5lite.insight.memory import (
-    MemoryReport,
-    PredictedMemory,
-    memory_report,
-    predict_memory,
-)
+from t5lite.insight.estimate import estimate_step
+from t5lite.insight.explain import explain_oom
+from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_named
+from t5lite.insight.hlo import parse_collectives
+from t5lite.insight.memory import memory_report, predict_memory
+from t5lite.insight.meshes import partitioner_on
+from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
+from t5lite.insight.summary import format_summary, memory_verdict
+from t5lite.insight.tables import terminal_width
 from t5lite.insight.topology import get_topology
-from t5lite.insight.zero3 import format_zero3
+from t5lite.insight.types import AnalyticFigures, StepReport
 from t5lite.model.models import BaseModel
-from t5lite.partitioning import (
-    DATA,
-    MODEL,
-    CompiledFunction,
-    Partitioner,
-    create_mesh,
-)
+from t5lite.partitioning import CompiledFunction, Partitioner
 from t5lite.trainer import Trainer
-
-# ---------------------------------------------------------------------------------------------
-# The step report
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StepReport:
-    """Memory, collectives, compute and communication of one compiled train step per device."""
-
-    mesh_shape: dict[str, int]
-    device: DeviceSpec
-    memory: MemoryReport | None
-    predicted: PredictedMemory
-    collectives: tuple[CollectiveRow, ...]
-    analytic: AnalyticCommunication
-    flops: float | None  # per device, from the compiled cost analysis
-    compute_seconds: float | None
-    communication_seconds: float | None
-    estimate: StepEstimate | None = None  # analytic step time on `device`
-
-    @property
-    def step_seconds(self) -> float | None:
-        """Compute plus communication, without overlap: a pessimistic, comparable estimate."""
-        if self.compute_seconds is None or self.communication_seconds is None:
-            return None
-        return self.compute_seconds + self.communication_seconds
-
-    def bytes_over(self, axes: Sequence[str], kind: str | None = None) -> int:
-        """Compiled collective bytes (per device) over exactly these mesh axes."""
-        return sum(
-            r.bytes
-            for r in self.collectives
-            if r.axes is not None and set(r.axes) == set(axes) and kind in (None, r.kind)
-        )
-
-    def count(self, kind: str, axes: Sequence[str] | None = None) -> int:
-        return sum(
-            r.count
-            for r in self.collectives
-            if r.kind == kind
-            and (axes is None or (r.axes is not None and set(r.axes) == set(axes)))
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mesh": self.mesh_shape,
-            "device": dataclasses.asdict(self.device),
-            "memory": self.memory.to_json() if self.memory else None,
-            "predicted_memory": {
-                **dataclasses.asdict(self.predicted),
-                "total": self.predicted.total,
-            },
-            "collectives": [
-                {**dataclasses.asdict(r), "axes": list(r.axes) if r.axes is not None else None}
-                for r in self.collectives
-            ],
-            "analytic_communication": self.analytic.to_json(),
-            "flops": self.flops,
-            "step_seconds": self.step_seconds,
-            "estimate": (
-                {**dataclasses.asdict(self.estimate), "step_s": self.estimate.step_s}
-                if self.estimate
-                else None
-            ),
-        }
-
-    def format(self, width: int | None = None) -> str:
-        """Plain-text tables: memory, collectives, analytic vs compiled communication (long
-        lines wrapped at `width`)."""
-        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
-        dev_mem = self.device.memory_bytes
-        lines = [f"train step per device ({self.device.device_kind}, mesh {mesh}):"]
-        p = self.predicted
-        if self.memory is not None:
-            m = self.memory
-            rows = [
-                ("arguments", m.arguments, "train state + batch"),
-                ("outputs", m.outputs, "new train state + metrics"),
-                ("aliased", -m.aliased, "outputs written into donated arguments"),
-                ("temporaries", m.temporaries, "activations, gradients, workspace"),
-                ("code", m.generated_code, ""),
-            ]
-            for name, n, why in rows:
-                lines.append(f"  {name:<12}{format_bytes(n):>12}   {why}".rstrip())
-            of = ""
-            if dev_mem:
-                verdict = "fits" if m.total <= dev_mem else "DOES NOT FIT"
-                of = f" of {format_bytes(dev_mem)} ({100 * m.total / dev_mem:.1f}%): {verdict}"
-            lines.append(f"  {'total':<12}{format_bytes(m.total):>12}{of}")
-        predicted = (
-            f"  predicted (analytic): {format_bytes(p.total)} = state {format_bytes(p.state)} + "
-            f"batch {format_bytes(p.batch)} + gradients {format_bytes(p.gradients)} + "
-            f"update {format_bytes(p.update)} + activations {format_bytes(p.activations)}"
-        )
-        if p.activation_kinds:
-            predicted += "; activations by layer kind: " + ", ".join(
-                f"{kind} {format_bytes(n)}" for kind, n in p.activation_kinds
-            )
-        lines += (
-            textwrap.wrap(predicted, width, subsequent_indent=" " * 4) if width else [predicted]
-        )
-        if self.memory is None and dev_mem:
-            verdict = "fits" if p.total <= dev_mem else "DOES NOT FIT"
-            lines.append(f"  of {format_bytes(dev_mem)}: {verdict} (predicted)")
-        if self.memory is not None:
-            lines += ["", "collectives of the compiled step (per device):", *self._collectives()]
-        a = self.analytic
-        data = "+".join(a.data_axes) or DATA
-        lines += [
-            "",
-            "communication per device per step".ljust(31)
-            + "compiled".ljust(16)
-            + "analytic (Mesh-TF)",
-            f"  over the batch axes ({data}):".ljust(31)
-            + f"{format_bytes(self.bytes_over(a.data_axes)) if self.memory else '-':<16}"
-            + f"{format_bytes(a.data_axes_bytes)}   (≈ parameters)",
-            f"  over {MODEL}:".ljust(31)
-            + f"{format_bytes(self.bytes_over((MODEL,))) if self.memory else '-':<16}"
-            + f"{format_bytes(a.model_axis_bytes)}   (≈ activations of split layers)",
-        ]
-        if self.memory is not None:  # compiled: bytes sent per mesh axes, each gap named
-            lines += ["", "bytes sent per device, compiled vs analytic:"]
-            lines += format_comparison(compare_communication(self.collectives, a), width)
-        if a.zero3 is not None:
-            lines += ["", *format_zero3(a.zero3, self.collectives if self.memory else None)]
-        if self.flops is not None:
-            est = f"{self.flops / 1e9:,.4g} GFLOP per device"
-            if self.step_seconds is not None:
-                est += (
-                    f"; estimated step {1e3 * self.step_seconds:.2f} ms = compute "
-                    f"{1e3 * (self.compute_seconds or 0):.2f} ms + communication "
-                    f"{1e3 * (self.communication_seconds or 0):.2f} ms"
-                )
-            lines += ["", est]
-        return "\n".join(lines)
-
-    def _collectives(self) -> list[str]:
-        """The compiled step's collectives, one row per kind and mesh axes, then per kind."""
-        table = [("kind", "mesh axes", "count", "bytes", "sent per device")]
-        for r in self.collectives:
-            row = (r.kind, r.axes_str, str(r.count), format_bytes(r.bytes))
-            table.append((*row, format_bytes(r.link_bytes)))
-        if len(table) == 1:
-            table.append(("(none)", "", "", "", ""))
-        table.append(("per kind:", "", "", "", ""))
-        for kind in KINDS:  # every kind, zeros included, so an absence is visible
-            rs = [r for r in self.collectives if r.kind == kind]
-            count, size = sum(r.count for r in rs), sum(r.bytes for r in rs)
-            link = sum(r.link_bytes for r in rs)
-            table.append((f"  {kind}", "(any)", str(count), format_bytes(size), format_bytes(link)))
-        widths = [max(len(t[i]) for t in table) for i in range(5)]
-        return ["  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
-
 
 # XLA:CPU options for a compile that is only read (memory, HLO, FLOPs), never run: LLVM's
 # optimisation level and its expensive passes only change the machine code, which none of those
@@ -255,17 +90,6 @@ def compile_train_step(
         compiled = lowered.compile(compiler_options=options)
     say(f"compiled in {time.perf_counter() - t1:.0f} s")
     return CompiledFunction(compiled, part)
-
-
-@dataclasses.dataclass(frozen=True)
-class AnalyticFigures:
-    """What a layout implies before compiling: its sharding, memory, communication and step
-    estimate (built once; `plan` screens with them and hands them on to `step_report`)."""
-
-    report: ShardingReport
-    predicted: PredictedMemory
-    communication: AnalyticCommunication
-    estimate: StepEstimate
 
 
 def analytic_figures(
@@ -328,45 +152,6 @@ def step_report(
         compute_seconds=comp_s,
         communication_seconds=comm_s,
         estimate=figures.estimate,
-    )
-
-
-def mesh_over(shape: Mapping[str, int], devices: Sequence[Any]) -> Mesh:
-    """A mesh of `shape` (axis name -> size) over `devices`, topology-aware on TPU.
-
-    `create_mesh` maps each mesh axis onto whole physical axes; when a shape needs a physical
-    axis split (model=2 on a 4x4 slice) this falls back to letting JAX split it.
-    """
-    try:
-        return create_mesh(ici_mesh_shape=tuple(shape.values()), devices=list(devices))
-    except NotImplementedError:
-        from jax.experimental import mesh_utils
-
-        arr = mesh_utils.create_device_mesh(
-            tuple(shape.values()), list(devices), allow_split_physical_axes=True
-        )
-        return Mesh(arr, tuple(shape))
-
-
-def partitioner_on(partitioner: Partitioner, devices: Sequence[Any]) -> Partitioner:
-    """The same rules (and model-parallel size) over other devices, e.g. a TPU topology's.
-
-    Every mesh axis keeps its size except `data`, which takes the remaining devices.
-    """
-    shape = dict(partitioner.mesh.shape)
-    others = math.prod(v for k, v in shape.items() if k != DATA)
-    if len(devices) % others:
-        raise ValueError(
-            f"the mesh {shape} cannot be laid over {len(devices)} devices: "
-            f"{others} (all axes but data) does not divide it"
-        )
-    shape[DATA] = len(devices) // others
-    mesh = mesh_over(shape, devices)
-    return Partitioner(
-        mesh,
-        logical_axis_rules=partitioner.rules,
-        strict=partitioner.strict,
-        shard_if_divisible=partitioner.shard_if_divisible,
     )
 
 
@@ -434,16 +219,9 @@ def inspect(
     Returns:
       The sharding report and the step report.
     """
-    from t5lite.insight.explain import explain_oom
-    from t5lite.insight.hardware import device_spec_named
-    from t5lite.insight.summary import format_summary, memory_verdict
-    from t5lite.insight.tables import terminal_width
-
     stream, progress = stream or sys.stdout, progress or sys.stderr
     named = device_spec_named(device) if device else None  # an unknown name fails first
     if plot:
-        from t5lite.insight.plot import check_plot_path
-
         check_plot_path(plot)
     width = None if wide else terminal_width()
 
@@ -480,8 +258,6 @@ def inspect(
     if memory_verdict(step)[0] is False:
         stream.write("\n" + explain_oom(trainer, step, report, opt, width) + "\n")
     if plot:
-        from t5lite.insight.plot import plot_steps
-
         plot_steps([("inspect", step)], plot)
         stream.write(f"plot: {plot}\n")
     if output_json:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
 
 from t5lite.insight.sharding import format_bytes
-
-if TYPE_CHECKING:
-    from t5lite.insight.report import StepReport
+from t5lite.insight.types import StepReport
 
 
 def memory_verdict(step: StepReport) -> tuple[bool | None, int, str]:

@@ -8,13 +8,10 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from t5lite.insight.hlo import CollectiveRow
 from t5lite.insight.sharding import ShardingReport, format_bytes
 from t5lite.partitioning import mesh_axes_of
-
-if TYPE_CHECKING:
-    from t5lite.insight.communication import CollectiveRow
 
 
 def _split(mesh_shape: dict[str, int], axes) -> int:

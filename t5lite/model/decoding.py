@@ -26,7 +26,14 @@ Stopping. A row stops after a generated `eos_id` (t5x: 1), at its last position 
 
 Order. Decodes come best first by default: `sequences[:, 0]` is the best, as Hugging Face's
 `generate` returns them and as t5lite always did. `order="best_last"` gives t5x's order
-(ascending score; t5x users take `decodes[:, -1]`); the two orders are exact reverses.
+(ascending score; t5x users take `decodes[:, -1]`). The two orders are exact reverses, except
+that beam search with "best_last" keeps its beams in t5x's order throughout, so that beams of
+equal score are kept and returned as t5x keeps and returns them.
+
+Steps. `max_decode_steps` counts positions from `initial_index` by default (forced prompt tokens
+count); `max_decode_steps_after_prompt=True` counts them after each row's prompt, as t5x does.
+The two agree where decoding starts at the end of the prompt (a prefilled prompt, as the
+decoder-only model decodes).
 
 The cache is any pytree whose leaves have the batch on axis 0 (t5lite's KV cache does, scanned
 or not); for several decodes per example (samples, beams) it is repeated per decode here, so
@@ -120,6 +127,7 @@ def _start(
     max_decode_steps: int | Array | None,
     pad_id: int,
     decoder_start_token_id: int,
+    steps_after_prompt: bool = False,
 ) -> _Start:
     b, length = prompt_BL.shape
     if initial_index is None:
@@ -127,26 +135,34 @@ def _start(
     else:
         index_B = jnp.asarray(initial_index).astype(jnp.int32).reshape(b)
     prompt_BL = jnp.asarray(prompt_BL).astype(jnp.int32)
-    _check_prompt(prompt_BL, index_B, max_decode_steps, pad_id, decoder_start_token_id)
+    # Where `max_decode_steps` counts from: the first position decoded, or (t5x) the position
+    # after the prompt's non-pad tokens (position 0 is the start slot, never the prompt).
+    steps_from_B = index_B
+    if steps_after_prompt:
+        steps_from_B = jnp.sum(prompt_BL[:, 1:] != pad_id, axis=1).astype(jnp.int32)
+    _check_prompt(
+        prompt_BL, index_B, steps_from_B, max_decode_steps, pad_id, decoder_start_token_id
+    )
     prompt_BL = prompt_BL.at[:, 0].set(decoder_start_token_id)
     forced_BL = jnp.pad(prompt_BL[:, 1:], ((0, 0), (0, 1)), constant_values=pad_id)
     sequences_BL = jnp.where(jnp.arange(length)[None] < index_B[:, None], forced_BL, pad_id)
     token_B1 = jnp.take_along_axis(prompt_BL, jnp.clip(index_B, 0, length - 1)[:, None], axis=1)
     last_B = jnp.full_like(index_B, length - 1)
     if max_decode_steps is not None:
-        last_B = jnp.minimum(last_B, index_B + max_decode_steps - 1)
+        last_B = jnp.minimum(last_B, steps_from_B + max_decode_steps - 1)
     return _Start(index_B, token_B1, sequences_BL.astype(jnp.int32), forced_BL, last_B)
 
 
 def _check_prompt(
     prompt_BL: Array,
     index_B: Array,
+    steps_from_B: Array,
     max_decode_steps: int | Array | None,
     pad_id: int,
     start_id: int,
 ) -> None:
     """Raises ValueError for a prompt that cannot be honoured (only for concrete inputs)."""
-    values = (prompt_BL, index_B, max_decode_steps)
+    values = (prompt_BL, index_B, steps_from_B, max_decode_steps)
     if any(isinstance(x, jax.core.Tracer) for x in values):
         return  # under jit: values unknown
     prompt, index = np.asarray(prompt_BL), np.asarray(index_B)
@@ -173,7 +189,7 @@ def _check_prompt(
     # them (prompt tokens at <= index are in the cache already), one must be left free.
     end = np.full_like(index, length)
     if max_decode_steps is not None:
-        end = np.minimum(end, index + int(np.asarray(max_decode_steps)))
+        end = np.minimum(end, np.asarray(steps_from_B) + int(np.asarray(max_decode_steps)))
     bad = np.flatnonzero((last_prompt > index) & (last_prompt >= end))
     if bad.size:
         r = bad[0]
@@ -235,16 +251,33 @@ def filter_logits(logits_BV: Array, top_k: int = 0, top_p: float | Array = 1.0) 
 
 
 @flax.struct.dataclass
-class _Sampling:
-    """The temperature-sampling loop's carry."""
+class SamplingLoopState:
+    """The temperature-sampling loop's state: what a `state_callback_fn` sees and returns.
+
+    t5x's field names, t5lite's coordinates: one row per decode (B * num_decodes rows).
+
+    Attributes:
+      step: int32 scalar, steps taken.
+      cur_index: [B] int32, the position of `cur_token` in each row.
+      cur_token: [B, 1] int32, the token fed at the next step.
+      sequences: [B, L] int32 in target coordinates (see the module docstring): the next step
+        writes position `cur_index`. A callback that writes a token there (or further on) forces
+        it, as a prompt token; unlike a prompt token, a forced EOS ends the row (as in t5x).
+      cache: the model's cache.
+      ended: [B] bool, rows that stopped.
+      log_prob: [B] fp32, the log-probability of each row's generated tokens.
+    """
 
     step: Array
-    index_B: Array
-    token_B1: Array
-    sequences_BL: Array
+    cur_index: Array
+    cur_token: Array
+    sequences: Array
     cache: PyTree
-    done_B: Array
-    logp_B: Array
+    ended: Array
+    log_prob: Array
+
+
+StateCallbackFn = Callable[[SamplingLoopState], SamplingLoopState]
 
 
 def _choose(
@@ -259,32 +292,41 @@ def _choose(
 
 
 def _sample_step(
-    c: _Sampling,
+    c: SamplingLoopState,
     tokens_to_logits: TokensToLogits,
     choose: Callable[[Array, Array], Array],
     start: _Start,
     min_log_prob_B: Array | None,
     eos_id: int,
     pad_id: int,
-) -> _Sampling:
+    state_callback_fn: StateCallbackFn | None,
+) -> SamplingLoopState:
     """One position of every row: predict (or force the prompt), score, write, maybe stop."""
-    logits, cache = tokens_to_logits(DecodingState(c.index_B, c.token_B1, c.sequences_BL, c.cache))
+    if state_callback_fn is not None:
+        c = state_callback_fn(c)
+    logits, cache = tokens_to_logits(DecodingState(c.cur_index, c.cur_token, c.sequences, c.cache))
     logits_BV = _logits_BV(logits)
-    prompt_B, forced_B = _forced(start.forced_BL, c.index_B, pad_id)
+    prompt_B, forced_B = _forced(start.forced_BL, c.cur_index, pad_id)
     next_B = jnp.where(forced_B, prompt_B, choose(logits_BV, c.step))
-    next_B = jnp.where(c.done_B, pad_id, next_B).astype(jnp.int32)
+    ends_B = (next_B == eos_id) & ~forced_B
+    if state_callback_fn is not None:  # a token the callback wrote is forced; its EOS ends
+        placed_B, by_callback_B = _forced(c.sequences, c.cur_index, pad_id)
+        next_B = jnp.where(by_callback_B, placed_B, next_B)
+        ends_B = jnp.where(by_callback_B, placed_B == eos_id, ends_B)
+        forced_B = forced_B | by_callback_B
+    next_B = jnp.where(c.ended, pad_id, next_B).astype(jnp.int32)
     token_logp_B = jnp.take_along_axis(
         jax.nn.log_softmax(logits_BV, axis=-1), next_B[:, None], axis=-1
     )[:, 0]
-    logp_B = c.logp_B + jnp.where(c.done_B | forced_B, 0.0, token_logp_B)
-    at_BL = jnp.arange(c.sequences_BL.shape[1])[None] == c.index_B[:, None]
-    write_BL = at_BL & ~c.done_B[:, None]
-    sequences_BL = jnp.where(write_BL, next_B[:, None], c.sequences_BL)
-    ends_B = ((next_B == eos_id) & ~forced_B) | (c.index_B >= start.last_B)
+    logp_B = c.log_prob + jnp.where(c.ended | forced_B, 0.0, token_logp_B)
+    at_BL = jnp.arange(c.sequences.shape[1])[None] == c.cur_index[:, None]
+    write_BL = at_BL & ~c.ended[:, None]
+    sequences_BL = jnp.where(write_BL, next_B[:, None], c.sequences)
+    ends_B = ends_B | (c.cur_index >= start.last_B)
     if min_log_prob_B is not None:
         ends_B = ends_B | (logp_B < min_log_prob_B)
-    return _Sampling(
-        c.step + 1, c.index_B + 1, next_B[:, None], sequences_BL, cache, c.done_B | ends_B, logp_B
+    return SamplingLoopState(
+        c.step + 1, c.cur_index + 1, next_B[:, None], sequences_BL, cache, c.ended | ends_B, logp_B
     )
 
 
@@ -301,10 +343,12 @@ def temperature_sample(
     top_p: float | Array = 1.0,
     min_log_prob: float | Array | None = None,
     max_decode_steps: int | Array | None = None,
+    max_decode_steps_after_prompt: bool = False,
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
     order: str = "best_first",
+    state_callback_fn: StateCallbackFn | None = None,
 ) -> tuple[Array, Array]:
     """Samples `num_decodes` continuations per row (greedy where the temperature is 0).
 
@@ -324,10 +368,15 @@ def temperature_sample(
         kept. None: no limit. A scalar or [B]; may be traced.
       max_decode_steps: at most this many positions per row from `initial_index` (forced prompt
         tokens count); default: up to position L - 1. May be traced.
+      max_decode_steps_after_prompt: t5x's count instead: `max_decode_steps` positions after
+        each row's prompt (its non-pad tokens), wherever decoding starts; static.
       eos_id: decoding of a row stops after generating this token (t5x: 1).
       pad_id: written after a row stops; marks "no prompt token" in `prompt_BL` (t5x: 0).
       decoder_start_token_id: fed at position 0 (t5x: 0).
       order: "best_first" or "best_last" (t5x); see the module docstring.
+      state_callback_fn: t5x's hook: called with the `SamplingLoopState` before every step and
+        once after the loop; what it returns is the state the loop goes on with (e.g. tokens
+        it writes ahead in `sequences` are forced). None: no hook.
 
     Returns:
       (sequences [B, N, L] int32, log_probs [B, N] fp32): decodes sorted by the model's
@@ -336,7 +385,14 @@ def temperature_sample(
     """
     _check_order(order)
     b, length = prompt_BL.shape
-    start = _start(prompt_BL, initial_index, max_decode_steps, pad_id, decoder_start_token_id)
+    start = _start(
+        prompt_BL,
+        initial_index,
+        max_decode_steps,
+        pad_id,
+        decoder_start_token_id,
+        max_decode_steps_after_prompt,
+    )
     temperature_B = _per_row(temperature, b, "temperature")
     # A Python top_p stays static (1.0 skips the nucleus sort); anything else is per row.
     top_p_B = None if isinstance(top_p, int | float) else _per_row(top_p, b, "top_p")
@@ -355,14 +411,17 @@ def temperature_sample(
     step = functools.partial(
         _sample_step, tokens_to_logits=tokens_to_logits, choose=choose, start=start,
         min_log_prob_B=min_log_prob_B, eos_id=eos_id, pad_id=pad_id,
+        state_callback_fn=state_callback_fn,
     )  # fmt: skip
-    carry = _Sampling(
+    carry = SamplingLoopState(
         jnp.zeros((), jnp.int32), start.index_B, start.token_B1, start.sequences_BL, cache,
         start.index_B > start.last_B, jnp.zeros(start.index_B.shape, jnp.float32),
     )  # fmt: skip
-    carry = jax.lax.while_loop(lambda c: ~jnp.all(c.done_B), step, carry)
-    sequences_BNL = carry.sequences_BL.reshape(b, num_decodes, length)
-    logp_BN = carry.logp_B.reshape(b, num_decodes)
+    carry = jax.lax.while_loop(lambda c: ~jnp.all(c.ended), step, carry)
+    if state_callback_fn is not None:
+        carry = state_callback_fn(carry)
+    sequences_BNL = carry.sequences.reshape(b, num_decodes, length)
+    logp_BN = carry.log_prob.reshape(b, num_decodes)
     best_first_BN = jnp.argsort(-logp_BN, axis=1)
     sequences_BNL = jnp.take_along_axis(sequences_BNL, best_first_BN[:, :, None], axis=1)
     return _ordered(sequences_BNL, jnp.take_along_axis(logp_BN, best_first_BN, axis=1), order)
@@ -462,13 +521,24 @@ def _candidates(
     return logp_BC, beam_BC, token_BC.astype(jnp.int32), seqs_BCL, forced_B
 
 
+def _top_w(x_BK: Array, w: int, ascending: bool) -> tuple[Array, Array]:
+    """The w largest values of each row and their indices: best first, or (t5x) ascending.
+
+    NOTE: equal values come in index order (`lax.top_k`) before the flip, as in t5x, so with
+    `ascending` the beams keep t5x's order and later steps break ties as t5x does."""
+    values_BW, idx_BW = jax.lax.top_k(x_BK, w)
+    if ascending:
+        return values_BW[:, ::-1], idx_BW[:, ::-1]
+    return values_BW, idx_BW
+
+
 def _merge_finished(
-    s: _Beams, seqs_BCL: Array, score_BC: Array, finishes_BC: Array
+    s: _Beams, seqs_BCL: Array, score_BC: Array, finishes_BC: Array, ascending: bool
 ) -> tuple[Array, Array, Array]:
-    """The W best of the finished pool and this step's finished candidates (best first)."""
+    """The W best of the finished pool and this step's finished candidates."""
     w = s.fin_score_BW.shape[1]
     pool_score = jnp.concatenate([s.fin_score_BW, jnp.where(finishes_BC, score_BC, NEG_INF)], 1)
-    fin_score_BW, idx_BW = jax.lax.top_k(pool_score, w)
+    fin_score_BW, idx_BW = _top_w(pool_score, w, ascending)
     pool_flag = jnp.concatenate([s.fin_flag_BW, finishes_BC], axis=1)
     fin_BWL = _take_beams(jnp.concatenate([s.fin_BWL, seqs_BCL], axis=1), idx_BW)
     return fin_BWL, fin_score_BW, jnp.take_along_axis(pool_flag, idx_BW, axis=1)
@@ -481,8 +551,11 @@ def _beam_step(
     alpha: float,
     eos_id: int,
     pad_id: int,
+    ascending: bool,
+    min_log_prob_B: Array | None,
 ) -> _Beams:
-    """Extends every live beam by one token; moves EOS-ended candidates to the finished pool."""
+    """Extends every live beam by one token; moves EOS-ended candidates to the finished pool.
+    Live beams and the pool are kept best first, or in t5x's ascending order (`ascending`)."""
     b, w, length = s.live_BWL.shape
     # The model sees the beams in cache-row order; everything else is in beam order.
     beam_of_row_BW = jnp.argsort(s.slot_BW, axis=1)
@@ -503,10 +576,10 @@ def _beam_step(
     finishes_BC = eos_BC & (logp_BC > NEG_INF / 2)
     penalty_B1 = brevity_penalty(alpha, s.index_B - start.index_B + 1)[:, None]
     fin_BWL, fin_score_BW, fin_flag_BW = _merge_finished(
-        s, seqs_BCL, logp_BC / penalty_B1, finishes_BC
+        s, seqs_BCL, logp_BC / penalty_B1, finishes_BC, ascending
     )
     # Live beams: the W best candidates that did not just generate EOS.
-    live_logp_BW, live_idx_BW = jax.lax.top_k(jnp.where(eos_BC, NEG_INF, logp_BC), w)
+    live_logp_BW, live_idx_BW = _top_w(jnp.where(eos_BC, NEG_INF, logp_BC), w, ascending)
     token_BW = jnp.take_along_axis(token_BC, live_idx_BW, axis=1)
     origin_BW = jnp.take_along_axis(beam_BC, live_idx_BW, axis=1)
     # Rows already done keep their beams and pool as they were: that is what they return.
@@ -529,8 +602,10 @@ def _beam_step(
     # No live beam can beat the worst finished one: its log-probability only falls, and the
     # penalty divides by at most the penalty of the longest possible decode.
     max_len_B = start.last_B - start.index_B + 1
-    best_possible_B = new.live_logp_BW[:, 0] / brevity_penalty(alpha, max_len_B)
-    stop_B = (s.index_B >= start.last_B) | (new.fin_score_BW[:, -1] >= best_possible_B)
+    best_possible_B = jnp.max(new.live_logp_BW, axis=1) / brevity_penalty(alpha, max_len_B)
+    stop_B = (s.index_B >= start.last_B) | (jnp.min(new.fin_score_BW, axis=1) >= best_possible_B)
+    if min_log_prob_B is not None:  # t5x: no live beam's log-probability is above it
+        stop_B = stop_B | (jnp.max(new.live_logp_BW, axis=1) < min_log_prob_B)
     return new.replace(done_B=s.done_B | stop_B)
 
 
@@ -543,6 +618,8 @@ def beam_search(
     alpha: float = 0.6,
     initial_index: Array | None = None,
     max_decode_steps: int | Array | None = None,
+    max_decode_steps_after_prompt: bool = False,
+    min_log_prob: float | Array | None = None,
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
@@ -563,17 +640,31 @@ def beam_search(
     a beam's row holds its own history (see `_move_cache`).
 
     Args:
-      prompt_BL, cache, tokens_to_logits, initial_index, max_decode_steps, eos_id, pad_id,
-        decoder_start_token_id, order: as for `temperature_sample` (prompt tokens are forced).
+      prompt_BL, cache, tokens_to_logits, initial_index, max_decode_steps,
+        max_decode_steps_after_prompt, eos_id, pad_id, decoder_start_token_id: as for
+        `temperature_sample` (prompt tokens are forced).
       beam_size: W, beams per row (the cache is repeated W times); static.
       alpha: brevity penalty exponent (0: plain log-probability).
+      min_log_prob: a row stops once none of its live beams has a log-probability (without
+        the brevity penalty) at or above this (t5x's `min_log_prob`, per row). None: no limit.
+        A scalar or [B]; may be traced.
+      order: "best_first", or "best_last": t5x's order, in which beams are also kept during the
+        search, so that equal scores are broken as t5x breaks them.
 
     Returns:
       (sequences [B, W, L] int32, scores [B, W] fp32), in `order`.
     """
     _check_order(order)
     b, w = prompt_BL.shape[0], beam_size
-    start = _start(prompt_BL, initial_index, max_decode_steps, pad_id, decoder_start_token_id)
+    start = _start(
+        prompt_BL,
+        initial_index,
+        max_decode_steps,
+        pad_id,
+        decoder_start_token_id,
+        max_decode_steps_after_prompt,
+    )
+    min_log_prob_B = None if min_log_prob is None else _per_row(min_log_prob, b, "min_log_prob")
     # Only beam 0 is live at first, so the W copies do not yield W equal candidates.
     live_logp_BW = jnp.full((b, w), NEG_INF, jnp.float32).at[:, 0].set(0.0)
     first_BWL = jnp.repeat(start.sequences_BL[:, None], w, axis=1)
@@ -585,10 +676,11 @@ def beam_search(
     )  # fmt: skip
     step = functools.partial(
         _beam_step, tokens_to_logits=tokens_to_logits, start=start, alpha=alpha, eos_id=eos_id,
-        pad_id=pad_id,
+        pad_id=pad_id, ascending=order == "best_last", min_log_prob_B=min_log_prob_B,
     )  # fmt: skip
     s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), step, carry)
     finished_B = jnp.any(s.fin_flag_BW, axis=1)
     sequences_BWL = jnp.where(finished_B[:, None, None], s.fin_BWL, s.live_BWL)
     scores_BW = jnp.where(finished_B[:, None], s.fin_score_BW, s.live_logp_BW)
-    return _ordered(sequences_BWL.astype(jnp.int32), scores_BW, order)
+    # The beams are in `order` already (best_last: t5x's, ties included).
+    return sequences_BWL.astype(jnp.int32), scores_BW

@@ -56,14 +56,16 @@ class BaseModel(abc.ABC):
     num_decodes: int = 1
     """'sample': samples per example; the most likely is returned unless all are asked for."""
     min_log_prob: float | None = None
-    """'sample': a sample stops once its log-probability falls below this (None: never)."""
+    """'sample': a sample stops once its log-probability falls below this; 'beam': a row stops
+    once no live beam's log-probability is at or above it (t5x's `min_log_prob`). None: never."""
     beam_size: int = 4
     """'beam': beams per example."""
     alpha: float = 0.6
     """'beam': brevity penalty exponent, ((5 + length) / 6) ** alpha."""
     decode_order: str = "best_first"
     """Order of all decodes (`return_all_decodes`): 'best_first' ([:, 0] is the best, as HF's
-    generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best)."""
+    generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best; beam search then
+    breaks equal scores as t5x does, see `decoding.beam_search`)."""
     eos_id: int = decoding.EOS_ID
     """The model's end-of-sequence id: a row stops after generating it (t5x/T5: 1)."""
     pad_id: int = decoding.PAD_ID
@@ -250,14 +252,17 @@ class BaseModel(abc.ABC):
         max_decode_steps: int | None,
         decoder_params: Mapping[str, Any] | None,
     ) -> tuple[Array, Array]:
-        """Runs `decoding_method` with this model's settings and ids, best first."""
+        """Runs `decoding_method` with this model's settings and ids, in `decode_order`."""
         method = self.decoding_method
         kwargs: dict[str, Any] = dict(
             initial_index=initial_index, max_decode_steps=max_decode_steps, eos_id=self.eos_id,
             pad_id=self.pad_id, decoder_start_token_id=self.decoder_start_token_id,
+            order=self.decode_order,
         )  # fmt: skip
         if method == "beam":
-            kwargs.update(beam_size=self.beam_size, alpha=self.alpha)
+            kwargs.update(
+                beam_size=self.beam_size, alpha=self.alpha, min_log_prob=self.min_log_prob
+            )
         elif method == "sample":
             kwargs.update(
                 decode_rng=rng, num_decodes=self.num_decodes, temperature=self.temperature,
@@ -281,11 +286,10 @@ class BaseModel(abc.ABC):
     def _best_or_all(
         self, sequences_BNL: Array, scores_BN: Array, return_all: bool
     ) -> tuple[Array, dict[str, Array]]:
-        """Best-first decodes -> all of them in `decode_order`, or the best alone."""
+        """Decodes in `decode_order` -> all of them, or the best alone."""
         if not return_all:
-            return sequences_BNL[:, 0], {"scores": scores_BN[:, 0]}
-        if self.decode_order == "best_last":  # t5x: ascending scores
-            sequences_BNL, scores_BN = sequences_BNL[:, ::-1], scores_BN[:, ::-1]
+            best = -1 if self.decode_order == "best_last" else 0  # t5x: ascending scores
+            return sequences_BNL[:, best], {"scores": scores_BN[:, best]}
         return sequences_BNL, {"scores": scores_BN}
 
 
@@ -293,7 +297,7 @@ class BaseModel(abc.ABC):
 _DECODER_PARAMS = {
     "greedy": {"max_decode_steps"},
     "sample": {"max_decode_steps", "temperature", "top_k", "top_p", "min_log_prob"},
-    "beam": {"max_decode_steps", "alpha"},
+    "beam": {"max_decode_steps", "alpha", "min_log_prob"},
 }
 
 

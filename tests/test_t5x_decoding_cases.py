@@ -1,0 +1,318 @@
+"""t5x's own decoding test cases (t5x/decoding_test.py), through t5lite's documented t5x options.
+
+Each case keeps t5x's inputs and expected outputs; the t5x options it needs are named in the
+call: `order="best_last"` (t5x's ascending order, equal scores broken as t5x does),
+`max_decode_steps_after_prompt=True` (t5x counts `max_decode_steps` after the prompt),
+`state_callback_fn` and beam search's `min_log_prob`. Coordinates: t5x's sequences and t5lite's
+are the same for these calls (the prompt at positions 1.., results without the start slot).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5lite.model import decoding
+
+NEG_INF = -1.0e7
+EOS_ID = 1
+
+
+def _constant(logits_BV, copies):
+    """A `tokens_to_logits` that returns the same logits for every step, per example."""
+    logits = jnp.repeat(jnp.asarray(logits_BV, jnp.float32), copies, axis=0)
+    return lambda state: (logits, state.cache)
+
+
+def _markov_tokens_to_logits(batch_size, beam_size):
+    """t5x's `test_beam_search` toy problem: a first-order Markov model over A, B, START, END
+    whose two best sequences tie."""
+    ab = np.asarray(
+        [[[1, -1], [-1, 1]], [[-1, 1], [1, -1]], [[1, -1], [-1, 1]], [[-1, 1], [1, -1]]]
+    )
+    edges = np.ones([6, 5, 5]) * NEG_INF
+    edges[1:5, 1:3, 1:3] = ab
+    edges[0, 3, 1] = edges[0, 3, 2] = 0  # START -> A or B
+    edges[5, 1, 4] = edges[5, 2, 4] = 0  # A or B -> END
+    edges[:, 0, :] = 0  # PAD -> anything
+    edges = jnp.asarray(edges)[None]
+    logits0 = jnp.asarray([NEG_INF, NEG_INF, NEG_INF, 0, NEG_INF])[None]
+    n = batch_size * beam_size
+
+    def tokens_to_logits(state):
+        cur_iter = state.cache["cur_iter"]
+        t = jnp.maximum(0, cur_iter[:, 0].astype(jnp.int32) - 1).reshape(n, 1, 1, 1)
+        step_edges = jnp.squeeze(jnp.take_along_axis(edges, t, axis=1), axis=1)
+        one_hot = jax.nn.one_hot(state.cur_token, 5, axis=1).reshape(n, 1, 5)
+        logits = jnp.squeeze(jnp.matmul(one_hot, step_edges), axis=1)
+        logits = jnp.where(cur_iter == 0, logits0, logits)
+        return logits, {"cur_iter": cur_iter + 1}
+
+    return tokens_to_logits
+
+
+def test_beam_search_equal_scores_in_t5x_order():
+    """t5x test_beam_search: START-AABBA-END and START-BBAAB-END tie; t5x returns them in
+    this order."""
+    states = ["PAD", "A", "B", "START-", "-END"]
+    seqs, scores = decoding.beam_search(
+        jnp.zeros([2, 7], jnp.int32),
+        {"cur_iter": jnp.zeros((2, 1))},
+        _markov_tokens_to_logits(2, 2),
+        beam_size=2,
+        alpha=0.0,
+        eos_id=4,
+        order="best_last",
+    )
+    strings = ["".join(states[t] for t in seqs[0, i]) for i in range(2)]
+    assert strings == ["START-AABBA-END", "START-BBAAB-END"]
+    assert float(scores[0, 0]) == float(scores[0, 1])
+
+
+LOGITS_2_THEN_3 = [
+    [-1e7, -1e10, -0.1, -0.9, -1e4, -1e4, -1e4, -1e4],
+    [-1e7, -1e10, -0.9, -0.1, -1e4, -1e4, -1e4, -1e4],
+]
+LOGITS_WITH_EOS = [
+    [-1e7, -1e10, -0.1, -0.9, -1e4, -1e4, -1e4, -1e4],
+    [-1e7, -1.0, -0.9, -0.1, -1e4, -1e4, -1e4, -1e4],
+]
+
+
+def _expected_scores(expected, logits, prompts):
+    """t5x's reference: the sum of the log-probabilities of the non-prompt, non-pad tokens."""
+    out = []
+    for beams, row_logits, prompt in zip(expected, np.asarray(logits), prompts):
+        logp = np.asarray(jax.nn.log_softmax(row_logits))
+        out.append(
+            [sum(logp[t] for t, p in zip(beam, prompt) if p == 0 and t != 0) for beam in beams]
+        )
+    return np.array(out)
+
+
+def test_beam_search_force_decode_prefix():
+    """t5x test_beam_search_force_decode_prefix: the second beams tie (one 3 among 2s)."""
+    inputs = np.array([[0, 7, 0, 0, 0], [0, 4, 5, 0, 0]], np.int32)
+    seqs, scores = decoding.beam_search(
+        inputs, {}, _constant(LOGITS_2_THEN_3, 2), beam_size=2, alpha=0.0, order="best_last"
+    )
+    expected = [[[7, 3, 2, 2, 2], [7, 2, 2, 2, 2]], [[4, 5, 2, 3, 3], [4, 5, 3, 3, 3]]]
+    np.testing.assert_array_equal(seqs, expected)
+    assert np.all(np.diff(np.asarray(scores)) >= 0)
+    prompts = [[7, 0, 0, 0, 0], [4, 5, 0, 0, 0]]
+    want = _expected_scores(expected, LOGITS_2_THEN_3, prompts)
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+
+
+def test_beam_search_force_decode_no_prefix():
+    logits = [[-1e7, -1e10, -0.1, -0.9], [-1e7, -1e10, -0.9, -0.1]]
+    seqs, scores = decoding.beam_search(
+        np.zeros((2, 5), np.int32), {}, _constant(logits, 2), beam_size=2, order="best_last"
+    )
+    expected = [[[3, 2, 2, 2, 2], [2, 2, 2, 2, 2]], [[2, 3, 3, 3, 3], [3, 3, 3, 3, 3]]]
+    np.testing.assert_array_equal(seqs, expected)
+    assert np.all(np.diff(np.asarray(scores)) >= 0)
+
+
+def test_beam_search_force_decode_prefix_with_initial_index():
+    inputs = np.array([[0, 7, 0, 0, 0], [0, 4, 5, 0, 0]], np.int32)
+    fed = []
+
+    def tokens_to_logits(state):
+        fed.append(np.asarray(state.cur_token))
+        return _constant(LOGITS_WITH_EOS, 2)(state)
+
+    with jax.disable_jit():  # to see the first tokens fed
+        seqs, scores = decoding.beam_search(
+            inputs,
+            {},
+            tokens_to_logits,
+            beam_size=2,
+            alpha=0.0,
+            initial_index=np.array([1, 2], np.int32),
+            order="best_last",
+        )
+    np.testing.assert_array_equal(fed[0], [[7], [7], [5], [5]])
+    expected = [[[7, 3, 2, 2, 2], [7, 2, 2, 2, 2]], [[4, 5, 3, 1, 0], [4, 5, 1, 0, 0]]]
+    np.testing.assert_array_equal(seqs, expected)
+    assert np.all(np.diff(np.asarray(scores)) >= 0)
+    prompts = [[7, 0, 0, 0, 0], [4, 5, 0, 0, 0]]
+    want = _expected_scores(expected, LOGITS_WITH_EOS, prompts)
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+
+
+def test_beam_search_min_log_prob():
+    """t5x test_beam_search_min_log_prob: no live beam stays above -0.05 after one step."""
+    logits = [[-1e7, -1e10, -0.1, -0.9], [-1e7, -1e10, -0.9, -0.1]]
+    seqs, scores = decoding.beam_search(
+        np.zeros((2, 5), np.int32),
+        {},
+        _constant(logits, 2),
+        beam_size=2,
+        min_log_prob=-0.05,
+        order="best_last",
+    )
+    expected = [[[3, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [[2, 0, 0, 0, 0], [3, 0, 0, 0, 0]]]
+    np.testing.assert_array_equal(seqs, expected)
+    assert np.all(np.diff(np.asarray(scores)) >= 0)
+    # Per row and traced: a limit only row 1 misses stops row 1 alone.
+    limits = jnp.array([-10.0, -0.05])
+    seqs, _ = jax.jit(
+        lambda m: decoding.beam_search(
+            np.zeros((2, 5), np.int32), {}, _constant(logits, 2), beam_size=2, min_log_prob=m
+        )
+    )(limits)
+    np.testing.assert_array_equal(seqs[1], [[3, 0, 0, 0, 0], [2, 0, 0, 0, 0]])
+    assert (np.asarray(seqs[0]) != 0).all()
+
+
+def test_temperature_sample_with_state_callback():
+    """t5x test_temperature_sample_with_state_callback: the callback writes EOS after the
+    first 3, which forces it and ends the row."""
+    logits = [[-1e7, -1e7, -1e7, 0], [-1e7, -1e7, -1e7, 0]]
+
+    def callback(current_index, sequences):
+        sequences = np.array(sequences)
+        for i, j in enumerate(np.asarray(current_index)):
+            # t5lite's sequences hold the token fed at j in column j - 1 (no start slot).
+            if j >= 1 and j < sequences.shape[1] and sequences[i, j - 1] == 3:
+                sequences[i, j] = EOS_ID
+        return sequences
+
+    def state_callback_fn(state):
+        sequences = jax.experimental.io_callback(
+            callback,
+            jax.ShapeDtypeStruct(state.sequences.shape, state.sequences.dtype),
+            state.cur_index,
+            state.sequences,
+        )
+        return state.replace(sequences=sequences)
+
+    inputs = np.array([[0, 5, 6, 7, 0], [0, 8, 9, 0, 0]], np.int32)
+    seqs, _ = decoding.temperature_sample(
+        inputs, {}, _constant(logits, 1), temperature=0.0, state_callback_fn=state_callback_fn
+    )
+    np.testing.assert_array_equal(seqs[:, 0], [[5, 6, 7, 3, EOS_ID], [8, 9, 3, EOS_ID, 0]])
+
+
+MAX_STEPS_LOGITS = [[-1e7, -1e7, -1e7, 0], [-1e7, -1e7, -1e7, 0]]
+
+
+@pytest.mark.parametrize(
+    ("initial_index", "expected_calls"),
+    [(None, 6), (np.array([1, 2]), 4), (np.array([1, 1]), 5)],
+    ids=["no_initial_index", "initial_index", "lower_initial_index"],
+)
+def test_temperature_sample_max_decode_steps_with_initial_index(initial_index, expected_calls):
+    inputs = np.array([[0, 2, 0, 0, 0, 0, 0, 0], [0, 2, 2, 0, 0, 0, 0, 0]], np.int32)
+    calls = []
+
+    def tokens_to_logits(state):
+        calls.append(1)
+        return _constant(MAX_STEPS_LOGITS, 1)(state)
+
+    with jax.disable_jit():  # to count the calls
+        seqs, scores = decoding.temperature_sample(
+            inputs,
+            {},
+            tokens_to_logits,
+            initial_index=initial_index,
+            top_k=4,
+            max_decode_steps=4,
+            max_decode_steps_after_prompt=True,
+        )
+    assert len(calls) == expected_calls
+    expected = [[2, 3, 3, 3, 3, 0, 0, 0], [2, 2, 3, 3, 3, 3, 0, 0]]
+    np.testing.assert_array_equal(seqs[:, 0], expected)
+    np.testing.assert_array_equal(scores, [[0.0], [0.0]])
+
+
+def test_temperature_sample_max_decode_steps_endpad():
+    inputs = np.array(
+        [[0, 2, 0, 0, 0, 0, 0, 0], [0, 2, 2, 2, 2, 2, 2, 0], [0, 2, 2, 2, 0, 0, 0, 0]], np.int32
+    )
+    logits = MAX_STEPS_LOGITS + MAX_STEPS_LOGITS[:1]
+    calls = []
+
+    def tokens_to_logits(state):
+        calls.append(1)
+        return _constant(logits, 1)(state)
+
+    with jax.disable_jit():
+        seqs, scores = decoding.temperature_sample(
+            inputs,
+            {},
+            tokens_to_logits,
+            initial_index=np.array([1, 6, 0]),
+            top_k=4,
+            max_decode_steps=4,
+            max_decode_steps_after_prompt=True,
+        )
+    # Row 2 starts at 0: 3 calls through its prompt, 4 more after it.
+    assert len(calls) == 7
+    expected = [[2, 3, 3, 3, 3, 0, 0, 0], [2, 2, 2, 2, 2, 2, 3, 3], [2, 2, 2, 3, 3, 3, 3, 0]]
+    np.testing.assert_array_equal(seqs[:, 0], expected)
+    np.testing.assert_allclose(scores, [[0.0], [0.0], [0.0]])
+
+
+@pytest.mark.parametrize("after_prompt", [False, True])
+def test_temperature_sample_max_decode_steps_docstring_ex4(after_prompt):
+    """Decoding from the end of the prompt: both counts agree."""
+    inputs = np.array([[0, 2, 0, 0, 0, 0, 0, 0], [0, 3, 4, 0, 0, 0, 0, 0]], np.int32)
+    logits = [[-1e7, -1e7, 0, -1e7], [-1e7, -1e7, -1e7, 0]]
+    seqs, _ = decoding.temperature_sample(
+        inputs,
+        {},
+        _constant(logits, 1),
+        initial_index=np.array([1, 2]),
+        top_k=4,
+        max_decode_steps=2,
+        max_decode_steps_after_prompt=after_prompt,
+    )
+    expected = [[2, 2, 2, 0, 0, 0, 0, 0], [3, 4, 3, 3, 0, 0, 0, 0]]
+    np.testing.assert_array_equal(seqs[:, 0], expected)
+
+
+def test_beam_search_max_decode_steps_after_prompt():
+    """The same count for beam search: 2 steps after each row's prompt."""
+    inputs = np.array([[0, 7, 0, 0, 0, 0], [0, 4, 5, 0, 0, 0]], np.int32)
+    seqs, _ = decoding.beam_search(
+        inputs,
+        {},
+        _constant(LOGITS_2_THEN_3, 2),
+        beam_size=2,
+        alpha=0.0,
+        max_decode_steps=2,
+        max_decode_steps_after_prompt=True,
+        order="best_last",
+    )
+    np.testing.assert_array_equal(
+        seqs, [[[7, 3, 2, 0, 0, 0], [7, 2, 2, 0, 0, 0]], [[4, 5, 2, 3, 0, 0], [4, 5, 3, 3, 0, 0]]]
+    )
+
+
+def test_model_decode_order_and_min_log_prob_reach_beam_search():
+    """`decode_order='best_last'` and `min_log_prob` (field or `decoder_params`) of a model are
+    t5x's beam-search options; the best decode of 'best_last' is the last one."""
+    from t5lite.model import models
+
+    model = models.DecoderOnlyModel(
+        decoding_method="beam",
+        beam_size=2,
+        alpha=0.0,
+        decode_order="best_last",
+        min_log_prob=-0.05,
+    )
+    prompt = np.zeros((2, 5), np.int32)
+    logits = [[-1e7, -1e10, -0.1, -0.9], [-1e7, -1e10, -0.9, -0.1]]
+    args = (prompt, {}, _constant(logits, 2), None, None, None)
+    seqs, scores = model._decode(*args, None)
+    expected = [[[3, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [[2, 0, 0, 0, 0], [3, 0, 0, 0, 0]]]
+    np.testing.assert_array_equal(seqs, expected)
+    best, aux = model._best_or_all(seqs, scores, return_all=False)
+    np.testing.assert_array_equal(best, [[2, 0, 0, 0, 0], [3, 0, 0, 0, 0]])
+    assert float(aux["scores"][0]) == float(np.max(scores[0]))
+    seqs, _ = model._decode(*args, {"min_log_prob": -100.0})
+    np.testing.assert_array_equal(seqs[:, -1], [[2, 2, 2, 2, 2], [3, 3, 3, 3, 3]])
