@@ -7,9 +7,9 @@ attention core's strategy is chosen the same way by `select_attention_strategy`.
 
 Strategies, what selects each (in the order `select_strategy` tries them) and what each emits:
 
-- `plain`: no mesh, or a mesh of one device. One local matmul, no collective.
 - `explicit`: `Partitioner(shard_mode='explicit')` installed a layout. The contraction is typed
   by it (`constraints.dense`); weights are gathered by `constraints.weight`.
+- `plain`: no mesh, or a mesh of one device. One local matmul, no collective.
 - `sequence_parallel_gather` (Megatron-SP's `g`; the `sequence_parallel` preset's block inputs
   and logits): the input is split by `length` over the mesh axes that split every kernel's
   output features, and is whole over its contracted dims. Forward: one all-gather of the input
@@ -186,12 +186,9 @@ def _kernel_dims(dims: Dims, sp: tuple[str, ...]) -> Dims | None:
     return tuple(out)
 
 
-def _unsharded() -> Strategy | None:
-    """`explicit` or `plain` where nothing is for this module to write, else None."""
-    if constraints.layout_installed():
-        return Strategy.EXPLICIT
+def _one_device() -> bool:
     mesh = _mesh()
-    return Strategy.PLAIN if mesh.empty or mesh.size == 1 else None
+    return mesh.empty or mesh.size == 1
 
 
 def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int) -> Choice:
@@ -202,9 +199,10 @@ def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract:
       kernels: (kernel, its logical axes) pairs that all read `x`.
       n_contract: how many trailing dims of `x` each kernel contracts.
     """
-    fixed = _unsharded()
-    if fixed is not None:
-        return Choice(fixed)
+    if constraints.layout_installed():
+        return Choice(Strategy.EXPLICIT)
+    if _one_device():
+        return Choice(Strategy.PLAIN)
     if x_axes is None or _resolve(x_axes) is None:
         return Choice(Strategy.PARTITIONER)
     plans = (
@@ -466,9 +464,10 @@ def select_attention_strategy(
       q: [B, L, H, K] ('batch', 'length', 'heads', 'kv'); k: [B, S, G, K] with `kv_axis`.
       bias: [1 or B, H, L, S] or None; mask: [B or 1, 1, L, S] or None.
     """
-    fixed = _unsharded()
-    if fixed is not None:
-        return Choice(fixed)
+    if constraints.layout_installed():
+        return Choice(Strategy.EXPLICIT)
+    if _one_device():
+        return Choice(Strategy.PLAIN)
     plan = _context_plan(q, k, bias, mask, kv_axis)
     if plan is None:
         return Choice(Strategy.PARTITIONER)

@@ -372,3 +372,44 @@ def test_chunked_through_the_networks_equals_xla():
             np.testing.assert_allclose(
                 nn.meta.unbox(g), nn.meta.unbox(w), atol=1e-5, rtol=1e-4, err_msg=name
             )
+
+
+@pytest.mark.skipif(not attention.IMPLEMENTATIONS["cudnn"].runs_here(), reason="no CUDA GPU")
+@pytest.mark.parametrize("mask_name", ["causal", "causal+padding", "causal+segments", "none"])
+def test_cudnn_on_a_gpu_equals_xla(mask_name):
+    # bf16 inputs, L = S = 128, K = 64, GQA 8/2; tolerance 2e-2 of each array's largest value.
+    b, length, h, g, kd = 2, 128, 8, 2, 64
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(ks[0], (b, length, h, kd), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, length, g, kd), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, length, g, kd), jnp.bfloat16)
+    causal = layers.make_causal_mask(b, length)
+    valid = jnp.arange(length)[None] < jnp.array([[100], [128]])
+    segments = jnp.where(jnp.arange(length)[None] < 60, 1, 2) * valid
+    masks = {
+        "causal": causal,
+        "causal+padding": jnp.logical_and(causal, layers.make_attention_mask(valid, valid)),
+        "causal+segments": jnp.logical_and(
+            causal, layers.make_attention_mask(segments, segments, jnp.equal)
+        ),
+        "none": None,
+    }
+    mask = masks[mask_name]
+    # A query with no key to attend to (padding) is read by no loss: its output and gradient
+    # are compared as the loss sees them (zero cotangent there, output rows left out).
+    live_BL = jnp.ones((b, length), bool) if mask is None else mask.any(-1)[:, 0]
+    cotangent = jax.random.normal(ks[3], q.shape, jnp.float32) * live_BL[:, :, None, None]
+
+    def run(implementation):
+        def f(q, k, v):
+            out = attention.dot_product_attention(
+                q, k, v, None, mask, implementation=implementation, dtype=jnp.bfloat16
+            )
+            return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        out = jnp.where(live_BL[:, :, None, None], out, 0)
+        return [np.float32(x) for x in (out, *grads)]
+
+    for got, want in zip(run("cudnn"), run("xla")):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=0)

@@ -12,7 +12,9 @@ the network config's `attention_implementation` names which implementation runs 
   grouped-query heads. Refuses, in one line naming the feature and `xla`: an additive bias
   (T5's relative positions), dropout, inputs that are not bfloat16 / float16, a head width
   that is not a multiple of 8 or above 256, a mask over an odd query or key length (cuDNN
-  trains with a bias only over even lengths).
+  trains with a bias only over even lengths). A query that may attend to no key (a padding
+  position) gets the mean of all values from `xla`; `cudnn` need not agree there, and no loss
+  reads such a position.
 - `auto`: `cudnn` when the default backend is a CUDA GPU and the call has nothing `cudnn`
   refuses, else `xla`.
 

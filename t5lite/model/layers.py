@@ -238,7 +238,6 @@ class MultiHeadAttention(nn.Module):
             input_axes=axes_BLHK,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            kernel_init=self.kernel_init,
             name="out",
         )(out_BLHK)
 
