@@ -562,7 +562,7 @@ def per_shard(
     Returns:
       The output, laid out by `out_axes`.
     """
-    if _unsharded() is not None or _resolve(out_axes) is None:
+    if constraints.layout_installed() or _one_device() or _resolve(out_axes) is None:
         return fn(*args)
     present = [(a, ax) for a, ax in zip(args, axes) if a is not None]
     dims = [_resolve(ax) for _, ax in present]
