@@ -1,39 +1,57 @@
-"""Sequence and context parallelism's and ZeRO-3's collectives, written with `jax.shard_map`.
+"""How a contraction is parallelised: one named `Strategy` per layer, chosen by `select_strategy`.
 
-Megatron's sequence parallelism (Korthikanti et al. 2022) keeps the residual stream split by
-position over the tensor-parallel axis and turns each block's all-reduce into an all-gather
-before the column-parallel matmuls (`g`) and a reduce-scatter after the row-parallel one (`ḡ`).
-Rules alone do not get there: the SPMD partitioner writes every reduce-scatter as an all-reduce
-followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs. So the
-boundaries are written here, each a `shard_map` manual over every mesh axis with in/out specs
-from the rules (Shardy left the batch unsplit inside a partially manual one, measured with JAX
-0.10.2). A kernel also split over another axis (FSDP's `data`) is gathered inside; the
-transpose reduce-scatters its gradient there.
+A dense layer (`model/layers.py`) computes `x [..., *C] · kernel [*C, *F]` through `contract`,
+which asks `select_strategy` once which strategy the rules in force (those of
+`Partitioner.context`), the mesh and the shapes call for, and runs exactly that one. The
+attention core's strategy is chosen the same way by `select_attention_strategy`.
 
-- `column_parallel`: gathers the block input's positions once and contracts it with each kernel
-  locally. Its transpose reduce-scatters the summed input gradients of all kernels once.
-- `row_parallel`: contracts locally and reduce-scatters the partial sums by position. Its
-  transpose all-gathers the output gradient.
-- `context_attention`: context parallelism's attention: keys and values computed on each
-  device's positions and gathered inside, so their gradients are reduce-scattered back.
-- ZeRO-3 (`_zero3`, taken by `column_parallel` and `row_parallel` when sequence parallelism is
-  not in force): a kernel split over a mesh axis that also splits the activation's batch (FSDP's
-  `embed` -> `data`) is gathered inside the layer's shard_map where it is used, so its gradient
-  leaves through a reduce-scatter over that axis, not the partitioner's all-reduce + slice
-  (XLA:CPU has no pass that turns that pair into a reduce-scatter). The token embedding (a
-  lookup, and the tied logits) is not a dense layer and stays with the partitioner.
+Strategies, what selects each (in the order `select_strategy` tries them) and what each emits:
 
-Model code calls them with logical axes only. The current rules table and mesh (those of
-`Partitioner.context`) decide: when the rules split the activation's `length` over the same mesh
-axes as the block's features (`heads`, `mlp`, `vocab`) take inside the block, or (context
-parallelism) keep `kv_length` whole while splitting `length`, the explicit path runs; otherwise
-(no mesh or one device, no rules, Explicit axes, a dimension that does not divide, a layout
-that is neither) each call is the plain contraction (`constraints.dense`) the partitioner lays
-out, exactly as before.
+- `explicit`: `Partitioner(shard_mode='explicit')` installed a layout. The contraction is typed
+  by it (`constraints.dense`); weights are gathered by `constraints.weight`.
+- `plain`: no mesh, or a mesh of one device. One local matmul, no collective.
+- `sequence_parallel_gather` (Megatron-SP's `g`; the `sequence_parallel` preset's block inputs
+  and logits): the input is split by `length` over the mesh axes that split every kernel's
+  output features, and is whole over its contracted dims. Forward: one all-gather of the input
+  by position for all the kernels; backward: one reduce-scatter of the summed input gradients.
+- `sequence_parallel_scatter` (Megatron-SP's `g-bar`; block outputs): the contracted features
+  are split over the axes that split the output's `length`, and the input's `length` is whole.
+  Forward: one reduce-scatter of the partial sums by position; backward: one all-gather.
+- `zero3` (the `fsdp`, `fully_sharded` and `tensor_2d` presets: `embed` -> `data`): each kernel
+  is split over a mesh axis that also splits the input's batch. Forward: each kernel
+  all-gathered where it is used (and again in the backward pass); backward: its gradient
+  reduce-scattered. Row-parallel kernels add Megatron's all-reduce (or reduce-scatter) over
+  `model`.
+- `partitioner` (`data_parallel`, `megatron`, `activations_2d`, a split that does not divide):
+  any other layout on a mesh. GSPMD lays out the plain contraction from its operands'
+  shardings: Megatron's all-reduce after a row-parallel contraction, the gradients' all-reduce
+  over `data`.
+- `context_parallel` (attention only; the `context_parallel` preset): the rules split the
+  queries' `length` and keep `kv_length` whole. Keys and values are all-gathered inside
+  attention; their gradients reduce-scattered back.
+- `per_shard` (kernels the partitioner cannot split, e.g. the TPU splash attention, a Pallas
+  call): the kernel runs on each device's shard of its operands, laid out by the rules; no
+  collective. Only for operations that are independent across the split dimensions (attention
+  over batch and heads); `per_shard` refuses a split of any other dimension.
+
+Why the explicit ones exist: the SPMD partitioner writes every reduce-scatter as an all-reduce
+followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs and weight
+gradients; so Megatron's sequence parallelism (Korthikanti et al. 2022) and ZeRO-3's
+gather-where-used are written here, each a `jax.shard_map` manual over every mesh axis with
+in/out specs from the rules (Shardy left the batch unsplit inside a partially manual one). A
+kernel also split over another axis (FSDP's `data`) is gathered inside a sequence-parallel
+layer too; the transpose reduce-scatters its gradient there. The token embedding (a lookup, and
+the tied logits) is not a dense layer and stays with the partitioner.
+
+`select_strategy` tries the layouts in the table's order; each `_*_plan` says whether its
+layout is the one in force (and how), and each strategy's function runs its plan with no
+fallback inside. Model code passes logical axes only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from collections.abc import Callable, Sequence
 
@@ -43,15 +61,82 @@ from jax.sharding import PartitionSpec
 
 from t5lite import constraints
 
+Array = jax.Array
 Axes = Sequence[str | None]
+Dims = tuple[tuple[str, ...], ...]  # mesh axes of each dimension of an array
+Kernels = Sequence[tuple[Array, Axes]]  # (kernel, its logical axes)
 LENGTH = "length"
+
+
+class Strategy(enum.StrEnum):
+    """How one contraction (or attention core) is parallelised; see the module's table."""
+
+    PLAIN = "plain"
+    EXPLICIT = "explicit"
+    PARTITIONER = "partitioner"
+    SEQUENCE_PARALLEL_GATHER = "sequence_parallel_gather"
+    SEQUENCE_PARALLEL_SCATTER = "sequence_parallel_scatter"
+    ZERO3 = "zero3"
+    CONTEXT_PARALLEL = "context_parallel"
+    PER_SHARD = "per_shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class SequencePlan:
+    """A sequence-parallel contraction: mesh axes `sp` split `length`; dims of every operand."""
+
+    sp: tuple[str, ...]
+    x_dims: Dims
+    kernel_dims: tuple[Dims, ...]
+    out_dims: tuple[Dims, ...]
+    length_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Kernel:
+    """One kernel of a ZeRO-3 contraction."""
+
+    dims: Dims  # as stored
+    fsdp: tuple[str, ...]  # mesh axes it is gathered over where used
+    partial: tuple[str, ...]  # mesh axes its partial products are summed over
+    scatter: int | None  # the output dim that sum is scattered along (None: all-reduced)
+    out_dims: Dims
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Plan:
+    """A ZeRO-3 contraction: x's dims, the axes each contracted dim of x is gathered over."""
+
+    x_dims: Dims
+    x_gather: Dims
+    kernels: tuple[Zero3Kernel, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+    """Context-parallel attention: `cp` splits the queries' and keys' positions."""
+
+    cp: tuple[str, ...]
+    dims: tuple[Dims, ...]  # of q, k, v[, bias][, mask]
+    out_dims: Dims
+
+
+Plan = SequencePlan | Zero3Plan | ContextPlan | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The strategy `select_strategy` picked, and how to run it (None for the plain kinds)."""
+
+    strategy: Strategy
+    plan: Plan = None
 
 
 def _mesh_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _resolve(axes: Axes) -> tuple[tuple[str, ...], ...] | None:
+def _resolve(axes: Axes) -> Dims | None:
     """Mesh axes of each dimension under the current rules (None: no rules bound)."""
     rules = spmd.get_logical_axis_rules()
     if not rules:
@@ -63,21 +148,26 @@ def _resolve(axes: Axes) -> tuple[tuple[str, ...], ...] | None:
     return tuple(_mesh_axes(e) for e in entries)
 
 
-Dims = tuple[tuple[str, ...], ...]  # mesh axes of each dimension of an array
-
-
 def _spec(dims: Dims) -> PartitionSpec:
     return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
-def _divides(dims: Dims, shape: Sequence[int], mesh: jax.sharding.AbstractMesh) -> bool:
+def _mesh() -> jax.sharding.AbstractMesh:
+    return jax.sharding.get_abstract_mesh()
+
+
+def _divides(dims: Dims, shape: Sequence[int]) -> bool:
+    mesh = _mesh()
     return all(n % math.prod(mesh.shape[a] for a in d) == 0 for d, n in zip(dims, shape))
 
 
+def _known(dims: Dims) -> bool:
+    return all(a in _mesh().shape for d in dims for a in d)
+
+
 def _sequence_axes(axes: Axes) -> tuple[str, ...] | None:
-    """The mesh axes (together of size > 1) that split `length` of an activation."""
-    mesh = jax.sharding.get_abstract_mesh()
-    dims = _resolve(axes)
+    """The mesh axes (together of size > 1) that split `length` of an activation, if any."""
+    mesh, dims = _mesh(), _resolve(axes)
     if mesh.empty or dims is None or LENGTH not in axes:
         return None
     sp = dims[list(axes).index(LENGTH)]
@@ -96,7 +186,75 @@ def _kernel_dims(dims: Dims, sp: tuple[str, ...]) -> Dims | None:
     return tuple(out)
 
 
-def _gather_kernel(kernel: jax.Array, dims: Dims, sp: tuple[str, ...]) -> jax.Array:
+def _one_device() -> bool:
+    mesh = _mesh()
+    return mesh.empty or mesh.size == 1
+
+
+def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int) -> Choice:
+    """The one strategy for `x`'s last `n_contract` dims contracted with each kernel's first.
+
+    Args:
+      x: the input, logical axes `x_axes` (None: unknown, so the partitioner lays it out).
+      kernels: (kernel, its logical axes) pairs that all read `x`.
+      n_contract: how many trailing dims of `x` each kernel contracts.
+    """
+    if constraints.layout_installed():
+        return Choice(Strategy.EXPLICIT)
+    if _one_device():
+        return Choice(Strategy.PLAIN)
+    if x_axes is None or _resolve(x_axes) is None:
+        return Choice(Strategy.PARTITIONER)
+    plans = (
+        (Strategy.SEQUENCE_PARALLEL_GATHER, _gather_plan),
+        (Strategy.SEQUENCE_PARALLEL_SCATTER, _scatter_plan),
+        (Strategy.ZERO3, _zero3_plan),
+    )
+    for strategy, make_plan in plans:
+        plan = make_plan(x, tuple(x_axes), kernels, n_contract)
+        if plan is not None:
+            return Choice(strategy, plan)
+    return Choice(Strategy.PARTITIONER)
+
+
+def contract(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int = 1) -> list[Array]:
+    """Each kernel applied to `x` (`x [..., *C] · kernel [*C, *F]`), by `select_strategy`'s pick.
+
+    Args:
+      x: the input, in the kernels' dtype, with logical axes `x_axes`.
+      kernels: (kernel, its logical axes) pairs; output i has the axes
+        `x_axes[:-n] + kernel_axes_i[n:]`.
+      n_contract: n, the trailing dims of `x` (leading dims of each kernel) contracted.
+
+    Returns:
+      One output per kernel, `[*x.shape[:-n], *kernel.shape[n:]]`.
+    """
+    choice = select_strategy(x, x_axes, kernels, n_contract)
+    ks = [k for k, _ in kernels]
+    match choice.strategy:
+        case Strategy.SEQUENCE_PARALLEL_GATHER:
+            return sequence_parallel_gather(x, ks, n_contract, choice.plan)
+        case Strategy.SEQUENCE_PARALLEL_SCATTER:
+            return sequence_parallel_scatter(x, ks, n_contract, choice.plan)
+        case Strategy.ZERO3:
+            return zero3(x, ks, n_contract, choice.plan)
+        case _:  # plain, explicit, partitioner: constraints.dense is each of them
+            return [_dot(x, k, n_contract) for k in ks]
+
+
+def _dot(x: Array, kernel: Array, n_contract: int) -> Array:
+    """x's last `n_contract` dims against kernel's first: a dense layer's contraction."""
+    return constraints.dense(x, kernel, n_contract)
+
+
+def _shard_map(body, in_dims: Sequence[Dims], out_specs):
+    """`body` manual over every mesh axis, input specs from the rules' dims."""
+    return jax.shard_map(
+        body, mesh=_mesh(), in_specs=tuple(_spec(d) for d in in_dims), out_specs=out_specs
+    )
+
+
+def _gather_kernel(kernel: Array, dims: Dims, sp: tuple[str, ...]) -> Array:
     """Inside the shard_map: gathers a kernel over its non-`sp` axes (e.g. FSDP's `data`); the
     transpose reduce-scatters its gradient there (ZeRO-3)."""
     for i, d in enumerate(dims):
@@ -105,115 +263,73 @@ def _gather_kernel(kernel: jax.Array, dims: Dims, sp: tuple[str, ...]) -> jax.Ar
     return kernel
 
 
-def _dot(x: jax.Array, kernel: jax.Array, n_contract: int) -> jax.Array:
-    """x's last `n_contract` dims against kernel's first: DenseGeneral's contraction."""
-    return constraints.dense(x, kernel, n_contract)
+# --- sequence parallelism: Megatron-SP's g (gather) and g-bar (scatter) -------------------------
 
 
-def _shard_map(body, in_dims: Sequence[Dims], out_specs):
-    """`body` manual over every mesh axis, input specs from the rules' dims."""
-    return jax.shard_map(
-        body,
-        mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=tuple(_spec(d) for d in in_dims),
-        out_specs=out_specs,
-    )
+def sequence_parallel_gather(
+    x: Array, kernels: Sequence[Array], n: int, plan: SequencePlan
+) -> list[Array]:
+    """x arrives split by position; it is all-gathered once over `plan.sp` and every kernel
+    (split there on its output features) is applied locally, so the backward pass sums the
+    kernels' input gradients before one reduce-scatter."""
+
+    def body(x_local: Array, *ks: Array) -> list[Array]:
+        x_full = jax.lax.all_gather(x_local, plan.sp, axis=plan.length_dim, tiled=True)
+        return [
+            _dot(x_full, _gather_kernel(k, d, plan.sp), n) for k, d in zip(ks, plan.kernel_dims)
+        ]
+
+    out_specs = [_spec(d) for d in plan.out_dims]
+    return _shard_map(body, [plan.x_dims, *plan.kernel_dims], out_specs)(x, *kernels)
 
 
-def column_parallel(
-    x: jax.Array, x_axes: Axes, kernels: Sequence[tuple[jax.Array, Axes]]
-) -> list[jax.Array]:
-    """Contracts x's last dim with each kernel's first: `x [B, L, D] · kernel [D, *F]`.
-
-    Under sequence parallelism x arrives split by position; it is all-gathered once over those
-    mesh axes and every kernel (split over them on its output features) is applied locally, so
-    the backward pass sums the kernels' input gradients before one reduce-scatter.
-
-    Args:
-      x: the block input, in the kernels' dtype, with logical axes `x_axes`.
-      kernels: (kernel, its logical axes) pairs; each output has the axes
-        `x_axes[:-1] + kernel_axes[1:]`.
-
-    Returns:
-      One output per kernel, `[*x.shape[:-1], *kernel.shape[1:]]`.
-    """
-    plan = _column_plan(x, x_axes, kernels)
-    if plan is None:
-        zero3 = _zero3(x, x_axes, kernels, 1)
-        return zero3 if zero3 is not None else [_dot(x, k, 1) for k, _ in kernels]
-    sp, x_dims, k_dims, out_dims = plan
-    length_dim = list(x_axes).index(LENGTH)
-
-    def body(x_local: jax.Array, *ks: jax.Array) -> list[jax.Array]:
-        x_full = jax.lax.all_gather(x_local, sp, axis=length_dim, tiled=True)
-        return [_dot(x_full, _gather_kernel(k, d, sp), 1) for k, d in zip(ks, k_dims)]
-
-    out_specs = [_spec(d) for d in out_dims]
-    return _shard_map(body, [x_dims, *k_dims], out_specs)(x, *(k for k, _ in kernels))
-
-
-def _column_plan(x, x_axes, kernels):
-    """(sp axes, dims of x, of the kernels, of the outputs) when the layout is sequence
-    parallel's: x split by position over `sp`, whole over its contracted dim, and each kernel's
-    features (and so each output's) split over `sp`. None otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
+def _gather_plan(x: Array, x_axes: Axes, kernels: Kernels, n: int) -> SequencePlan | None:
+    """The plan when x is split by position over `sp`, whole over its contracted dims, and each
+    kernel's features (and so each output's) are split over `sp`; None for other layouts."""
     sp = _sequence_axes(x_axes)
     if sp is None:
         return None
     x_dims = _resolve(x_axes)
-    if x_dims[-1] or not _divides(x_dims, x.shape, mesh):
+    if any(x_dims[-n:]) or not _divides(x_dims, x.shape):
         return None
-    batch_dims = tuple(() if a == LENGTH else d for a, d in zip(x_axes[:-1], x_dims[:-1]))
+    batch_dims = tuple(() if a == LENGTH else d for a, d in zip(x_axes[:-n], x_dims[:-n]))
     k_all, out_all = [], []
     for kernel, k_axes in kernels:
         k_dims = _resolve(k_axes)
         gathered = _kernel_dims(k_dims, sp)
-        if gathered is None or gathered[0] or sp not in gathered[1:]:
+        if gathered is None or any(gathered[:n]) or sp not in gathered[n:]:
             return None
-        if not _divides(k_dims, kernel.shape, mesh):
+        if not _divides(k_dims, kernel.shape):
             return None
         k_all.append(k_dims)
-        out_all.append(batch_dims + gathered[1:])
-    return sp, x_dims, k_all, out_all
-
-
-def row_parallel(
-    x: jax.Array, x_axes: Axes, kernel: jax.Array, kernel_axes: Axes, n_contract: int
-) -> jax.Array:
-    """Contracts x's last `n_contract` dims with the kernel's first: `x [B, L, *F] · [*F, D]`.
-
-    Under sequence parallelism (the contracted features split over the mesh axes that split the
-    output's `length`) each device's partial product is reduce-scattered by position, so the
-    block's output leaves already split like the residual stream.
-
-    Args:
-      x: the block's inner activation (in the kernel's dtype), logical axes `x_axes`.
-      kernel: logical axes `kernel_axes`; the output has `x_axes[:-n] + kernel_axes[n:]`.
-
-    Returns:
-      `[*x.shape[:-n_contract], *kernel.shape[n_contract:]]`.
-    """
-    plan = _row_plan(x, x_axes, kernel, kernel_axes, n_contract)
-    if plan is None:
-        zero3 = _zero3(x, x_axes, [(kernel, kernel_axes)], n_contract)
-        return zero3[0] if zero3 is not None else _dot(x, kernel, n_contract)
-    sp, x_dims, k_dims, out_dims = plan
+        out_all.append(batch_dims + gathered[n:])
     length_dim = list(x_axes).index(LENGTH)
-
-    def body(x_local: jax.Array, k_local: jax.Array) -> jax.Array:
-        partial = _dot(x_local, _gather_kernel(k_local, k_dims, sp), n_contract)
-        return jax.lax.psum_scatter(partial, sp, scatter_dimension=length_dim, tiled=True)
-
-    return _shard_map(body, [x_dims, k_dims], _spec(out_dims))(x, kernel)
+    return SequencePlan(sp, x_dims, tuple(k_all), tuple(out_all), length_dim)
 
 
-def _row_plan(x, x_axes, kernel, kernel_axes, n):
-    """(sp axes, dims of x, of the kernel, of the output) when the contraction is over the
-    axes that split the output's `length` and x's `length` is whole. None otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
-    out_axes = tuple(x_axes[:-n]) + tuple(kernel_axes[n:])
-    sp = _sequence_axes(out_axes)
-    if sp is None or LENGTH not in x_axes:
+def sequence_parallel_scatter(
+    x: Array, kernels: Sequence[Array], n: int, plan: SequencePlan
+) -> list[Array]:
+    """Each device's partial product is reduce-scattered by position over `plan.sp`, so the
+    block's output leaves split like the residual stream; the transpose all-gathers the output
+    gradient."""
+    (kernel,), (k_dims,) = kernels, plan.kernel_dims
+
+    def body(x_local: Array, k_local: Array) -> Array:
+        partial = _dot(x_local, _gather_kernel(k_local, k_dims, plan.sp), n)
+        return jax.lax.psum_scatter(partial, plan.sp, scatter_dimension=plan.length_dim, tiled=True)
+
+    return [_shard_map(body, [plan.x_dims, k_dims], _spec(plan.out_dims[0]))(x, kernel)]
+
+
+def _scatter_plan(x: Array, x_axes: Axes, kernels: Kernels, n: int) -> SequencePlan | None:
+    """The plan when one kernel's contraction is over the axes `sp` that split the output's
+    `length` and x's `length` is whole; None for other layouts."""
+    if len(kernels) != 1 or LENGTH not in x_axes:
+        return None
+    ((kernel, kernel_axes),) = kernels
+    sp = _sequence_axes(tuple(x_axes[:-n]) + tuple(kernel_axes[n:]))
+    if sp is None:
         return None
     x_dims, k_dims = _resolve(x_axes), _resolve(kernel_axes)
     gathered = _kernel_dims(k_dims, sp)
@@ -226,21 +342,22 @@ def _row_plan(x, x_axes, kernel, kernel_axes, n):
     rest = x_dims[:-n]
     if rest[length_dim] or any(set(d) & set(sp) for d in rest):
         return None
-    if not (_divides(x_dims, x.shape, mesh) and _divides(k_dims, kernel.shape, mesh)):
+    if not (_divides(x_dims, x.shape) and _divides(k_dims, kernel.shape)):
         return None
-    out_shape = x.shape[length_dim]
-    if out_shape % math.prod(mesh.shape[a] for a in sp):
+    if x.shape[length_dim] % math.prod(_mesh().shape[a] for a in sp):
         return None
     out_dims = tuple(sp if i == length_dim else d for i, d in enumerate(rest))
-    return sp, x_dims, k_dims, out_dims + ((),) * (len(kernel_axes) - n)
+    out_dims += ((),) * (len(kernel_axes) - n)
+    return SequencePlan(sp, x_dims, (k_dims,), (out_dims,), length_dim)
 
 
-def _zero3(
-    x: jax.Array, x_axes: Axes, kernels: Sequence[tuple[jax.Array, Axes]], n: int
-) -> list[jax.Array] | None:
+# --- ZeRO-3: kernels gathered where used ------------------------------------------------------
+
+
+def zero3(x: Array, kernels: Sequence[Array], n: int, plan: Zero3Plan) -> list[Array]:
     """FSDP / ZeRO-3: x's last `n` dims contracted with each kernel's first `n` inside one
     shard_map, each kernel gathered there over the mesh axes that split both it and x's other
-    dims (the batch's `data`), or None when no kernel is split so (the caller contracts as usual).
+    dims (the batch's `data`).
 
     The partitioner would gather such a kernel too, but writes its gradient's reduce-scatter as
     an all-reduce over `data` plus a slice (twice ZeRO-3's traffic), which XLA:CPU keeps; the
@@ -251,147 +368,237 @@ def _zero3(
     the output over it, 2D activations); x split on a contracted dim the kernel is not (2D
     activations' `embed`) is gathered first.
     """
-    plan = _zero3_plan(x, x_axes, kernels, n)
-    if plan is None:
-        return None
-    x_dims, x_gather, k_plans = plan
     lead = x.ndim - n
 
     # ZeRO-3 holds a gathered kernel only while it is used, so nothing inside is saved for the
     # backward pass: it may gather each kernel again from the shard (the contraction needs only
     # x and the kernel, so nothing else is recomputed; XLA may still reuse the forward gather in
-    # an unscanned step). Saving what the body computes made the shard_map copy it out as
-    # residuals: a scanned 2-layer LM's step took 81.7 MB against 73.7 MB with the
-    # partitioner's gathers (tests/test_insight_accuracy.py's lm/fsdp/none); with this, 73.7 MB.
+    # an unscanned step). Saving what the body computes made the shard_map copy the gathered
+    # kernels out as residuals, more memory than the partitioner's own gathers.
     @jax.checkpoint
-    def body(x_local: jax.Array, *ks: jax.Array) -> list[jax.Array]:
-        for i, axes in enumerate(x_gather):
+    def body(x_local: Array, *ks: Array) -> list[Array]:
+        for i, axes in enumerate(plan.x_gather):
             if axes:
                 x_local = jax.lax.all_gather(x_local, axes, axis=lead + i, tiled=True)
         outs = []
-        for k, (k_dims, fsdp, partial, scatter, _) in zip(ks, k_plans):
-            for i, d in enumerate(k_dims):
-                if set(d) & set(fsdp):
+        for k, kp in zip(ks, plan.kernels):
+            for i, d in enumerate(kp.dims):
+                if set(d) & set(kp.fsdp):
                     k = jax.lax.all_gather(k, d, axis=i, tiled=True)
             y = _dot(x_local, k, n)
-            if partial and scatter is not None:
-                y = jax.lax.psum_scatter(y, partial, scatter_dimension=scatter, tiled=True)
-            elif partial:
-                y = jax.lax.psum(y, partial)
+            if kp.partial and kp.scatter is not None:
+                y = jax.lax.psum_scatter(y, kp.partial, scatter_dimension=kp.scatter, tiled=True)
+            elif kp.partial:
+                y = jax.lax.psum(y, kp.partial)
             outs.append(y)
         return outs
 
-    out_specs = [_spec(p[4]) for p in k_plans]
-    in_dims = [x_dims, *(p[0] for p in k_plans)]
-    return _shard_map(body, in_dims, out_specs)(x, *(k for k, _ in kernels))
+    out_specs = [_spec(kp.out_dims) for kp in plan.kernels]
+    in_dims = [plan.x_dims, *(kp.dims for kp in plan.kernels)]
+    return _shard_map(body, in_dims, out_specs)(x, *kernels)
 
 
-def _zero3_plan(x, x_axes, kernels, n):
-    """(dims of x, mesh axes to gather each contracted dim of x over, and per kernel: its dims,
-    the axes it is gathered over, the axes its partial products are summed over, the output
-    dim they are scattered along or None, the output's dims), or None when no kernel shares a
-    mesh axis with x's uncontracted dims, on Explicit axes (`constraints.weight` gathers
-    there), on one device, or when a split does not divide or does not fit these shapes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if constraints.layout_installed() or mesh.empty or mesh.size == 1:
-        return None
+def _zero3_plan(x: Array, x_axes: Axes, kernels: Kernels, n: int) -> Zero3Plan | None:
+    """The plan when every kernel shares a mesh axis with x's uncontracted dims (and every split
+    divides and fits these shapes); None for other layouts."""
     x_dims = _resolve(x_axes)
-    if x_dims is None or not _known(x_dims, mesh) or not _divides(x_dims, x.shape, mesh):
+    if not _known(x_dims) or not _divides(x_dims, x.shape):
         return None
-    lead = x_dims[:-n]
-    lead_axes = {a for d in lead for a in d if mesh.shape[a] > 1}
+    mesh = _mesh()
+    lead_axes = {a for d in x_dims[:-n] for a in d if mesh.shape[a] > 1}
     x_gather, k_plans = None, []
     for kernel, k_axes in kernels:
-        k_dims = _resolve(k_axes)
-        if not _known(k_dims, mesh) or not _divides(k_dims, kernel.shape, mesh):
+        k_plan = _zero3_kernel(x, x_axes, x_dims, kernel, k_axes, n, lead_axes)
+        if k_plan is None:
             return None
-        fsdp = tuple(a for d in k_dims for a in d if a in lead_axes)
-        if not fsdp:
-            return None
-        # A dim split over FSDP's axes and another is not gathered piecewise here.
-        if any(set(d) & set(fsdp) and not set(d) <= set(fsdp) for d in k_dims):
-            return None
-        local = tuple(() if set(d) & set(fsdp) else d for d in k_dims)
-        xc, kc = x_dims[-n:], local[:n]
-        if any(kd and kd != xd for xd, kd in zip(xc, kc)):
-            return None
-        gather = tuple(xd if xd and not kd else () for xd, kd in zip(xc, kc))
+        k_plan, gather = k_plan
         if x_gather is not None and gather != x_gather:
             return None
         x_gather = gather
-        partial = tuple(a for kd in kc for a in kd)
-        out = list(lead + local[n:])
-        want = _resolve(tuple(x_axes[:-n]) + tuple(k_axes[n:]))
-        out_shape = x.shape[:-n] + kernel.shape[n:]
-        size = math.prod(mesh.shape[a] for a in partial)
-        scatter = next(
-            (i for i, (w, o, m) in enumerate(zip(want, out, out_shape))
-             if partial and w == partial and not o and m % size == 0),
-            None,
-        )  # fmt: skip
-        if scatter is not None:
-            out[scatter] = partial
-        k_plans.append((k_dims, fsdp, partial, scatter, tuple(out)))
-    return x_dims, x_gather, k_plans
+        k_plans.append(k_plan)
+    return Zero3Plan(x_dims, x_gather, tuple(k_plans))
 
 
-def _known(dims: Dims, mesh: jax.sharding.AbstractMesh) -> bool:
-    return all(a in mesh.shape for d in dims for a in d)
+def _zero3_kernel(x, x_axes, x_dims, kernel, k_axes, n, lead_axes):
+    """(this kernel's `Zero3Kernel`, the axes x's contracted dims are gathered over), or None
+    when the kernel is not split over the batch's axes or its split does not fit."""
+    k_dims = _resolve(k_axes)
+    if not _known(k_dims) or not _divides(k_dims, kernel.shape):
+        return None
+    fsdp = tuple(a for d in k_dims for a in d if a in lead_axes)
+    if not fsdp:
+        return None
+    # A dim split over FSDP's axes and another is not gathered piecewise here.
+    if any(set(d) & set(fsdp) and not set(d) <= set(fsdp) for d in k_dims):
+        return None
+    local = tuple(() if set(d) & set(fsdp) else d for d in k_dims)
+    xc, kc = x_dims[-n:], local[:n]
+    if any(kd and kd != xd for xd, kd in zip(xc, kc)):
+        return None
+    gather = tuple(xd if xd and not kd else () for xd, kd in zip(xc, kc))
+    partial = tuple(a for kd in kc for a in kd)
+    out = list(x_dims[:-n] + local[n:])
+    want = _resolve(tuple(x_axes[:-n]) + tuple(k_axes[n:]))
+    out_shape = x.shape[:-n] + kernel.shape[n:]
+    size = math.prod(_mesh().shape[a] for a in partial)
+    scatter = None
+    for i, (w, o, m) in enumerate(zip(want, out, out_shape)):
+        if partial and w == partial and not o and m % size == 0:
+            scatter = i
+            break
+    if scatter is not None:
+        out[scatter] = partial
+    return Zero3Kernel(k_dims, fsdp, partial, scatter, tuple(out)), gather
 
 
-def context_attention(
-    attend: Callable[..., jax.Array],
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bias: jax.Array | None,
-    mask: jax.Array | None,
-    kv_axis: str,
-) -> jax.Array | None:
-    """Attention with queries split by position and keys/values gathered inside (context
-    parallelism), or None when the rules do not call for it (the caller attends as usual).
+# --- context parallelism: attention over gathered keys and values -----------------------------
 
-    When the rules split `length` over some mesh axes and keep `kv_length` whole, `k` and `v`
-    arrive split by position like the queries; each device gathers every key and value, attends
-    its own queries, and the backward pass reduce-scatters the keys' and values' gradients back
-    to their positions (instead of all-reducing them whole).
+
+def select_attention_strategy(
+    q: Array, k: Array, bias: Array | None, mask: Array | None, kv_axis: str
+) -> Choice:
+    """`context_parallel` when the rules split the queries' `length` and keep `kv_length`
+    whole (and every split divides), else the strategy the partitioner lays out.
 
     Args:
-      attend: `(q, k, v, bias, mask) -> out`, the unsharded attention (`bias`, `mask` may be
-        None); applied per device to its queries and all keys.
-      q: [B, L, H, K] ('batch', 'length', 'heads', 'kv'); k, v: [B, S, G, K] with `kv_axis`.
+      q: [B, L, H, K] ('batch', 'length', 'heads', 'kv'); k: [B, S, G, K] with `kv_axis`.
       bias: [1 or B, H, L, S] or None; mask: [B or 1, 1, L, S] or None.
-
-    Returns:
-      [B, L, H, K] split like q, or None.
     """
+    if constraints.layout_installed():
+        return Choice(Strategy.EXPLICIT)
+    if _one_device():
+        return Choice(Strategy.PLAIN)
+    plan = _context_plan(q, k, bias, mask, kv_axis)
+    if plan is None:
+        return Choice(Strategy.PARTITIONER)
+    return Choice(Strategy.CONTEXT_PARALLEL, plan)
+
+
+def _context_plan(q, k, bias, mask, kv_axis) -> ContextPlan | None:
     q_axes = ("batch", LENGTH, "heads", "kv")
-    kv_axes = ("batch", LENGTH, kv_axis, "kv")
     cp = _sequence_axes(q_axes)
     if cp is None or any(_resolve(("batch", "kv_length", kv_axis, "kv"))[1]):
         return None
-    q_dims, kv_dims = _resolve(q_axes), _resolve(kv_axes)
+    q_dims, kv_dims = _resolve(q_axes), _resolve(("batch", LENGTH, kv_axis, "kv"))
     if q_dims[1] != cp or kv_dims[1] != cp or any(set(d) & set(cp) for d in q_dims[2:]):
         return None
     batch = q_dims[0]
-    args, dims = [q, k, v], [q_dims, kv_dims, kv_dims]
+    args, dims = [q, k, k], [q_dims, kv_dims, kv_dims]
     if bias is not None:
         args.append(bias)
         dims.append((batch if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
     if mask is not None:
         args.append(mask)
         dims.append((batch if mask.shape[0] > 1 else (), (), cp, ()))
-    mesh = jax.sharding.get_abstract_mesh()
-    if not all(_divides(d, a.shape, mesh) for d, a in zip(dims, args)):
+    if not all(_divides(d, a.shape) for d, a in zip(dims, args)):
         return None
+    return ContextPlan(cp, tuple(dims), q_dims)
+
+
+def context_parallel_attention(
+    attend: Callable[..., Array],
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    mask: Array | None,
+    plan: ContextPlan,
+) -> Array:
+    """Attention with queries split by position and keys/values gathered inside.
+
+    `k` and `v` arrive split by position like the queries; each device gathers every key and
+    value, attends its own queries, and the backward pass reduce-scatters the keys' and values'
+    gradients back to their positions (instead of all-reducing them whole).
+
+    Args:
+      attend: `(q, k, v, bias, mask) -> out`, the attention core (`bias`, `mask` may be None),
+        applied per device to its queries and all keys.
+      q, k, v, bias, mask: as for `select_attention_strategy` (v like k).
+
+    Returns:
+      [B, L, H, K] split like q.
+    """
     has_bias, has_mask = bias is not None, mask is not None
 
-    def body(q_l: jax.Array, k_l: jax.Array, v_l: jax.Array, *rest: jax.Array) -> jax.Array:
-        k_all = jax.lax.all_gather(k_l, cp, axis=1, tiled=True)
-        v_all = jax.lax.all_gather(v_l, cp, axis=1, tiled=True)
+    def body(q_l: Array, k_l: Array, v_l: Array, *rest: Array) -> Array:
+        k_all = jax.lax.all_gather(k_l, plan.cp, axis=1, tiled=True)
+        v_all = jax.lax.all_gather(v_l, plan.cp, axis=1, tiled=True)
         rest = list(rest)
         b = rest.pop(0) if has_bias else None
         m = rest.pop(0) if has_mask else None
         return attend(q_l, k_all, v_all, b, m)
 
-    return _shard_map(body, dims, _spec(q_dims))(*args)
+    args = [a for a in (q, k, v, bias, mask) if a is not None]
+    return _shard_map(body, plan.dims, _spec(plan.out_dims))(*args)
+
+
+# --- kernels the partitioner cannot split: run on each device's shard ---------------------------
+
+
+def per_shard(
+    fn: Callable[..., Array],
+    args: Sequence[Array | None],
+    axes: Sequence[Axes],
+    out_axes: Axes,
+    independent: Sequence[str],
+    aligned: Sequence[tuple[str, str]] = (),
+) -> Array:
+    """`fn(*args)` on each device's shard of `args`, laid out by the rules (no collective).
+
+    The SPMD partitioner cannot split a custom kernel (a Pallas call): it would gather every
+    operand whole onto each device. Attention is independent across examples and heads, so a
+    kernel given each device's rows and heads computes that device's share of the output.
+
+    Args:
+      fn: the kernel, applied per device; `None` arguments are passed through as None.
+      args: its array arguments (or None).
+      axes: the logical axes of each argument (ignored for None).
+      out_axes: the logical axes of the output.
+      independent: the logical names the kernel may see split (e.g. 'batch', 'heads'); a rule
+        that splits any other dimension is refused.
+      aligned: pairs of names that must be split alike (grouped-query attention's `heads` and
+        `kv_heads`: each device's query heads must read its own key/value heads).
+
+    Returns:
+      The output, laid out by `out_axes`.
+    """
+    if constraints.layout_installed() or _one_device() or _resolve(out_axes) is None:
+        return fn(*args)
+    present = [(a, ax) for a, ax in zip(args, axes) if a is not None]
+    dims = [_resolve(ax) for _, ax in present]
+    for (a, ax), d in zip(present, dims):
+        for name, mesh_axes in zip(ax, d):
+            if mesh_axes and name not in independent:
+                raise ValueError(
+                    f"this attention kernel runs per device and cannot have `{name}` split "
+                    f"over mesh axes {mesh_axes} (the rules in force); use 'xla' or 'cudnn'"
+                )
+        if not _divides(d, a.shape):
+            raise ValueError(
+                f"an attention operand {a.shape} with axes {tuple(ax)} does not divide over "
+                f"mesh axes {d}"
+            )
+    split = {name: d for (_, ax), ds in zip(present, dims) for name, d in zip(ax, ds)}
+    for first, second in aligned:
+        if first in split and second in split and split[first] != split[second]:
+            raise ValueError(
+                f"this attention kernel runs per device and needs `{first}` and `{second}` "
+                f"split alike (the rules give {split[first]} and {split[second]}); use 'xla' "
+                "or 'cudnn'"
+            )
+    slots = [a is not None for a in args]
+
+    def body(*local: Array) -> Array:
+        it = iter(local)
+        return fn(*(next(it) if present_ else None for present_ in slots))
+
+    # NOTE: check_vma=False: a Pallas call's outputs carry no record of how they vary over the
+    # manual axes, which the check needs.
+    out = jax.shard_map(
+        body,
+        mesh=_mesh(),
+        in_specs=tuple(_spec(d) for d in dims),
+        out_specs=_spec(_resolve(out_axes)),
+        check_vma=False,
+    )
+    return out(*(a for a, _ in present))

@@ -88,3 +88,32 @@ def test_decode_smoke_against_transformers(tmp_path):
         assert fig["value"] > 0 and fig["reference"] > 0 and fig["goal"] == ">= 1.5"
     assert record["settings"]["same_tokens_as_hf"]["greedy"] is True  # else the run fails
     assert {"torch", "transformers"} <= set(record["versions"])
+
+
+def test_long_context_smoke_chunked_attention_needs_less_memory(tmp_path):
+    # Also runs benchmarks/accelerator.py's per-implementation processes on the CPU.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = tmp_path / "long_context.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "long_context.py"),
+            "--smoke",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record) >= RECORD_KEYS and record["benchmark"] == "long_context"
+    assert [r["length"] for r in record["rows"]] == [256, 512]
+    for fig in record["figures"]:
+        assert set(fig) >= FIGURE_KEYS, fig
+    longest = record["rows"][-1]
+    assert longest["chunked_mib"] < longest["xla_mib"], longest

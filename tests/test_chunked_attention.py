@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from t5lite.model import layers
-from t5lite.model.chunked_attention import MaskParts, block_size, chunked_attention
+from t5lite.model.chunked_attention import block_size, chunked_attention
+from t5lite.model.masks import MaskParts
 
 B, L, H, G, K = 2, 256, 4, 2, 16
 

@@ -184,7 +184,8 @@ def test_an_untypable_train_step_fails_when_the_trainer_is_built():
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith(
-        "shard_mode='explicit': the train step cannot be typed on Explicit axes at model/layers.py:"
+        "shard_mode='explicit': the train step cannot be typed on Explicit axes at "
+        "model/attention.py:"
     )
     assert "This reshape is not supported" in msg
     assert msg.endswith("(use shard_mode='auto' for this model and layout)")

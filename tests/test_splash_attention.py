@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from t5lite.insight.topology import libtpu_available
-from t5lite.model import layers
-from t5lite.model.chunked_attention import MaskParts
-from t5lite.model.splash import splash_attention, unsupported
+from t5lite.model import attention, layers
+from t5lite.model.masks import MaskParts
+from t5lite.model.splash import splash_attention
 
 B, L, H, G, K = 2, 256, 4, 2, 64
 _VALID = np.arange(L)[None] < np.array([[200], [256]])
@@ -51,15 +51,30 @@ def test_equals_xla_on_real_positions_forward_and_gradients(case):
 
 
 def test_refusals_name_what_the_kernel_cannot_take():
-    parts = MaskParts(causal=True)
-    bias = jnp.zeros((1, H, L, L))
-    assert "relative position bias" in unsupported(bias, parts, L, L, False)
+    q = jnp.zeros((B, L, H, K), jnp.bfloat16)
+    kv = jnp.zeros((B, L, G, K), jnp.bfloat16)
+    causal = MaskParts(causal=True)
     prefix = jnp.ones((B, L), bool)
-    prefix_parts = MaskParts(prefix_q=prefix, prefix_kv=prefix, causal=True)
-    assert "prefix-LM" in unsupported(None, prefix_parts, L, L, False)
-    assert unsupported(None, parts, L, L, True) == "attention dropout"
-    assert "not multiples of 128" in unsupported(None, parts, 100, 100, False)
-    assert unsupported(None, parts, L, L, False) is None
+
+    def refusal(length=L, **kwargs):
+        with pytest.raises(ValueError) as e:
+            attention.dot_product_attention(
+                q[:, :length], kv[:, :length], kv[:, :length], implementation="splash", **kwargs
+            )
+        return str(e.value)
+
+    assert refusal(bias_bHLS=jnp.zeros((1, H, L, L)), mask=causal) == (
+        "attention_implementation='splash' cannot take an additive attention bias (T5's "
+        "relative position bias); use 'xla'"
+    )
+    assert "cannot take a prefix-LM's bidirectional prefix" in refusal(
+        mask=MaskParts(prefix_q=prefix, prefix_kv=prefix, causal=True)
+    )
+    assert "cannot take attention dropout" in refusal(
+        mask=causal, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0), deterministic=False
+    )
+    assert "lengths 100/100 that are not multiples of 128" in refusal(length=100, mask=causal)
+    assert "needs the mask by its parts" in refusal(mask=causal.dense(L, L))
 
 
 _AOT = textwrap.dedent(
@@ -68,7 +83,7 @@ _AOT = textwrap.dedent(
     import jax, jax.numpy as jnp
     from t5lite.insight.topology import get_topology
     from t5lite.model import layers
-    from t5lite.model.chunked_attention import MaskParts
+    from t5lite.model.masks import MaskParts
     from t5lite.model.splash import splash_attention
 
     sharding = jax.sharding.SingleDeviceSharding(get_topology("v5e:2x2").devices[0])
@@ -85,13 +100,35 @@ _AOT = textwrap.dedent(
             loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
             step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(shape, shape, shape).compile()
             out[f"{name} {length}"] = step.memory_analysis().peak_memory_in_bytes
+
+    # A sharded train step: a small LM under FSDP on the 4 chips (splash runs per device).
+    import dataclasses
+    from t5lite.model.models import DecoderOnlyModel
+    from t5lite.model.network import DecoderOnlyConfig
+    from t5lite.partitioning import Partitioner, create_mesh, preset_rules
+    from t5lite.trainer import Trainer
+
+    topo = get_topology("v5e:2x2")
+    cfg = DecoderOnlyConfig(vocab_size=512, emb_dim=256, num_heads=4, num_kv_heads=2,
+                            head_dim=64, mlp_dim=512, num_layers=2, scan_layers=True,
+                            precision="params=bfloat16,compute=bfloat16,output=float32")
+    for name in ("xla", "splash"):
+        part = Partitioner(create_mesh(1, devices=topo.devices),
+                           logical_axis_rules=preset_rules("fsdp"))
+        model = DecoderOnlyModel(network_config=dataclasses.replace(
+            cfg, attention_implementation=name))
+        tr = Trainer(model, part, batch_size=8, lengths={"targets": 2048})
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_shardings[k])
+                 for k, v in tr.batch_abstract.items()}
+        step = tr.train_step.lower(tr.abstract_state(), batch).compile()
+        out[f"{name} train step"] = step.memory_analysis().peak_memory_in_bytes
     print(json.dumps(out))
     """
 )
 
 
 @pytest.mark.skipif(not libtpu_available(), reason='libtpu not installed (pip install -e ".[tpu]")')
-def test_tpu_compiled_memory_is_linear_in_length_where_xla_is_quadratic():
+def test_tpu_compiled_memory_is_linear_in_length_and_a_sharded_step_compiles():
     proc = subprocess.run(
         [sys.executable, "-c", _AOT], capture_output=True, text=True, check=False, timeout=600
     )
@@ -102,3 +139,5 @@ def test_tpu_compiled_memory_is_linear_in_length_where_xla_is_quadratic():
     assert splash_ratio < 2.2, peak  # inputs, outputs and the kernel's residuals: 2x
     assert xla_ratio > 2.2, peak  # the [L, L] logits and weights
     assert peak["splash 2048"] < peak["xla 2048"] / 2, peak
+    # Under FSDP (batch over 4 chips) splash runs on each chip's rows: no [L, L] buffer there.
+    assert peak["splash train step"] < peak["xla train step"] * 0.8, peak

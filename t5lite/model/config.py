@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from t5lite.model import attention
 from t5lite.model.precision import Precision
 
 RematPolicy = Literal["none", "minimal", "full"]
@@ -59,6 +60,9 @@ class T5Config:
     scale_logits: bool | None = None
     """With tied logits, multiply the decoder output by D**-0.5 (HF `scale_decoder_outputs`);
     None: the variant's choice (True for 't5.1.0')."""
+    attention_implementation: str = "xla"
+    """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
+    model/attention.py); decoding through the KV cache always runs 'xla'."""
 
     # Uniform interface shared with DecoderOnlyConfig, read by the layer classes.
     @property
@@ -104,6 +108,7 @@ class T5Config:
             # NOTE: HF scales only in front of its tied head; an untied scaled head is not T5.
             raise ValueError("T5Config: scale_logits=True needs tied logits (tie_logits=True)")
         _check_remat(self.remat_policy)
+        _check_attention(self, relative_bias=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +154,9 @@ class DecoderOnlyConfig:
     one_hot_embedding: bool = False
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
+    attention_implementation: str = "xla"
+    """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
+    model/attention.py); decoding through the KV cache always runs 'xla'."""
 
     @property
     def policy(self) -> Precision:
@@ -177,6 +185,7 @@ class DecoderOnlyConfig:
                 f"rope_low_freq_factor ({self.rope_low_freq_factor})"
             )
         _check_remat(self.remat_policy)
+        _check_attention(self, relative_bias=self.position_embedding == "relative")
 
     @property
     def mlp_activations(self) -> tuple[str, ...]:
@@ -193,6 +202,19 @@ AnyConfig = T5Config | DecoderOnlyConfig
 def _check_remat(policy: str) -> None:
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got {policy!r}")
+
+
+def _check_attention(cfg: AnyConfig, relative_bias: bool) -> None:
+    """One line when `attention_implementation` is unknown or refuses what this network needs
+    in every call (each call's shapes are checked when it runs)."""
+    features = attention.Features(
+        dtype=cfg.policy.compute,
+        bias=relative_bias,
+        dropout=cfg.dropout_rate > 0.0,
+        head_dim=cfg.head_dim,
+    )
+    setting = f"{type(cfg).__name__}.attention_implementation"
+    attention.check_implementation(cfg.attention_implementation, features, setting)
 
 
 def config_record(config: AnyConfig) -> dict[str, Any]:

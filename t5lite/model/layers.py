@@ -3,7 +3,9 @@
 Every parameter is created with its logical axes (`nn.with_logical_partitioning`) and activations
 are constrained with logical names at block boundaries (`t5lite.constraints`, which also types
 contractions and lookups on Explicit mesh axes), so the rules table alone decides the layout.
-Nothing here names a mesh axis.
+Nothing here names a mesh axis. A dense layer computes its output; how the contraction is
+parallelised is the one strategy `t5lite.collectives.select_strategy` picks from the rules and
+the mesh. The attention core is `attention.dot_product_attention` (re-exported here).
 
 Shape letters: B=batch, L=query length, S=key length, D=embed, H=heads, G=kv_heads,
 R=H // G (query heads per kv head), K=kv (head width), F=mlp, V=vocab, N=relpos_buckets.
@@ -21,76 +23,19 @@ import numpy as np
 from flax import linen as nn
 
 from t5lite import collectives, constraints
+from t5lite.model.attention import Mask, dot_product_attention
+from t5lite.model.dense import (
+    DenseGeneral,
+    DenseGroup,
+    Initializer,
+    Projection,
+    default_kernel_init,
+)
+from t5lite.model.masks import MaskParts
 from t5lite.model.positions import NO_ROPE_SCALING, RopeScaling, rotary_embedding
 
 Array = jax.Array
 DType = Any
-Initializer = Callable[..., Array]
-
-# NOTE: masked logits get this bias (fp32) instead of -inf, so fully masked rows (padding queries)
-# give a uniform softmax rather than NaN.
-_MASK_VALUE = -1e10
-
-default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-
-
-def _canonicalize_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
-    return tuple(x) if isinstance(x, Sequence) else (x,)
-
-
-def _normalize_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
-    return tuple(ax if ax >= 0 else ndim + ax for ax in axes)
-
-
-class DenseGeneral(nn.Module):
-    """A bias-free linear map over one or more input axes, with logical kernel axes.
-
-    Attributes:
-      features: output feature shape (int or tuple).
-      kernel_axes: logical names of the kernel dims, input dims first then output dims.
-      axis: input axes contracted (default last).
-      dtype: computation dtype of the activations.
-      param_dtype: storage dtype of the kernel.
-      kernel_init: initializer of the kernel (fan-in computed over all contracted dims).
-    """
-
-    features: int | Sequence[int]
-    kernel_axes: tuple[str, ...]
-    axis: int | Sequence[int] = -1
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-
-    @nn.compact
-    def __call__(self, inputs: Array, *, kernel_only: bool = False) -> Array:
-        """Contracts `axis` of `inputs` with the kernel (output dims last); with `kernel_only`,
-        returns the kernel in `dtype` for the caller to contract (see `collectives`)."""
-        features = _canonicalize_tuple(self.features)
-        axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
-        in_shape = tuple(inputs.shape[ax] for ax in axis)
-        n_in = len(in_shape)
-        if len(self.kernel_axes) != n_in + len(features):
-            raise ValueError(f"kernel_axes {self.kernel_axes} do not match {in_shape}+{features}")
-
-        def init(key, shape, dtype):
-            # Fan-in/out over flattened contracted/output dims, as for a 2D kernel.
-            flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
-            return self.kernel_init(key, flat, dtype).reshape(shape)
-
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(init, self.kernel_axes),
-            in_shape + features,
-            jnp.dtype(self.param_dtype),
-        )
-        kernel = jnp.asarray(constraints.weight(kernel), jnp.dtype(self.dtype))
-        if kernel_only:
-            return kernel
-        inputs = jnp.asarray(inputs, jnp.dtype(self.dtype))
-        if axis == tuple(range(inputs.ndim - n_in, inputs.ndim)):
-            return constraints.dense(inputs, kernel, n_in)
-        contract = (axis, tuple(range(n_in)))
-        return constraints.dot_general(inputs, kernel, (contract, ((), ())))
 
 
 class Embed(nn.Module):
@@ -182,46 +127,6 @@ def combine_masks(*masks: Array | None) -> Array | None:
     return functools.reduce(jnp.logical_and, masks)
 
 
-def dot_product_attention(
-    q_BLHK: Array,
-    k_BSGK: Array,
-    v_BSGK: Array,
-    bias_bHLS: Array | None = None,
-    mask_B1LS: Array | None = None,
-    *,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    deterministic: bool = True,
-    dtype: DType = jnp.float32,
-) -> Array:
-    """Grouped-query dot-product attention (H = G * R; MHA when G == H).
-
-    Logits, bias, masking and softmax are in fp32; no logit scaling is applied here.
-
-    Returns:
-      [B, L, H, K] in `dtype`.
-    """
-    b, length, h, kd = q_BLHK.shape
-    g = k_BSGK.shape[2]
-    if h % g:
-        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {g}")
-    r = h // g
-    # Query head index h = g_idx * R + r_idx, as in HF `repeat_kv`.
-    q_BLGRK = q_BLHK.reshape(b, length, g, r, kd)
-    logits = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32)
-    if bias_bHLS is not None:
-        bias = bias_bHLS.astype(jnp.float32)
-        logits = logits + bias.reshape(bias.shape[0], g, r, *bias.shape[2:])
-    if mask_B1LS is not None:
-        logits = jnp.where(mask_B1LS[:, :, None], logits, _MASK_VALUE)
-    weights = jax.nn.softmax(logits, axis=-1)
-    if not deterministic and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum("bgrls,bsgk->blgrk", weights.astype(dtype), v_BSGK.astype(dtype))
-    return out.reshape(b, length, h, kd)
-
-
 # The collection of keys/values projected once per decode from inputs that do not change
 # (cross-attention to the encoder output); not part of the decoding loop's carry.
 CROSS_CACHE = "cross_cache"
@@ -242,6 +147,8 @@ class MultiHeadAttention(nn.Module):
         the query initializer instead.
       use_rope: rotate q and k by their positions.
       rope_scaling: RoPE frequency scaling for long contexts.
+      attention_implementation: the attention core's implementation (`attention.NAMES`);
+        decoding through the KV cache always runs `xla`.
     """
 
     num_heads: int
@@ -255,13 +162,14 @@ class MultiHeadAttention(nn.Module):
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = NO_ROPE_SCALING
     kernel_init: Initializer = default_kernel_init
+    attention_implementation: str = "xla"
 
     @nn.compact
     def __call__(
         self,
         inputs_q_BLD: Array,
         inputs_kv_BSD: Array,
-        mask_B1LS: Array | None = None,
+        mask: Mask = None,
         bias_bHLS: Array | None = None,
         positions_q_BL: Array | None = None,
         positions_kv_BS: Array | None = None,
@@ -272,8 +180,12 @@ class MultiHeadAttention(nn.Module):
         """Attends queries from `inputs_q` to keys/values from `inputs_kv`; returns [B, L, D].
 
         With `decode=True` (causal self-attention only) the keys and values go through the KV
-        cache of the 'cache' collection (see `_cached_kv`); `mask_B1LS` and `bias_bHLS` then
+        cache of the 'cache' collection (see `_cached_kv`); `mask` and `bias_bHLS` then
         span the cache length S, and a None mask means causal by the cache index.
+
+        `mask` is a boolean [B or 1, 1, L, S] array or the same mask by its parts
+        (`MaskParts`, what the network gives): the attention implementation builds from the parts
+        what it needs; decoding and context parallelism take the whole mask.
 
         With `decode=True, fixed_kv=True` (cross-attention to an encoding that does not change
         while decoding) the keys and values are projected once and kept in the 'cross_cache'
@@ -281,6 +193,57 @@ class MultiHeadAttention(nn.Module):
         """
         emb = inputs_q_BLD.shape[-1]
         kv_axis = "heads" if self.num_kv_heads == self.num_heads else "kv_heads"
+        q, k, v = self._project(inputs_q_BLD, inputs_kv_BSD, kv_axis)
+        if self.use_rope:
+            q = rotary_embedding(q, positions_q_BL, self.rope_theta, self.rope_scaling)
+            k = rotary_embedding(k, positions_kv_BS, self.rope_theta, self.rope_scaling)
+        if self.scale_logits:
+            q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
+        axes_BLHK = ("batch", "length", "heads", "kv")
+        q = constraints.constrain(q, axes_BLHK)
+        mask_B1LS = mask
+        if isinstance(mask, MaskParts):
+            mask_B1LS = mask.dense(q.shape[1], k.shape[1])
+        # Context parallelism attends each device's queries to gathered keys and values; it runs
+        # neither the KV cache nor dropout (whose mask would have to be split per device).
+        choice = collectives.Choice(collectives.Strategy.PARTITIONER)
+        if not decode and (deterministic or self.dropout_rate == 0.0):
+            choice = collectives.select_attention_strategy(q, k, bias_bHLS, mask_B1LS, kv_axis)
+        if choice.strategy is collectives.Strategy.CONTEXT_PARALLEL:
+            attend = functools.partial(
+                dot_product_attention,
+                implementation=self.attention_implementation,
+                dtype=jnp.dtype(self.dtype),
+            )
+            out_BLHK = collectives.context_parallel_attention(
+                attend, q, k, v, bias_bHLS, mask_B1LS, choice.plan
+            )
+        else:
+            out_BLHK = self._attend(
+                q,
+                k,
+                v,
+                bias_bHLS,
+                mask_B1LS if decode else mask,
+                kv_axis,
+                deterministic,
+                decode,
+                fixed_kv,
+            )
+        out_BLHK = constraints.constrain(out_BLHK, axes_BLHK)
+        return DenseGeneral(
+            emb,
+            ("heads", "kv", "embed"),
+            axis=(-2, -1),
+            input_axes=axes_BLHK,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="out",
+        )(out_BLHK)
+
+    def _project(self, x_q_BLD: Array, x_kv_BSD: Array, kv_axis: str) -> tuple[Array, Array, Array]:
+        """q [B, L, H, K], k and v [B, S, G, K]; in self-attention one group of three kernels
+        reads the input (gathered once under sequence parallelism)."""
         if self.scale_logits:
             query_init = self.kernel_init
         else:
@@ -290,42 +253,28 @@ class MultiHeadAttention(nn.Module):
                 kernel = self.kernel_init(key, shape, dtype)
                 return (kernel / np.sqrt(self.head_dim)).astype(dtype)
 
-        dense = functools.partial(DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype)
         kv_shape, kv_axes = (self.num_kv_heads, self.head_dim), ("embed", kv_axis, "kv")
-        q_kernel = dense(
-            (self.num_heads, self.head_dim),
-            ("embed", "heads", "kv"),
-            kernel_init=query_init,
-            name="query",
-        )(inputs_q_BLD, kernel_only=True)
-        k_kernel = dense(kv_shape, kv_axes, kernel_init=self.kernel_init, name="key")(
-            inputs_kv_BSD, kernel_only=True
+        query = Projection(
+            "query", (self.num_heads, self.head_dim), ("embed", "heads", "kv"), query_init
         )
-        v_kernel = dense(kv_shape, kv_axes, kernel_init=self.kernel_init, name="value")(
-            inputs_kv_BSD, kernel_only=True)  # fmt: skip
-        q, k, v = self._project(inputs_q_BLD, inputs_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis)
-        if self.use_rope:
-            q = rotary_embedding(q, positions_q_BL, self.rope_theta, self.rope_scaling)
-            k = rotary_embedding(k, positions_kv_BS, self.rope_theta, self.rope_scaling)
-        if self.scale_logits:
-            q = q * jnp.asarray(self.head_dim**-0.5, q.dtype)
-        q = constraints.constrain(q, ("batch", "length", "heads", "kv"))
-        out_BLHK = None  # context parallelism: keys and values gathered inside attention
-        if not decode and (deterministic or self.dropout_rate == 0.0):
-            attend = functools.partial(dot_product_attention, dtype=jnp.dtype(self.dtype))
-            out_BLHK = collectives.context_attention(attend, q, k, v, bias_bHLS, mask_B1LS, kv_axis)
-        if out_BLHK is None:
-            out_BLHK = self._attend(
-                q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode, fixed_kv
-            )
-        out_BLHK = constraints.constrain(out_BLHK, ("batch", "length", "heads", "kv"))
-        out_axes, axes_BLHK = ("heads", "kv", "embed"), ("batch", "length", "heads", "kv")
-        out_kernel = dense(emb, out_axes, axis=(-2, -1), name="out")(out_BLHK, kernel_only=True)
-        out_BLHK = out_BLHK.astype(out_kernel.dtype)
-        return collectives.row_parallel(out_BLHK, axes_BLHK, out_kernel, out_axes, 2)
+        key = Projection("key", kv_shape, kv_axes, self.kernel_init)
+        value = Projection("value", kv_shape, kv_axes, self.kernel_init)
+        group = functools.partial(
+            DenseGroup,
+            input_axes=("batch", "length", "embed"),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        if x_kv_BSD is x_q_BLD:  # self-attention
+            q, k, v = group((query, key, value))(x_q_BLD)
+            return q, k, v
+        (q,) = group((query,))(x_q_BLD)
+        k, v = group((key, value))(x_kv_BSD)
+        return q, k, v
 
     def _attend(self, q, k, v, bias_bHLS, mask_B1LS, kv_axis, deterministic, decode, fixed_kv):
-        """Attention with whole keys and values on each device (and the KV cache)."""
+        """Attention with whole keys and values on each device (and the KV cache); the mask is
+        whole when decoding, else as the caller gave it."""
         # Key/value positions have a name of their own: context parallelism shards the queries'
         # `length` and keeps every key and value position on each device (all-gathered).
         k = constraints.constrain(k, ("batch", "kv_length", kv_axis, "kv"))
@@ -343,9 +292,17 @@ class MultiHeadAttention(nn.Module):
         if not deterministic and self.dropout_rate > 0.0:
             dropout_rng = self.make_rng("dropout")
         return dot_product_attention(
-            q, k, v, bias_bHLS, mask_B1LS, dropout_rate=self.dropout_rate,
-            dropout_rng=dropout_rng, deterministic=deterministic, dtype=jnp.dtype(self.dtype),
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            bias_bHLS,
+            mask_B1LS,
+            implementation="xla" if decode else self.attention_implementation,
+            dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            dtype=jnp.dtype(self.dtype),
+        )
 
     def _shared_kv_attention(self, q_BLHK, k_bSGK, v_bSGK, bias_bHLS, mask_B1LS):
         """Attention of B = b * n query rows to b fixed key/value rows (n decodes per example).
@@ -365,20 +322,15 @@ class MultiHeadAttention(nn.Module):
             return x.reshape(b, x.shape[1], n * length, x.shape[-1])
 
         out = dot_product_attention(
-            q_BLHK.reshape(b, n * length, h, kd), k_bSGK, v_bSGK, group(bias_bHLS),
-            group(mask_B1LS), dtype=jnp.dtype(self.dtype),
-        )  # fmt: skip
+            q_BLHK.reshape(b, n * length, h, kd),
+            k_bSGK,
+            v_bSGK,
+            group(bias_bHLS),
+            group(mask_B1LS),
+            implementation="xla",
+            dtype=jnp.dtype(self.dtype),
+        )
         return out.reshape(bn, length, h, kd)
-
-    def _project(self, x_q_BLD, x_kv_BSD, q_kernel, k_kernel, v_kernel, kv_axis):
-        """q, k, v; an input read by several kernels is gathered once (`column_parallel`)."""
-        axes_BLD, kv_axes = ("batch", "length", "embed"), ("embed", kv_axis, "kv")
-        dtype = q_kernel.dtype
-        q, kv = [(q_kernel, ("embed", "heads", "kv"))], [(k_kernel, kv_axes), (v_kernel, kv_axes)]
-        if x_kv_BSD is x_q_BLD:  # self-attention
-            return tuple(collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q + kv))
-        (q_BLHK,) = collectives.column_parallel(x_q_BLD.astype(dtype), axes_BLD, q)
-        return (q_BLHK, *collectives.column_parallel(x_kv_BSD.astype(dtype), axes_BLD, kv))
 
     def _fixed_kv(self, k_BSGK: Array, v_BSGK: Array) -> tuple[Array, Array]:
         """Keys/values of fixed inputs from the 'cross_cache' collection.
@@ -426,17 +378,26 @@ class MultiHeadAttention(nn.Module):
         b, length, g, kd = k_BLGK.shape
         initialized = self.has_variable("cache", "cached_key")
         cached_k = self.variable(
-            "cache", "cached_key", nn.with_logical_partitioning(jnp.zeros, k_axes),
-            (b, g, length, kd), k_BLGK.dtype,
-        )  # fmt: skip
+            "cache",
+            "cached_key",
+            nn.with_logical_partitioning(jnp.zeros, k_axes),
+            (b, g, length, kd),
+            k_BLGK.dtype,
+        )
         cached_v = self.variable(
-            "cache", "cached_value", nn.with_logical_partitioning(jnp.zeros, v_axes),
-            (b, g, kd, length), v_BLGK.dtype,
-        )  # fmt: skip
+            "cache",
+            "cached_value",
+            nn.with_logical_partitioning(jnp.zeros, v_axes),
+            (b, g, kd, length),
+            v_BLGK.dtype,
+        )
         cache_index = self.variable(
-            "cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ("batch",)),
-            (b,), jnp.int32,
-        )  # fmt: skip
+            "cache",
+            "cache_index",
+            nn.with_logical_partitioning(jnp.zeros, ("batch",)),
+            (b,),
+            jnp.int32,
+        )
         if not initialized:
             return k_BLGK, v_BLGK, mask_B1LS
         s = cached_k.value.shape[2]
@@ -495,29 +456,38 @@ class MlpBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BLD: Array, deterministic: bool = True) -> Array:
         """[B, L, D] -> [B, L, D]."""
-        dense = functools.partial(
-            DenseGeneral,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            kernel_init=self.kernel_init,
-        )
-        kernels = []
-        for idx, act in enumerate(self.activations):
+        for act in self.activations:
             if act not in _ACTIVATIONS:
                 raise ValueError(f"unknown activation {act!r}; known: {sorted(_ACTIVATIONS)}")
-            name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
-            wi = dense(self.intermediate_dim, ("embed", "mlp"), name=name)(x_BLD, kernel_only=True)
-            kernels.append((wi, ("embed", "mlp")))
+        names = (
+            ["wi"]
+            if len(self.activations) == 1
+            else [f"wi_{i}" for i in range(len(self.activations))]
+        )
+        wi = [
+            Projection(n, self.intermediate_dim, ("embed", "mlp"), self.kernel_init) for n in names
+        ]
         # Every wi reads the input: gathered once under sequence parallelism.
-        x_BLD = x_BLD.astype(kernels[0][0].dtype)
-        ys = collectives.column_parallel(x_BLD, ("batch", "length", "embed"), kernels)
+        ys = DenseGroup(
+            tuple(wi),
+            input_axes=("batch", "length", "embed"),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )(x_BLD)
         h_BLF = functools.reduce(
             jnp.multiply, [_ACTIVATIONS[a](y) for a, y in zip(self.activations, ys)]
         )
         h_BLF = nn.Dropout(rate=self.dropout_rate, broadcast_dims=(-2,))(
             h_BLF, deterministic=deterministic
         )
-        h_BLF = constraints.constrain(h_BLF, ("batch", "length", "mlp"))
-        wo = dense(x_BLD.shape[-1], ("mlp", "embed"), name="wo")(h_BLF, kernel_only=True)
-        h_BLF, axes_BLF = h_BLF.astype(wo.dtype), ("batch", "length", "mlp")
-        return collectives.row_parallel(h_BLF, axes_BLF, wo, ("mlp", "embed"), 1)
+        axes_BLF = ("batch", "length", "mlp")
+        h_BLF = constraints.constrain(h_BLF, axes_BLF)
+        return DenseGeneral(
+            x_BLD.shape[-1],
+            ("mlp", "embed"),
+            input_axes=axes_BLF,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=self.kernel_init,
+            name="wo",
+        )(h_BLF)

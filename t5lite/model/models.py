@@ -482,7 +482,13 @@ class DecoderOnlyModel(BaseModel):
 
     def dummy_batch(self, batch_size: int, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
         length = lengths["targets"] + lengths.get("inputs", 0)
-        return {k: np.zeros((batch_size, length), np.int32) for k in self.FEATURES}
+        features = self.FEATURES
+        if self.feature_converter == "lm":
+            # The LM converter marks no prompt: without the feature the attention is causal by
+            # construction (not a causal mask OR an all-false prefix), which the fused kernels
+            # can skip blocks for (cuDNN, splash) rather than read as a whole mask.
+            features = tuple(k for k in features if k != "decoder_causal_attention")
+        return {k: np.zeros((batch_size, length), np.int32) for k in features}
 
     def predict_batch_with_aux(
         self,

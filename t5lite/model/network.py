@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import collectives, constraints
+from t5lite import constraints
 from t5lite.model import layers, positions
+from t5lite.model.attention import Mask
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
 from t5lite.model.config import AnyConfig, DecoderOnlyConfig, T5Config
+from t5lite.model.masks import MaskParts
 
 Array = jax.Array
 
@@ -61,6 +63,7 @@ def _attention(cfg: AnyConfig, name: str) -> layers.MultiHeadAttention:
         use_rope=cfg.use_rope,
         rope_theta=cfg.rope_theta,
         rope_scaling=_rope_scaling(cfg),
+        attention_implementation=cfg.attention_implementation,
         name=name,
     )
 
@@ -99,11 +102,11 @@ class EncoderLayer(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BLD: Array, mask_B1LS: Array | None, bias_1HLS: Array | None):
+    def __call__(self, x_BLD: Array, mask: Mask, bias_1HLS: Array | None):
         cfg, det = self.config, self.deterministic
         x_BLD = _constrain(x_BLD)
         y = _norm(cfg, "pre_attention_layer_norm")(x_BLD)
-        y = _attention(cfg, "attention")(y, y, mask_B1LS, bias_1HLS, deterministic=det)
+        y = _attention(cfg, "attention")(y, y, mask, bias_1HLS, deterministic=det)
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
         y = _mlp(cfg)(y, deterministic=det)
@@ -124,8 +127,8 @@ class DecoderLayer(nn.Module):
         self,
         x_BLD: Array,
         encoded_BSD: Array | None,
-        self_mask_B1LL: Array | None,
-        cross_mask_B1LS: Array | None,
+        self_mask: Mask,
+        cross_mask: Mask,
         bias_1HLL: Array | None,
         positions_BL: Array | None,
     ):
@@ -133,7 +136,7 @@ class DecoderLayer(nn.Module):
         x_BLD = _constrain(x_BLD)
         y = _norm(cfg, "pre_self_attention_layer_norm")(x_BLD)
         y = _attention(cfg, "self_attention")(
-            y, y, self_mask_B1LL, bias_1HLL, positions_BL, positions_BL, deterministic=det,
+            y, y, self_mask, bias_1HLL, positions_BL, positions_BL, deterministic=det,
             decode=self.decode,
         )  # fmt: skip
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
@@ -148,8 +151,9 @@ class DecoderLayer(nn.Module):
                 param_dtype=cfg.policy.master,
                 dropout_rate=cfg.dropout_rate,
                 scale_logits=cfg.scale_attn_logits,
+                attention_implementation=cfg.attention_implementation,
                 name="encoder_decoder_attention",
-            )(y, encoded_BSD, cross_mask_B1LS, deterministic=det, decode=self.decode, fixed_kv=True)
+            )(y, encoded_BSD, cross_mask, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
         y = _mlp(cfg)(y, deterministic=det)
@@ -231,7 +235,7 @@ class Encoder(nn.Module):
     shared_embedding: nn.Module
 
     @nn.compact
-    def __call__(self, tokens_BL: Array, mask_B1LL: Array | None, deterministic: bool) -> Array:
+    def __call__(self, tokens_BL: Array, mask: Mask, deterministic: bool) -> Array:
         cfg = self.config
         x_BLD = self.shared_embedding(tokens_BL).astype(cfg.policy.compute)
         x_BLD = _constrain(_dropout(cfg, x_BLD, deterministic))
@@ -241,7 +245,7 @@ class Encoder(nn.Module):
             EncoderLayer,
             cfg.num_encoder_layers,
             x_BLD,
-            mask_B1LL,
+            mask,
             bias_1HLL,
             config=cfg,
             deterministic=deterministic,
@@ -263,8 +267,8 @@ class Decoder(nn.Module):
         self,
         tokens_BL: Array,
         encoded_BSD: Array | None,
-        self_mask_B1LL: Array | None,
-        cross_mask_B1LS: Array | None,
+        self_mask: Mask,
+        cross_mask: Mask,
         positions_BL: Array | None,
         deterministic: bool,
         decode: bool = False,
@@ -313,8 +317,8 @@ class Decoder(nn.Module):
             self.num_layers,
             x_BLD,
             encoded_BSD,
-            self_mask_B1LL,
-            cross_mask_B1LS,
+            self_mask,
+            cross_mask,
             bias_1HLL,
             positions_BL if cfg.use_rope else None,
             config=cfg,
@@ -336,19 +340,17 @@ def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) ->
             logits_BLV = logits_BLV / np.sqrt(cfg.emb_dim)
     else:
         kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-        x_BLD = x_BLD.astype(jnp.float32)
-        kernel_DV = layers.DenseGeneral(
+        # Vocab-parallel logits: under sequence parallelism the input is gathered by position
+        # here and its gradient reduce-scattered, like a block's.
+        logits_BLV = layers.DenseGeneral(
             cfg.vocab_size,
             ("embed", "vocab"),
+            input_axes=("batch", "length", "embed"),
             dtype=jnp.float32,
             param_dtype=cfg.policy.master,
             kernel_init=kernel_init,
             name="logits_dense",
-        )(x_BLD, kernel_only=True)
-        # Vocab-parallel logits: under sequence parallelism the input is gathered by position
-        # here and its gradient reduce-scattered, like a block's.
-        axes_BLD, axes_DV = ("batch", "length", "embed"), ("embed", "vocab")
-        (logits_BLV,) = collectives.column_parallel(x_BLD, axes_BLD, [(kernel_DV, axes_DV)])
+        )(x_BLD)
     logits_BLV = logits_BLV.astype(cfg.policy.output)
     return constraints.constrain(logits_BLV, ("batch", "length", "vocab"))
 
@@ -363,13 +365,16 @@ def _padding_or_segments(tokens_BL: Array | None, segment_ids_BL: Array | None) 
 
 
 def _self_mask(
-    valid_BL: Array | None, segment_ids_BL: Array | None, causal_B1LL: Array | None
-) -> Array | None:
-    pad = None if valid_BL is None else layers.make_attention_mask(valid_BL > 0, valid_BL > 0)
-    seg = None
-    if segment_ids_BL is not None:
-        seg = layers.make_attention_mask(segment_ids_BL, segment_ids_BL, jnp.equal)
-    return layers.combine_masks(pad, seg, causal_B1LL)
+    valid_BL: Array | None,
+    segment_ids_BL: Array | None,
+    causal: bool,
+    prefix_BL: Array | None = None,
+) -> MaskParts:
+    """Self-attention's mask by its parts: padding, packed segments, causality (a prefix-LM's
+    prefix attending bidirectionally within itself)."""
+    valid = None if valid_BL is None else valid_BL > 0
+    prefix = None if prefix_BL is None else prefix_BL != 0
+    return MaskParts(valid, valid, segment_ids_BL, segment_ids_BL, prefix, prefix, causal=causal)
 
 
 class EncoderDecoder(nn.Module):
@@ -406,7 +411,7 @@ class EncoderDecoder(nn.Module):
         """
         del encoder_positions
         valid = _padding_or_segments(encoder_input_tokens, None)
-        mask = _self_mask(valid, encoder_segment_ids, None)
+        mask = _self_mask(valid, encoder_segment_ids, causal=False)
         return self.encoder(encoder_input_tokens, mask, deterministic=not enable_dropout)
 
     def decode(
@@ -440,15 +445,17 @@ class EncoderDecoder(nn.Module):
         del decoder_positions
         b, length = decoder_input_tokens.shape
         dec_valid = _padding_or_segments(decoder_target_tokens, None)
-        causal = None if decode and length == 1 else layers.make_causal_mask(b, length)
+        causal = not (decode and length == 1)
         self_mask = _self_mask(dec_valid, decoder_segment_ids, causal)
-        enc_valid = (encoder_input_tokens > 0).astype(jnp.int32)
-        if dec_valid is None:
-            dec_valid = jnp.ones_like(decoder_input_tokens)
-        cross_mask = layers.make_attention_mask(dec_valid > 0, enc_valid > 0)
-        if decoder_segment_ids is not None and encoder_segment_ids is not None:
-            seg = layers.make_attention_mask(decoder_segment_ids, encoder_segment_ids, jnp.equal)
-            cross_mask = jnp.logical_and(cross_mask, seg)
+        enc_valid = encoder_input_tokens > 0
+        dec_valid = jnp.ones((b, length), bool) if dec_valid is None else dec_valid > 0
+        packed = decoder_segment_ids is not None and encoder_segment_ids is not None
+        cross_mask = MaskParts(
+            dec_valid,
+            enc_valid,
+            decoder_segment_ids if packed else None,
+            encoder_segment_ids if packed else None,
+        )
         return self.decoder(
             decoder_input_tokens,
             encoded,
@@ -529,21 +536,15 @@ class DecoderOnly(nn.Module):
             row [B, 1] at the row's cache index (see `decoding.py`).
           max_decode_length: the KV cache length S (required with `decode`).
         """
-        b, length = decoder_input_tokens.shape
+        length = decoder_input_tokens.shape[1]
         if decode and length == 1:
             # One cached step: causal by each row's cache index (built in the attention layer).
             return self.decoder(
                 decoder_input_tokens, None, None, None, None, deterministic=not enable_dropout,
                 decode=True, max_decode_length=max_decode_length,
             )  # fmt: skip
-        causal = layers.make_causal_mask(b, length)
-        if decoder_causal_attention is not None:
-            prefix = layers.make_attention_mask(
-                decoder_causal_attention, decoder_causal_attention, jnp.logical_and
-            )
-            causal = jnp.logical_or(causal, prefix)
         valid = _padding_or_segments(decoder_target_tokens, None)
-        mask = _self_mask(valid, decoder_segment_ids, causal)
+        mask = _self_mask(valid, decoder_segment_ids, True, decoder_causal_attention)
         return self.decoder(
             decoder_input_tokens,
             None,

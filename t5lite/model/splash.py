@@ -28,33 +28,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5lite.model.chunked_attention import MaskParts
+from t5lite.model.masks import MaskParts
 
 Array = jax.Array
 
-_GRANULE = 128  # the kernel's block sizes and lengths are multiples of this
+GRANULE = 128  # the kernel's block sizes and lengths are multiples of this
 DEFAULT_BLOCK = 512
 
 
-def unsupported(
-    bias: Array | None, mask: MaskParts, length_q: int, length_kv: int, dropout: bool
-) -> str | None:
-    """Why splash cannot run this attention (None: it can)."""
-    if bias is not None:
+def unsupported(bias: bool, length_q: int, length_kv: int, dropout: bool) -> str | None:
+    """What of a call splash cannot take (None: it can take it; the prefix-LM's per-row prefix
+    is refused by the caller, which knows the mask)."""
+    if bias:
         return "an additive attention bias (T5's relative position bias)"
-    if mask.prefix_q is not None:
-        return "a prefix-LM's bidirectional prefix (a per-row mask)"
     if dropout:
         return "attention dropout"
-    if length_q % _GRANULE or length_kv % _GRANULE:
-        return f"lengths {length_q}/{length_kv} that are not multiples of {_GRANULE}"
+    if length_q % GRANULE or length_kv % GRANULE:
+        return f"lengths {length_q}/{length_kv} that are not multiples of {GRANULE}"
     return None
 
 
 def _block(length: int, block: int) -> int:
     size = min(block, length)
     while length % size:
-        size -= _GRANULE
+        size -= GRANULE
     return size
 
 
@@ -73,6 +70,34 @@ def splash_attention(
     No logit scaling is applied (as in the `xla` path). Call `unsupported` first: this function
     assumes the inputs are within what the kernel takes.
     """
+    b, length = q_BLHK.shape[:2]
+    segment_q, segment_kv = segments(mask, b, length, k_BSGK.shape[1])
+    return splash_kernel(
+        q_BLHK,
+        k_BSGK,
+        v_BSGK,
+        segment_q,
+        segment_kv,
+        causal=mask.causal,
+        dtype=dtype,
+        block=block,
+        interpret=interpret,
+    )
+
+
+def splash_kernel(
+    q_BLHK: Array,
+    k_BSGK: Array,
+    v_BSGK: Array,
+    segment_q_BL: Array | None,
+    segment_kv_BS: Array | None,
+    *,
+    causal: bool,
+    dtype: jnp.dtype = jnp.float32,
+    block: int = DEFAULT_BLOCK,
+    interpret: bool = False,
+) -> Array:
+    """The kernel on arrays only (segment ids: padding = 0), so that it can run per device."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
@@ -83,7 +108,7 @@ def splash_attention(
     b, length, h, kd = q_BLHK.shape
     s, g = k_BSGK.shape[1], k_BSGK.shape[2]
     r = h // g
-    base = mask_lib.CausalMask((length, s)) if mask.causal else mask_lib.FullMask((length, s))
+    base = mask_lib.CausalMask((length, s)) if causal else mask_lib.FullMask((length, s))
     bq, bkv = _block(length, block), _block(s, block)
     sizes = kernel_lib.BlockSizes(
         block_q=bq,
@@ -98,7 +123,6 @@ def splash_attention(
     kernel = kernel_lib.make_splash_mqa_single_device(
         mask_lib.MultiHeadMask([base] * r), block_sizes=sizes, interpret=interpret
     )
-    segment_q, segment_kv = _segments(mask, b, length, s)
 
     def one_group(q_RLK, k_SK, v_SK, seg):
         return kernel(q_RLK, k_SK, v_SK, seg)
@@ -111,11 +135,11 @@ def splash_attention(
     q_BGRLK = q_BLHK.reshape(b, length, g, r, kd).transpose(0, 2, 3, 1, 4).astype(dt)
     k_BGSK = k_BSGK.transpose(0, 2, 1, 3).astype(dt)
     v_BGSK = v_BSGK.transpose(0, 2, 1, 3).astype(dt)
-    out_BGRLK = jax.vmap(one_example)(q_BGRLK, k_BGSK, v_BGSK, segment_q, segment_kv)
+    out_BGRLK = jax.vmap(one_example)(q_BGRLK, k_BGSK, v_BGSK, segment_q_BL, segment_kv_BS)
     return out_BGRLK.transpose(0, 3, 1, 2, 4).reshape(b, length, h, kd).astype(dt)
 
 
-def _segments(mask: MaskParts, b: int, length: int, s: int):
+def segments(mask: MaskParts, b: int, length: int, s: int):
     """Segment ids [B, L] and [B, S] carrying packing and padding (padding = segment 0)."""
     if mask.segment_q is None and mask.valid_q is None:
         return None, None
