@@ -143,15 +143,7 @@ def run_cache_job(
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    task = dp.get_task_or_mixture(task_name)
-    if not isinstance(task, dp.Task):
-        raise ValueError(f"{task_name!r} is a mixture; cache its tasks one by one")
-    if not task.supports_caching:
-        raise ValueError(f"Task {task_name!r} has no CacheDatasetPlaceholder; nothing to cache")
-    task_dir = os.path.join(output_dir, task_name)
-    if os.path.exists(os.path.join(task_dir, COMPLETED)) and not overwrite:
-        raise FileExistsError(f"{task_dir} already holds a completed cache; pass --overwrite")
-    os.makedirs(task_dir, exist_ok=True)
+    task, task_dir = _cacheable(task_name, output_dir, overwrite)
     completed = os.path.join(task_dir, COMPLETED)
     if os.path.exists(completed):
         os.remove(completed)  # the cache is invalid from here until the job finishes
@@ -211,6 +203,20 @@ def run_cache_job(
     with open(completed, "w") as f:
         f.write("")
     return task_dir
+
+
+def _cacheable(task_name: str, output_dir: str, overwrite: bool) -> tuple[dp.Task, str]:
+    """The task and its (created) cache folder, or one clear error before any work."""
+    task = dp.get_task_or_mixture(task_name)
+    if not isinstance(task, dp.Task):
+        raise ValueError(f"{task_name!r} is a mixture; cache its tasks one by one")
+    if not task.supports_caching:
+        raise ValueError(f"Task {task_name!r} has no CacheDatasetPlaceholder; nothing to cache")
+    task_dir = os.path.join(output_dir, task_name)
+    if os.path.exists(os.path.join(task_dir, COMPLETED)) and not overwrite:
+        raise FileExistsError(f"{task_dir} already holds a completed cache; pass --overwrite")
+    os.makedirs(task_dir, exist_ok=True)
+    return task, task_dir
 
 
 def _write_stats(shard_stats: list[dict], task_dir: str, split: str) -> None:

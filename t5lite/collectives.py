@@ -543,11 +543,9 @@ def per_shard(
     independent: Sequence[str],
     aligned: Sequence[tuple[str, str]] = (),
 ) -> Array:
-    """`fn(*args)` on each device's shard of `args`, laid out by the rules (no collective).
-
-    The SPMD partitioner cannot split a custom kernel (a Pallas call): it would gather every
-    operand whole onto each device. Attention is independent across examples and heads, so a
-    kernel given each device's rows and heads computes that device's share of the output.
+    """`fn(*args)` on each device's shard of `args`, laid out by the rules (no collective): the
+    partitioner would gather a custom kernel's operands whole; attention is independent across
+    examples and heads, so each device's rows and heads give its share of the output.
 
     Args:
       fn: the kernel, applied per device; `None` arguments are passed through as None.
@@ -592,13 +590,8 @@ def per_shard(
         it = iter(local)
         return fn(*(next(it) if present_ else None for present_ in slots))
 
-    # NOTE: check_vma=False: a Pallas call's outputs carry no record of how they vary over the
-    # manual axes, which the check needs.
-    out = jax.shard_map(
-        body,
-        mesh=_mesh(),
-        in_specs=tuple(_spec(d) for d in dims),
-        out_specs=_spec(_resolve(out_axes)),
-        check_vma=False,
-    )
+    # NOTE: check_vma=False: a Pallas call's outputs do not say how they vary over mesh axes.
+    specs = tuple(_spec(d) for d in dims)
+    out_spec = _spec(_resolve(out_axes))
+    out = jax.shard_map(body, mesh=_mesh(), in_specs=specs, out_specs=out_spec, check_vma=False)
     return out(*(a for a, _ in present))
