@@ -203,8 +203,10 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     try:
         it: DataIterator = pickle.loads(payload)
     except Exception as e:  # told to the training process, which reads instead
-        _send(out, ("unloadable", f"the data process cannot load the pipeline "
-                                  f"({type(e).__name__}: {e})"))  # fmt: skip
+        _send(
+            out,
+            ("unloadable", f"the data process cannot load the pipeline ({type(e).__name__}: {e})"),
+        )
         return
     made: queue.Queue = queue.Queue(maxsize=buffer_size)
 

@@ -243,9 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name in args.task:
             path = run_cache_job(
-                name, args.output_dir, splits, args.num_shards, args.chunk_size, args.overwrite,
+                name,
+                args.output_dir,
+                splits,
+                args.num_shards,
+                args.chunk_size,
+                args.overwrite,
                 beam_args,
-            )  # fmt: skip
+            )
             print(f"cached {name} -> {path}")
     except (ValueError, KeyError, FileExistsError, FileNotFoundError) as e:
         print(f"cache_tasks: error: {e}", file=sys.stderr)

@@ -114,9 +114,11 @@ def jsonl_task(
     """
     spec = _Spec.make(name, locals())
     source = sources.JsonlSource(
-        files, skip_malformed=skip_malformed, name=name,
+        files,
+        skip_malformed=skip_malformed,
+        name=name,
         required_fields=spec.field_types(),
-    )  # fmt: skip
+    )
     return _define(spec, source)
 
 
@@ -252,8 +254,10 @@ class _Spec:
         )
         key = (
             tuple(sorted((k, repr(v)) for k, v in args.items() if k not in ("vocabulary", "name"))),
-            objective, vocab_key, tuple(_metric_id(m) for m in metric_fns),
-        )  # fmt: skip
+            objective,
+            vocab_key,
+            tuple(_metric_id(m) for m in metric_fns),
+        )
         return cls(name, objective, **fields, vocabulary=vocabulary, metrics=metric_fns, key=key)
 
     def field_types(self) -> dict[str, type | tuple[type, ...]]:
@@ -454,8 +458,12 @@ class _CandidateSplit(sources.SplitData):
         label = int(ex[self.owner.label_field])
         j = label if self.train else index - self._starts[i]
         choice = ex[self.owner.choices_field][j]
-        return {**ex, _CandidateSource.CHOICE: str(choice), "example_index": i,
-                "is_correct": j == label}  # fmt: skip
+        return {
+            **ex,
+            _CandidateSource.CHOICE: str(choice),
+            "example_index": i,
+            "is_correct": j == label,
+        }
 
     @property
     def fingerprint(self) -> str:
@@ -479,8 +487,9 @@ def _train_vocabulary(
     digest = hashlib.sha256(repr((data.fingerprint, fields, settings)).encode()).hexdigest()[:12]
     model_file = settings.model_file or os.path.join(
         os.environ.get("SEQIO_LITE_HOME", os.path.expanduser("~/.cache/seqio_lite")),
-        "sentencepiece", f"{spec.name}-{digest}.model",
-    )  # fmt: skip
+        "sentencepiece",
+        f"{spec.name}-{digest}.model",
+    )
     extra_ids = settings.extra_ids or (
         _SPAN_CORRUPTION_EXTRA_IDS if spec.objective == "span_corruption" else 0
     )
@@ -496,16 +505,19 @@ def _train_vocabulary(
                         f.write(str(ex[field]).replace("\n", " ") + "\n")
             try:
                 trained = vocabs.train_sentencepiece(
-                    [text], os.path.join(tmp, "spm"), settings.vocab_size,
+                    [text],
+                    os.path.join(tmp, "spm"),
+                    settings.vocab_size,
                     model_type=settings.model_type,
                     character_coverage=settings.character_coverage,
-                )  # fmt: skip
+                )
             except RuntimeError as e:  # sentencepiece's own words, e.g. a vocabulary too large
                 limit = re.search(r"value <= (\d+)", str(e))
                 reason = (
                     f"is too large for this data (at most {limit.group(1)})"
-                    if limit else f"failed: {str(e).splitlines()[0]}"
-                )  # fmt: skip
+                    if limit
+                    else f"failed: {str(e).splitlines()[0]}"
+                )
                 raise ValueError(
                     f"task {spec.name!r}: TrainedSentencePiece.vocab_size = "
                     f"{settings.vocab_size} {reason}"

@@ -121,8 +121,13 @@ def register_embedded_tasks() -> None:
         "validation": os.path.join(TINY_CORPUS_DIR, "validation.txt"),
     }
     to_targets = functools.partial(prep.rekey, key_map={"targets": "text"})
-    lm_steps = [to_targets, prep.tokenize, dp.CacheDatasetPlaceholder(), prep.random_crop,
-                prep.append_eos_after_trim]  # fmt: skip
+    lm_steps = [
+        to_targets,
+        prep.tokenize,
+        dp.CacheDatasetPlaceholder(),
+        prep.random_crop,
+        prep.append_eos_after_trim,
+    ]
     byte_vocab = ByteVocabulary()
     _register(
         dp.Task(

@@ -15,8 +15,13 @@ import time
 import jax
 
 # Environment variables that mean "this process is one of several in a cluster JAX can detect".
-_CLUSTER_ENV = ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS",
-                "JOBSET_NAME", "JAX_COORDINATOR_ADDRESS")  # fmt: skip
+_CLUSTER_ENV = (
+    "SLURM_JOB_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "JOBSET_NAME",
+    "JAX_COORDINATOR_ADDRESS",
+)
 
 
 def _in_detectable_cluster() -> bool:

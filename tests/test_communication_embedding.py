@@ -17,6 +17,7 @@ import pytest
 from conftest import require_devices
 
 from t5lite.insight import communication
+from t5lite.insight import comparison as comparisons
 from t5lite.insight.hlo import collective_ops, parse_collectives
 from t5lite.insight.report import compile_train_step
 from t5lite.insight.sharding import sharding_report
@@ -44,7 +45,7 @@ def _compare(scan_layers: bool = False):
     report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
     analytic = communication.analytic_communication(tr, report)
     rows = communication.collective_rows(collectives)
-    return {c.axes: c for c in communication.compare_communication(rows, analytic)}
+    return {c.axes: c for c in comparisons.compare_communication(rows, analytic)}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from conftest import require_devices
 from jax.sharding import PartitionSpec as P
 
-from t5lite.insight import communication, memory
+from t5lite.insight import communication, comparison, memory
 from t5lite.insight import plan as plan_lib
 from t5lite.insight import report as rep
 from t5lite.insight.hlo import parse_collectives
@@ -110,7 +110,7 @@ def test_tensor_2d_layer_figures_against_summa_and_megatron():
     # inspect prints them under the model axis's compiled-vs-analytic row.
     report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
     a = communication.analytic_communication(tr, report)
-    lines = communication.format_comparison(communication.compare_communication([], a))
+    lines = comparison.format_comparison(comparison.compare_communication([], a))
     summa = next(x for x in lines if "SUMMA / Optimus q x q" in x)
     assert summa.split()[-3:] == ["5,632", "1,536", "1,024"]
     assert next(x for x in lines if "1D Megatron" in x).split()[-3:] == ["2,048", "3,072", "2,048"]

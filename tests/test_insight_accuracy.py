@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import require_devices
 
-from t5lite.insight import communication, flops, memory
+from t5lite.insight import communication, comparison, flops, memory
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.report import compile_train_step
 from t5lite.insight.sharding import sharding_report
@@ -244,7 +244,7 @@ def _tiny_lm_step(preset):
     report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
     analytic = communication.analytic_communication(tr, report)
     rows = communication.collective_rows(collectives)
-    by_axes = {c.axes: c for c in communication.compare_communication(rows, analytic)}
+    by_axes = {c.axes: c for c in comparison.compare_communication(rows, analytic)}
     return collectives, analytic, by_axes
 
 

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
-from t5lite.insight import communication
+from t5lite.insight import communication, comparison
 from t5lite.insight.hlo import collective_ops, parse_collectives
 from t5lite.insight.sharding import sharding_report
 from t5lite.model import network, optimizers
@@ -98,7 +98,7 @@ def test_microbatches_are_split_without_moving_rows_between_devices():
         ops = collective_ops(hlo, part.mesh)
         report = sharding_report(part, tr.abstract_state().params, tr.params_axes)
         rows = communication.collective_rows(parse_collectives(hlo, part.mesh))
-        (cmp,) = communication.compare_communication(
+        (cmp,) = comparison.compare_communication(
             rows, communication.analytic_communication(tr, report)
         )
         grads = max(ops, key=lambda o: o.collective.bytes)

@@ -50,10 +50,17 @@ def get_dataset(
         raise ValueError("get_dataset: seqio_lite always trims features to their lengths")
     shard = shard_info or ShardInfo(0, 1)
     return seqio_lite.get_dataset(
-        mixture_or_task_name, dict(task_feature_lengths), dataset_split, batch_size,
-        shard_id=shard.index, num_shards=shard.num_shards, seed=0 if seed is None else seed,
-        shuffle=shuffle, num_epochs=num_epochs, feature_converter=feature_converter,
-    )  # fmt: skip
+        mixture_or_task_name,
+        dict(task_feature_lengths),
+        dataset_split,
+        batch_size,
+        shard_id=shard.index,
+        num_shards=shard.num_shards,
+        seed=0 if seed is None else seed,
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        feature_converter=feature_converter,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,15 +43,19 @@ def model_gin(
     lines += [f"{model}.{k} = {v!r}" for k, v in dataclasses.asdict(ids).items()]
     if model == "DecoderOnlyModel":
         # A causal LM was trained with causal attention over its prompts too.
-        lines += ["", "# A causal LM: prompts attend causally, as in pre-training.",
-                  "DecoderOnlyModel.inputs_bidirectional_attention = False"]  # fmt: skip
+        lines += [
+            "",
+            "# A causal LM: prompts attend causally, as in pre-training.",
+            "DecoderOnlyModel.inputs_bidirectional_attention = False",
+        ]
     if extra_lines:
         lines += ["", *extra_lines]
     return "\n".join(lines) + "\n"
 
 
-def hf_to_t5lite(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                 scan_layers: bool = False) -> Path:  # fmt: skip
+def hf_to_t5lite(
+    hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, scan_layers: bool = False
+) -> Path:
     """Imports a Hugging Face checkpoint directory; returns the t5lite checkpoint path."""
     out = Path(out_dir)
     gin_path = out / "model.gin"
@@ -62,8 +66,12 @@ def hf_to_t5lite(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     hf_ids = tokens.read_hf_ids(hf_dir)
     ids, notes = tokens.model_ids(hf_ids, encoder_decoder)
     mgr = CheckpointManager(out, async_save=False)
-    extra = {"network_config": config_record(config), "token_ids": dataclasses.asdict(ids),
-             "hf_token_ids": hf_ids, "source": str(hf_dir)}  # fmt: skip
+    extra = {
+        "network_config": config_record(config),
+        "token_ids": dataclasses.asdict(ids),
+        "hf_token_ids": hf_ids,
+        "source": str(hf_dir),
+    }
     mgr.save(0, {"params": params}, extra=extra)
     mgr.close()
     copied = tokens.copy_tokenizer_files(hf_dir, out)

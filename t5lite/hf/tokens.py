@@ -64,8 +64,14 @@ def model_ids(hf_ids: Mapping[str, Any], encoder_decoder: bool) -> tuple[ModelId
     # T5 starts decoding from decoder_start_token_id (HF: "usually the pad token"); a causal LM
     # from BOS, which HF's tokenizer puts in front of the prompt.
     order = ("decoder_start_token_id", "bos_token_id")
-    start = next((hf_ids.get(k) for k in (order if encoder_decoder else order[::-1])
-                  if hf_ids.get(k) is not None), pad)  # fmt: skip
+    start = next(
+        (
+            hf_ids.get(k)
+            for k in (order if encoder_decoder else order[::-1])
+            if hf_ids.get(k) is not None
+        ),
+        pad,
+    )
     return ModelIds(int(pad), int(eos), int(start)), notes
 
 
@@ -105,8 +111,11 @@ def vocabulary_gin(out_dir: str | Path, copied: list[str], encoder_decoder: bool
     lines = [f"# Tokenizer files copied from the Hugging Face directory: {', '.join(copied)}."]
     sp_name = next((n for n in ("spiece.model", "tokenizer.model") if n in copied), None)
     if sp_name is None:
-        return [*lines, "# seqio_lite reads SentencePiece models only; tokenizer.json is kept "
-                "for transformers."]  # fmt: skip
+        return [
+            *lines,
+            "# seqio_lite reads SentencePiece models only; tokenizer.json is kept "
+            "for transformers.",
+        ]
     why_not = _sentencepiece_incompatible(out_dir / sp_name)
     if why_not:
         return [*lines, f"# {sp_name} is not usable as a seqio_lite vocabulary: {why_not}."]

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
-import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,14 +16,14 @@ import numpy as np
 
 from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
-from t5lite.insight.sharding import ShardingReport, format_bytes
+from t5lite.insight.sharding import ShardingReport
 from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
 from t5lite.insight.zero3 import Zero3Figures, zero3_figures
 from t5lite.partitioning import mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
 
-def _link_bytes(c: Collective) -> float:
+def link_bytes(c: Collective) -> float:
     """Bytes one device sends for `c` with ring algorithms (results sized per device)."""
     n = c.group_size
     if n <= 1:
@@ -45,7 +43,7 @@ def collective_rows(collectives: Sequence[Collective]) -> list[CollectiveRow]:
     for c in collectives:
         groups[(c.kind, c.axes)].append(c)
     rows = [
-        CollectiveRow(k, a, len(cs), sum(c.bytes for c in cs), sum(map(_link_bytes, cs)))
+        CollectiveRow(k, a, len(cs), sum(c.bytes for c in cs), sum(map(link_bytes, cs)))
         for (k, a), cs in groups.items()
     ]
     return sorted(rows, key=lambda r: (KINDS.index(r.kind), str(r.axes)))
@@ -53,7 +51,7 @@ def collective_rows(collectives: Sequence[Collective]) -> list[CollectiveRow]:
 
 def communication_seconds(collectives: Sequence[Collective], link_bytes_per_s: float) -> float:
     """Time to run every collective one after another at `link_bytes_per_s` per device."""
-    return sum(map(_link_bytes, collectives)) / link_bytes_per_s
+    return sum(map(link_bytes, collectives)) / link_bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +69,7 @@ class ExpectedCollective:
     def link_bytes(self) -> float:
         """Ring-algorithm bytes each device sends (as `CollectiveRow.link_bytes`)."""
         per = Collective(self.kind, self.bytes, self.axes, (tuple(range(self.group_size)),))
-        return _link_bytes(per)
+        return link_bytes(per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +170,32 @@ def _parameter_collectives(
         if rest:
             reduce[rest][0] += per_layer
             reduce[rest][1] += gathered
+    out, choices = _fsdp_collectives(fsdp, mesh_shape)
+    for axes, (n, b) in reduce.items():
+        out.append(
+            ExpectedCollective(
+                "all-reduce",
+                axes,
+                n,
+                b,
+                _split(mesh_shape, axes),
+                "gradients summed over the batch",
+            )
+        )
+    choices += _per_microbatch_choices(trainer.num_microbatches, mesh_shape, fsdp, reduce)
+    if relative:
+        out += _relpos_collectives(trainer, mesh_shape, batch_axes)
+    if lookup_axes:
+        more, more_choices = _lookup_collectives(trainer, mesh_shape, lookup_axes)
+        out, choices = out + more, choices + more_choices
+    return out, choices
+
+
+def _fsdp_collectives(
+    fsdp: dict[tuple[str, tuple[str, ...]], list[int]], mesh_shape: dict[str, int]
+) -> tuple[list[ExpectedCollective], list[CompilerChoice]]:
+    """ZeRO-3's gathers and gradient scatters per kind of parameter split over the batch axes,
+    and what the compiler may choose instead."""
     out, choices = [], []
     for (kind, axes), (n, b) in fsdp.items():
         size = _split(mesh_shape, axes)
@@ -181,29 +205,35 @@ def _parameter_collectives(
             if kind == "kernel"
             else ("1D parameters split over the batch (norm scales)", "the norm scales'")
         )
-        choices.append(CompilerChoice(
-            f"{whose} gradients all-reduced instead of reduce-scattered (each device then "
-            "keeps its slice)", axes, link,
-            (("reduce-scatter", -n, -(b // size)), ("all-reduce", n, b)),
-        ))  # fmt: skip
+        choices.append(
+            CompilerChoice(
+                f"{whose} gradients all-reduced instead of reduce-scattered (each device then "
+                "keeps its slice)",
+                axes,
+                link,
+                (("reduce-scatter", -n, -(b // size)), ("all-reduce", n, b)),
+            )
+        )
         if kind == "kernel":
-            choices.append(CompilerChoice(
-                f"{what} gathered once and kept for the backward pass (memory traded for "
-                "communication)", axes, -link, (("all-gather", -n, -b),),
-            ))  # fmt: skip
-        out.append(ExpectedCollective("all-gather", axes, 2 * n, 2 * b, size,
-                                      f"{what} gathered forward and backward"))  # fmt: skip
-        out.append(ExpectedCollective("reduce-scatter", axes, n, b // size, size,
-                                      f"{whose} gradients scattered back"))  # fmt: skip
-    for axes, (n, b) in reduce.items():
-        out.append(ExpectedCollective("all-reduce", axes, n, b, _split(mesh_shape, axes),
-                                      "gradients summed over the batch"))  # fmt: skip
-    choices += _per_microbatch_choices(trainer.num_microbatches, mesh_shape, fsdp, reduce)
-    if relative:
-        out += _relpos_collectives(trainer, mesh_shape, batch_axes)
-    if lookup_axes:
-        more, more_choices = _lookup_collectives(trainer, mesh_shape, lookup_axes)
-        out, choices = out + more, choices + more_choices
+            choices.append(
+                CompilerChoice(
+                    f"{what} gathered once and kept for the backward pass (memory traded for "
+                    "communication)",
+                    axes,
+                    -link,
+                    (("all-gather", -n, -b),),
+                )
+            )
+        out.append(
+            ExpectedCollective(
+                "all-gather", axes, 2 * n, 2 * b, size, f"{what} gathered forward and backward"
+            )
+        )
+        out.append(
+            ExpectedCollective(
+                "reduce-scatter", axes, n, b // size, size, f"{whose} gradients scattered back"
+            )
+        )
     return out, choices
 
 
@@ -227,8 +257,10 @@ def _per_microbatch_choices(
         size, kinds, link = _split(mesh_shape, axes), [], 0.0
         n, b = fsdp.get(("kernel", axes), [0, 0])
         if n:
-            kinds += [("all-gather", (k - 1) * n, (k - 1) * b),
-                      ("reduce-scatter", (k - 1) * n, (k - 1) * (b // size))]  # fmt: skip
+            kinds += [
+                ("all-gather", (k - 1) * n, (k - 1) * b),
+                ("reduce-scatter", (k - 1) * n, (k - 1) * (b // size)),
+            ]
             link += (k - 1) * 2 * (size - 1) / size * b
         n, b = reduce.get(axes, [0, 0])
         if n:
@@ -260,16 +292,24 @@ def _relpos_collectives(
     sum over stacks of layers x H/m x L^2 x 4 bytes (the table itself is never reduced)."""
     cfg = trainer.model.network_config
     heads = cfg.num_heads // _split(
-        mesh_shape, [t for t in mesh_axes_of(rule_of(trainer.partitioner, "heads"))
-                     if mesh_shape.get(t, 1) > 1 and t not in batch_axes]
-    )  # fmt: skip
+        mesh_shape,
+        [
+            t
+            for t in mesh_axes_of(rule_of(trainer.partitioner, "heads"))
+            if mesh_shape.get(t, 1) > 1 and t not in batch_axes
+        ],
+    )
     stacks = _stack_lengths(trainer)
-    return [ExpectedCollective(
-        "all-reduce", batch_axes, sum(n for n, _ in stacks),
-        sum(n * heads * length * length * 4 for n, length in stacks),
-        _split(mesh_shape, batch_axes),
-        "relative-position bias: its gradient summed over the batch in each layer",
-    )]  # fmt: skip
+    return [
+        ExpectedCollective(
+            "all-reduce",
+            batch_axes,
+            sum(n for n, _ in stacks),
+            sum(n * heads * length * length * 4 for n, length in stacks),
+            _split(mesh_shape, batch_axes),
+            "relative-position bias: its gradient summed over the batch in each layer",
+        )
+    ]
 
 
 def _lookup_collectives(
@@ -299,16 +339,28 @@ def _lookup_collectives(
     choices = []
     if len(axes) == 1 and len(vocab) == 1 and 1 < m < d and d % m == 0:
         choices += [
-            CompilerChoice("token ids regrouped for the lookup (one permute per lookup)",
-                           (axes[0], vocab[0]), ids, (("collective-permute", n, ids),)),
-            CompilerChoice("token ids gathered for the lookup over part of the batch axis",
-                           (f"{axes[0]}/{d // m}",), (d // m - 1) * ids,
-                           (("all-gather", n, ids * (d // m)),)),
-        ]  # fmt: skip
+            CompilerChoice(
+                "token ids regrouped for the lookup (one permute per lookup)",
+                (axes[0], vocab[0]),
+                ids,
+                (("collective-permute", n, ids),),
+            ),
+            CompilerChoice(
+                "token ids gathered for the lookup over part of the batch axis",
+                (f"{axes[0]}/{d // m}",),
+                (d // m - 1) * ids,
+                (("all-gather", n, ids * (d // m)),),
+            ),
+        ]
     else:
-        choices.append(CompilerChoice(
-            "token ids gathered for the lookup", axes, (d - 1) * ids, (("all-gather", n, d * ids),)
-        ))  # fmt: skip
+        choices.append(
+            CompilerChoice(
+                "token ids gathered for the lookup",
+                axes,
+                (d - 1) * ids,
+                (("all-gather", n, d * ids),),
+            )
+        )
     return out, choices
 
 
@@ -351,8 +403,9 @@ def _activation_collectives(
     unfused = CompilerChoice(
         "the input gradients of q, k, v (and of a gated MLP's inputs) reduced one by one "
         "instead of summed first",
-        model_axes, extra_tokens * x_bytes * 2 * (size - 1) / size,
-    )  # fmt: skip
+        model_axes,
+        extra_tokens * x_bytes * 2 * (size - 1) / size,
+    )
     if split_acts:
         why = "activations split over model: all-gather before, reduce-scatter after a block"
         if set(model_axes) & set(mesh_axes_of(act_spec[1])):
@@ -366,12 +419,13 @@ def _activation_collectives(
             unfused,
             CompilerChoice(
                 "block outputs all-reduced and sliced instead of reduce-scattered",
-                model_axes, rs.link_bytes,
+                model_axes,
+                rs.link_bytes,
             ),
             CompilerChoice(
                 "activations gathered again for the backward pass", model_axes, ag.link_bytes
             ),
-        ]  # fmt: skip
+        ]
     why = "Megatron: one all-reduce per split block forward and one backward"
     if cfg.remat_policy == "full":
         why += ", and again where the backward pass recomputes the forward (remat)"
@@ -402,167 +456,11 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)
     return AnalyticCommunication(
-        batch_axes, data_bytes, model_bytes, tuple(expected), tuple(choices),
+        batch_axes,
+        data_bytes,
+        model_bytes,
+        tuple(expected),
+        tuple(choices),
         tuple(format_tensor_2d(figures)) if figures else (),
         zero3_figures(report, mesh_shape, batch_axes),
-    )  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisComparison:
-    """Compiled against analytic link bytes over one set of mesh axes, and why they differ.
-
-    `explained` is the analytic figure after the compiler choices named in `differences`
-    (those of `AnalyticCommunication.choices` that bring it closest to the compiled figure);
-    any remaining gap is named kind by kind. `kinds`: per kind, (kind, compiled count, compiled
-    result bytes, explained count, explained result bytes).
-    """
-
-    axes: tuple[str, ...]
-    compiled: float
-    analytic: float
-    explained: float
-    differences: tuple[str, ...]
-    notes: tuple[str, ...] = ()  # analytic context printed under the row (2D TP formulas)
-    kinds: tuple[tuple[str, int, int, int, int], ...] = ()
-
-    @property
-    def ratio(self) -> float:
-        return self.compiled / self.explained if self.explained else math.inf
-
-    @property
-    def agrees(self) -> bool:
-        return abs(self.ratio - 1) <= 0.10 if self.explained else self.compiled == 0
-
-
-def compare_communication(
-    rows: Sequence[CollectiveRow], analytic: AnalyticCommunication
-) -> list[AxisComparison]:
-    """Per mesh axes: compiled vs analytic link bytes, each difference named."""
-    axes_sets = dict.fromkeys(
-        [tuple(e.axes) for e in analytic.expected]
-        + [tuple(c.axes) for c in analytic.choices if c.kinds]
-        + [r.axes for r in rows if r.axes and r.link_bytes > 0]
     )
-    out = []
-    for axes in axes_sets:
-        mine = [r for r in rows if r.axes is not None and set(r.axes) == set(axes)]
-        exp = [e for e in analytic.expected if set(e.axes) == set(axes)]
-        compiled = sum(r.link_bytes for r in mine)
-        expected = sum(e.link_bytes for e in exp)
-        if not mine and not exp:
-            continue  # a choice the compiler did not make, over axes nothing else uses
-        choices = [c for c in analytic.choices if set(c.axes) == set(axes)]
-        best = _best_choices(mine, exp, choices, compiled, expected)
-        kinds = _kinds(mine, exp, best[1])
-        names = [c.name for c in best[1]]
-        if abs(compiled - best[0]) > 0.10 * max(best[0], 1):
-            names += _kind_deltas(mine, exp, best[1])
-        notes = (
-            analytic.layer_formulas
-            if analytic.layer_formulas and axes == _formula_axes(analytic)
-            else ()
-        )
-        out.append(AxisComparison(axes, compiled, expected, best[0], tuple(names), notes, kinds))
-    return out
-
-
-def _best_choices(
-    rows: Sequence[CollectiveRow],
-    expected: Sequence[ExpectedCollective],
-    choices: Sequence[CompilerChoice],
-    compiled: float,
-    analytic: float,
-) -> tuple[float, list[CompilerChoice]]:
-    """The choices whose bytes sent come closest to the compiled figure (within 1% of the
-    analytic one counts as as close); among those, the ones whose collective counts per kind
-    match the compiled counts best (a choice worth a few KiB, like norm scales' gradients
-    all-reduced, still accounts for dozens of collectives), then the fewest."""
-    subsets = [list(s) for k in range(len(choices) + 1) for s in itertools.combinations(choices, k)]
-    sent = [analytic + sum(c.link_bytes for c in s) for s in subsets]
-    closest = min(abs(v - compiled) for v in sent)
-    near = [i for i, v in enumerate(sent) if abs(v - compiled) <= closest + 0.01 * max(analytic, 1)]
-
-    def count_gap(i: int) -> int:
-        return sum(abs(k[1] - k[3]) for k in _kinds(rows, expected, subsets[i]))
-
-    i = min(near, key=lambda i: (count_gap(i), len(subsets[i])))
-    return sent[i], subsets[i]
-
-
-def _formula_axes(analytic: AnalyticCommunication) -> tuple[str, ...] | None:
-    """The mesh axes whose row carries the per-layer formulas: the last ones compared."""
-    axes = [tuple(e.axes) for e in analytic.expected]
-    return axes[-1] if axes else None
-
-
-def _tally(rows, expected, chosen, link: bool) -> dict[str, list]:
-    """Per kind: [compiled count, compiled bytes, explained count, explained bytes] (expected
-    plus the chosen compiler choices' changes); bytes sent over links with `link`, else result
-    bytes."""
-    by_kind: dict[str, list] = {k: [0, 0, 0, 0] for k in KINDS}
-    for r in rows:
-        by_kind[r.kind][0] += r.count
-        by_kind[r.kind][1] += r.link_bytes if link else r.bytes
-    for e in expected:
-        by_kind[e.kind][2] += e.count
-        by_kind[e.kind][3] += e.link_bytes if link else e.bytes
-    for c in chosen:
-        for kind, n, b in c.kinds:
-            if link:
-                size = _choice_group_size(c.axes, expected)
-                b = _link_bytes(Collective(kind, b, c.axes, (tuple(range(size)),)))
-            by_kind[kind][2] += n
-            by_kind[kind][3] += b
-    return by_kind
-
-
-def _kinds(rows, expected, chosen) -> tuple[tuple[str, int, int, int, int], ...]:
-    """Per kind present: compiled count and result bytes, explained count and result bytes
-    (expected plus the chosen compiler choices' changes)."""
-    by_kind = _tally(rows, expected, chosen, link=False)
-    return tuple((k, *v) for k, v in by_kind.items() if any(v))
-
-
-def _kind_deltas(
-    rows: Sequence[CollectiveRow],
-    expected: Sequence[ExpectedCollective],
-    chosen: Sequence[CompilerChoice] = (),
-) -> list[str]:
-    """What remains unexplained, kind by kind: compiled count and bytes against expected (after
-    the chosen compiler choices)."""
-    by_kind = _tally(rows, expected, chosen, link=True)
-    return [
-        f"{kind}: {n} compiled ({format_bytes(link)} sent) vs {m} expected ({format_bytes(want)})"
-        for kind, (n, link, m, want) in by_kind.items()
-        if (n or m) and abs(link - want) > 0.10 * max(want, 1)
-    ]
-
-
-def _choice_group_size(axes: Sequence[str], expected: Sequence[ExpectedCollective]) -> int:
-    """Devices in a group of a collective over `axes`: as the expected ones over them, else
-    from a part-axis name (`data/2`: 2); a permute's link bytes do not depend on it."""
-    if expected:
-        return expected[0].group_size
-    return math.prod(int(a.split("/")[1]) if "/" in a else 2 for a in axes)
-
-
-def format_comparison(comparisons: Sequence[AxisComparison], width: int | None = None) -> list[str]:
-    """Lines for a report: per mesh axes, compiled vs analytic bytes sent and why they differ
-    (each reason wrapped at `width` columns)."""
-    lines = ["  mesh axes      compiled     analytic    explained  ratio"]
-    for c in comparisons:
-        verdict = "agrees" if c.agrees else "differs"
-        lines.append(
-            f"  {'+'.join(c.axes) or '-':<12}{format_bytes(c.compiled):>11}"
-            f"{format_bytes(c.analytic):>13}{format_bytes(c.explained):>13}"
-            f"  {c.ratio:5.2f}  {verdict}"
-        )
-        for d in c.differences:
-            lines += (
-                textwrap.wrap(d, width, initial_indent="      - ", subsequent_indent=" " * 8)
-                if width
-                else [f"      - {d}"]
-            )
-        lines += list(c.notes)
-    return lines

@@ -88,12 +88,20 @@ def suggestions(trainer: Trainer) -> list[Suggestion]:
     out = []
     if shape.get(DATA, 1) % 2 == 0 and MODEL in shape:
         more = {**shape, DATA: shape[DATA] // 2, MODEL: shape[MODEL] * 2}
-        out.append(_try(f"model={more[MODEL]} (data={more[DATA]})",
-                        lambda: _variant(trainer, mesh_shape=more)))  # fmt: skip
+        out.append(
+            _try(
+                f"model={more[MODEL]} (data={more[DATA]})",
+                lambda: _variant(trainer, mesh_shape=more),
+            )
+        )
     for preset in ("fsdp", "fully_sharded"):
         if tuple(trainer.partitioner.rules) != tuple(preset_rules(preset)):
-            out.append(_try(f"{preset} rules (2D parameters)",
-                            lambda p=preset: _variant(trainer, rules=preset_rules(p))))  # fmt: skip
+            out.append(
+                _try(
+                    f"{preset} rules (2D parameters)",
+                    lambda p=preset: _variant(trainer, rules=preset_rules(p)),
+                )
+            )
             break
     current = REMAT_POLICIES.index(cfg.remat_policy)
     for policy in REMAT_POLICIES[current + 1 :]:
@@ -136,13 +144,20 @@ def explain_oom(
         lines.append(f"    {format_bytes(n_bytes):>10} {count:>4}  {name}")
     remat = trainer.model.network_config.remat_policy
     lines += [
-        "  predicted by category: " + ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in (
-                ("state", p.state), ("gradients", p.gradients), ("update", p.update),
-                (f"activations (remat={remat})", p.activations), ("batch", p.batch))),
+        "  predicted by category: "
+        + ", ".join(
+            f"{k} {format_bytes(v)}"
+            for k, v in (
+                ("state", p.state),
+                ("gradients", p.gradients),
+                ("update", p.update),
+                (f"activations (remat={remat})", p.activations),
+                ("batch", p.batch),
+            )
+        ),
         f"what would fit (predicted memory per device; this layout: {format_bytes(p.total)}"
         " predicted):",
-    ]  # fmt: skip
+    ]
     for s in suggestions(trainer):
         if s.predicted is None:
             lines.append(f"  {s.change}: not possible: {s.reason}")

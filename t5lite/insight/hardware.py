@@ -38,32 +38,86 @@ _NV = "https://www.nvidia.com/en-us/data-center/"
 # are GiB: Google's pages write "GB" for v5e/v6e but the runtime's `bytes_limit` is in GiB.
 # Checked against the pages named in each entry's `source` (Nov 2026).
 _CHIPS = (
-    ChipSpec("v4", "TPU v4", 32 * GiB, 275e12, 2400e9 / 8, 1200e9,
-             _TPU_DOCS + "v4 (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps); ICI: Jouppi et al., "
-             "'TPU v4', ISCA 2023 (6 links x 400 Gbit/s each way)",
-             cores_per_chip=2),
-    ChipSpec("v5e", "TPU v5 lite", 16 * GiB, 197e12, 400e9 / 2, 819e9,
-             _TPU_DOCS + "v5e (197 TFLOPs bf16; HBM2 16 GB, 819 GBps; ICI 400 GBps "
-             "bidirectional)"),
-    ChipSpec("v5p", "TPU v5", 95 * GiB, 459e12, 1200e9 / 2, 2765e9,
-             _TPU_DOCS + "v5p-training (459 TFLOPs bf16; HBM2e 95 GiB, 2765 GBps; ICI 1200 GBps "
-             "bidirectional)"),
-    ChipSpec("v6e", "TPU v6 lite", 32 * GiB, 918e12, 800e9 / 2, 1638e9,
-             _TPU_DOCS + "v6e (918 TFLOPs bf16; HBM 32 GB, 1638 GBps; ICI 800 GBps "
-             "bidirectional)"),
-    ChipSpec("a100-40gb", "NVIDIA A100-SXM4-40GB", 40 * GiB, 312e12, 600e9 / 2, 1555e9,
-             _NV + "a100 (NVIDIA A100 Tensor Core GPU datasheet, SXM4 40GB: 312 TFLOPS bf16 "
-             "dense, 1,555 GB/s, NVLink 600 GB/s)"),
-    ChipSpec("a100-80gb", "NVIDIA A100-SXM4-80GB", 80 * GiB, 312e12, 600e9 / 2, 2039e9,
-             _NV + "a100 (NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB: 312 TFLOPS bf16 "
-             "dense, 2,039 GB/s, NVLink 600 GB/s)"),
-    ChipSpec("h100", "NVIDIA H100 80GB HBM3", 80 * GiB, 989e12, 900e9 / 2, 3350e9,
-             _NV + "h100 (NVIDIA H100 Tensor Core GPU datasheet, SXM: 1,979 TFLOPS bf16 with "
-             "sparsity, 3.35 TB/s, NVLink 900 GB/s)"),
-    ChipSpec("h200", "NVIDIA H200", 141 * GiB, 989e12, 900e9 / 2, 4800e9,
-             _NV + "h200 (NVIDIA H200 Tensor Core GPU datasheet, SXM: 1,979 TFLOPS bf16 with "
-             "sparsity, 141 GB, 4.8 TB/s, NVLink 900 GB/s)"),
-)  # fmt: skip
+    ChipSpec(
+        "v4",
+        "TPU v4",
+        32 * GiB,
+        275e12,
+        2400e9 / 8,
+        1200e9,
+        _TPU_DOCS + "v4 (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps); ICI: Jouppi et al., "
+        "'TPU v4', ISCA 2023 (6 links x 400 Gbit/s each way)",
+        cores_per_chip=2,
+    ),
+    ChipSpec(
+        "v5e",
+        "TPU v5 lite",
+        16 * GiB,
+        197e12,
+        400e9 / 2,
+        819e9,
+        _TPU_DOCS + "v5e (197 TFLOPs bf16; HBM2 16 GB, 819 GBps; ICI 400 GBps bidirectional)",
+    ),
+    ChipSpec(
+        "v5p",
+        "TPU v5",
+        95 * GiB,
+        459e12,
+        1200e9 / 2,
+        2765e9,
+        _TPU_DOCS + "v5p-training (459 TFLOPs bf16; HBM2e 95 GiB, 2765 GBps; ICI 1200 GBps "
+        "bidirectional)",
+    ),
+    ChipSpec(
+        "v6e",
+        "TPU v6 lite",
+        32 * GiB,
+        918e12,
+        800e9 / 2,
+        1638e9,
+        _TPU_DOCS + "v6e (918 TFLOPs bf16; HBM 32 GB, 1638 GBps; ICI 800 GBps bidirectional)",
+    ),
+    ChipSpec(
+        "a100-40gb",
+        "NVIDIA A100-SXM4-40GB",
+        40 * GiB,
+        312e12,
+        600e9 / 2,
+        1555e9,
+        _NV + "a100 (NVIDIA A100 Tensor Core GPU datasheet, SXM4 40GB: 312 TFLOPS bf16 "
+        "dense, 1,555 GB/s, NVLink 600 GB/s)",
+    ),
+    ChipSpec(
+        "a100-80gb",
+        "NVIDIA A100-SXM4-80GB",
+        80 * GiB,
+        312e12,
+        600e9 / 2,
+        2039e9,
+        _NV + "a100 (NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB: 312 TFLOPS bf16 "
+        "dense, 2,039 GB/s, NVLink 600 GB/s)",
+    ),
+    ChipSpec(
+        "h100",
+        "NVIDIA H100 80GB HBM3",
+        80 * GiB,
+        989e12,
+        900e9 / 2,
+        3350e9,
+        _NV + "h100 (NVIDIA H100 Tensor Core GPU datasheet, SXM: 1,979 TFLOPS bf16 with "
+        "sparsity, 3.35 TB/s, NVLink 900 GB/s)",
+    ),
+    ChipSpec(
+        "h200",
+        "NVIDIA H200",
+        141 * GiB,
+        989e12,
+        900e9 / 2,
+        4800e9,
+        _NV + "h200 (NVIDIA H200 Tensor Core GPU datasheet, SXM: 1,979 TFLOPS bf16 with "
+        "sparsity, 141 GB, 4.8 TB/s, NVLink 900 GB/s)",
+    ),
+)
 CHIPS: dict[str, ChipSpec] = {c.name: c for c in _CHIPS}
 TPU_CHIPS: dict[str, ChipSpec] = {n: c for n, c in CHIPS.items() if c.device_kind.startswith("TPU")}
 _BY_KIND = {c.device_kind: c for c in _CHIPS}

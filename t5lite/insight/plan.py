@@ -209,8 +209,20 @@ def _ms(seconds: float | None) -> str:
 def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | None = 100) -> str:
     """The ranked table, one row per layout (analytic and compiled figures side by side), then
     the reasons of invalid or failed layouts."""
-    rows = [("#", "preset", "mesh", "remat", "predicted", "compiled", "est ms", "XLA ms",
-             "MFU", "status")]  # fmt: skip
+    rows = [
+        (
+            "#",
+            "preset",
+            "mesh",
+            "remat",
+            "predicted",
+            "compiled",
+            "est ms",
+            "XLA ms",
+            "MFU",
+            "status",
+        )
+    ]
     notes: dict[str, list[str]] = {}  # reason -> rows
     for i, c in enumerate(ranked, 1):
         e = c.estimate
@@ -403,8 +415,10 @@ def _compile_winners(
     order, n_first = select_for_compile(screened, spec.memory_bytes, top_k)
     done: dict[Layout, Candidate] = {}
     compiled: dict[tuple, Layout] = {}  # (mesh, remat, rules) -> the layout compiled for it
-    say(f"plan: compiling the {n_first} analytically fastest of the {len(order)} layouts "
-        "that could fit")  # fmt: skip
+    say(
+        f"plan: compiling the {n_first} analytically fastest of the {len(order)} layouts "
+        "that could fit"
+    )
     for j, c in enumerate(order):
         if j >= n_first and any(d.fits for d in done.values()):
             break

@@ -89,8 +89,15 @@ def _draw(
         left = [a + b for a, b in zip(left, widths)]
     marks = [(y, c / GiB) for y, c in zip(ys, compiled) if c is not None]
     if marks:
-        ax_mem.scatter([x for _, x in marks], [y for y, _ in marks], marker="|", s=300,
-                       color="black", label="compiled total", zorder=3)  # fmt: skip
+        ax_mem.scatter(
+            [x for _, x in marks],
+            [y for y, _ in marks],
+            marker="|",
+            s=300,
+            color="black",
+            label="compiled total",
+            zorder=3,
+        )
     if device_memory:
         ax_mem.axvline(device_memory / GiB, color="red", linestyle="--", label="device memory")
     ax_mem.set_yticks(list(ys), labels)

@@ -82,8 +82,15 @@ class ShardingReport:
         groups: dict[tuple, list[tuple[int | None, Placement]]] = {}
         for p in self.placements:
             pattern, index = layer_pattern(p.path) if fold else (p.path, None)
-            key = (pattern, p.shape, str(p.dtype), p.logical_axes, p.spec, p.shard_shape,
-                   bool(p.replicated_despite_rule))  # fmt: skip
+            key = (
+                pattern,
+                p.shape,
+                str(p.dtype),
+                p.logical_axes,
+                p.spec,
+                p.shard_shape,
+                bool(p.replicated_despite_rule),
+            )
             groups.setdefault(key, []).append((index, p))
         dtypes = {str(p.dtype) for p in self.placements}
         flags = any(p.replicated_despite_rule for p in self.placements)
@@ -91,22 +98,19 @@ class ShardingReport:
         show_dtype, show_flag = width is None or len(dtypes) > 1, width is None or flags
         # Limited width: one "logical:mesh" column instead of logical axes and PartitionSpec.
         joined = width is not None
-        header = ("", "path", "n", "shape", "dtype", "logical axes", "PartitionSpec",
-                  "logical:mesh axes", "shard", "bytes/dev")  # fmt: skip
-        rows = []
-        for key, members in groups.items():
-            pattern, p = key[0], members[0][1]
-            indices = [i for i, _ in members if i is not None]
-            path = pattern.format(fold_indices(indices)) if indices else pattern
-            axes = "-" if p.logical_axes is None else ",".join(str(a) for a in p.logical_axes)
-            parts = ["+".join(e) if isinstance(e, tuple) else str(e) for e in p.spec]
-            names = p.logical_axes or ("?",) * len(parts)
-            mapping = ",".join(f"{a}:{m}" if m != "None" else str(a) for a, m in zip(names, parts))
-            rows.append(("!" if p.replicated_despite_rule else "", path, f"×{len(members)}",
-                         "x".join(map(str, p.shape)) or "()", str(p.dtype), axes,
-                         f"({','.join(parts)})", mapping or "-",
-                         "x".join(map(str, p.shard_shape)) or "()",
-                         format_bytes(p.bytes_per_device * len(members))))  # fmt: skip
+        header = (
+            "",
+            "path",
+            "n",
+            "shape",
+            "dtype",
+            "logical axes",
+            "PartitionSpec",
+            "logical:mesh axes",
+            "shard",
+            "bytes/dev",
+        )
+        rows = [_row(key[0], members) for key, members in groups.items()]
         rows.sort(key=lambda r: natural_key(r[1]))
         shown = (
             show_flag,
@@ -156,3 +160,26 @@ def sharding_report(partitioner: Partitioner, abstract_tree: Any, axes_tree: Any
     )
     mesh: Mesh = partitioner.mesh
     return ShardingReport(dict(mesh.shape), partitioner.rules, tuple(placements))
+
+
+def _row(pattern: str, members: list[tuple[int | None, Placement]]) -> tuple[str, ...]:
+    """One table row for identical arrays (the layers folded into `pattern`)."""
+    p = members[0][1]
+    indices = [i for i, _ in members if i is not None]
+    path = pattern.format(fold_indices(indices)) if indices else pattern
+    axes = "-" if p.logical_axes is None else ",".join(str(a) for a in p.logical_axes)
+    parts = ["+".join(e) if isinstance(e, tuple) else str(e) for e in p.spec]
+    names = p.logical_axes or ("?",) * len(parts)
+    mapping = ",".join(f"{a}:{m}" if m != "None" else str(a) for a, m in zip(names, parts))
+    return (
+        "!" if p.replicated_despite_rule else "",
+        path,
+        f"×{len(members)}",
+        "x".join(map(str, p.shape)) or "()",
+        str(p.dtype),
+        axes,
+        f"({','.join(parts)})",
+        mapping or "-",
+        "x".join(map(str, p.shard_shape)) or "()",
+        format_bytes(p.bytes_per_device * len(members)),
+    )

@@ -63,9 +63,20 @@ def tensor_2d_mlp_figures(trainer: Trainer) -> Tensor2DFigures | None:
         q = d
         summa = (q - 1) / q**2 * (n_in * (t * emb + emb * f) + (t * f + emb * f))
     return Tensor2DFigures(
-        d, m, t, emb, f, n_in, received_2d, summa, 2 * (m - 1) / m * t * emb / d,
-        weights // (d * m), weights // m, t * emb // (d * m), t * emb // d,
-    )  # fmt: skip
+        d,
+        m,
+        t,
+        emb,
+        f,
+        n_in,
+        received_2d,
+        summa,
+        2 * (m - 1) / m * t * emb / d,
+        weights // (d * m),
+        weights // m,
+        t * emb // (d * m),
+        t * emb // d,
+    )
 
 
 def format_tensor_2d(x: Tensor2DFigures) -> list[str]:
@@ -81,6 +92,10 @@ def format_tensor_2d(x: Tensor2DFigures) -> list[str]:
         f"      {'layout':<30}{'received':>12}{'weights':>12}{'residual':>12}",
         row(f"this (2D by rules) {x.d}x{x.m}", x.received_2d, x.weights_2d, x.activations_2d),
         row(summa, x.received_summa, x.weights_2d, x.activations_2d),
-        row(f"1D Megatron, model={x.m}", x.received_megatron, x.weights_megatron,
-            x.activations_megatron),
-    ]  # fmt: skip
+        row(
+            f"1D Megatron, model={x.m}",
+            x.received_megatron,
+            x.weights_megatron,
+            x.activations_megatron,
+        ),
+    ]

@@ -12,9 +12,8 @@ from typing import Any
 
 from t5lite.insight.communication import (
     AnalyticCommunication,
-    compare_communication,
-    format_comparison,
 )
+from t5lite.insight.comparison import compare_communication, format_comparison
 from t5lite.insight.estimate import StepEstimate
 from t5lite.insight.hardware import DeviceSpec
 from t5lite.insight.hlo import KINDS, CollectiveRow

@@ -222,18 +222,31 @@ def temperature_sample(
         choose = lambda logits_BV, step: jnp.argmax(logits_BV, axis=-1)  # statically greedy
     else:
         choose = lambda logits_BV, step: _choose(
-            logits_BV, jax.random.fold_in(rng, step), temperature_B, top_k,
+            logits_BV,
+            jax.random.fold_in(rng, step),
+            temperature_B,
+            top_k,
             top_p if top_p_B is None else top_p_B,
-        )  # fmt: skip
+        )
     step = functools.partial(
-        _sample_step, tokens_to_logits=tokens_to_logits, choose=choose, start=start,
-        min_log_prob_B=min_log_prob_B, eos_id=eos_id, pad_id=pad_id,
+        _sample_step,
+        tokens_to_logits=tokens_to_logits,
+        choose=choose,
+        start=start,
+        min_log_prob_B=min_log_prob_B,
+        eos_id=eos_id,
+        pad_id=pad_id,
         state_callback_fn=state_callback_fn,
-    )  # fmt: skip
+    )
     carry = SamplingLoopState(
-        jnp.zeros((), jnp.int32), start.index_B, start.token_B1, start.sequences_BL, cache,
-        start.index_B > start.last_B, jnp.zeros(start.index_B.shape, jnp.float32),
-    )  # fmt: skip
+        jnp.zeros((), jnp.int32),
+        start.index_B,
+        start.token_B1,
+        start.sequences_BL,
+        cache,
+        start.index_B > start.last_B,
+        jnp.zeros(start.index_B.shape, jnp.float32),
+    )
     carry = jax.lax.while_loop(lambda c: ~jnp.all(c.ended), step, carry)
     if state_callback_fn is not None:
         carry = state_callback_fn(carry)
@@ -380,10 +393,12 @@ def _beam_step(
     rows_token_BW = jnp.take_along_axis(s.token_BW1.reshape(b, w), beam_of_row_BW, axis=1)
     logits, cache = tokens_to_logits(
         DecodingState(
-            jnp.repeat(s.index_B, w), rows_token_BW.reshape(b * w, 1),
-            rows_live_BWL.reshape(b * w, length), s.cache,
+            jnp.repeat(s.index_B, w),
+            rows_token_BW.reshape(b * w, 1),
+            rows_live_BWL.reshape(b * w, length),
+            s.cache,
         )
-    )  # fmt: skip
+    )
     logits_BWV = _take_beams(_logits_BV(logits).reshape(b, w, -1), s.slot_BW)
     logp_BWV = jax.nn.log_softmax(logits_BWV, axis=-1)
     logp_BC, beam_BC, token_BC, seqs_BCL, forced_B = _candidates(s, logp_BWV, start, pad_id)
@@ -486,15 +501,27 @@ def beam_search(
     live_logp_BW = jnp.full((b, w), NEG_INF, jnp.float32).at[:, 0].set(0.0)
     first_BWL = jnp.repeat(start.sequences_BL[:, None], w, axis=1)
     carry = _Beams(
-        start.index_B, jnp.repeat(start.token_B1, w, axis=0), first_BWL, live_logp_BW,
-        first_BWL, jnp.full((b, w), NEG_INF, jnp.float32), jnp.zeros((b, w), bool),
-        expand_batch(cache, w), jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)),
+        start.index_B,
+        jnp.repeat(start.token_B1, w, axis=0),
+        first_BWL,
+        live_logp_BW,
+        first_BWL,
+        jnp.full((b, w), NEG_INF, jnp.float32),
+        jnp.zeros((b, w), bool),
+        expand_batch(cache, w),
+        jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w)),
         start.index_B > start.last_B,
-    )  # fmt: skip
+    )
     step = functools.partial(
-        _beam_step, tokens_to_logits=tokens_to_logits, start=start, alpha=alpha, eos_id=eos_id,
-        pad_id=pad_id, ascending=order == "best_last", min_log_prob_B=min_log_prob_B,
-    )  # fmt: skip
+        _beam_step,
+        tokens_to_logits=tokens_to_logits,
+        start=start,
+        alpha=alpha,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        ascending=order == "best_last",
+        min_log_prob_B=min_log_prob_B,
+    )
     s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), step, carry)
     finished_B = jnp.any(s.fin_flag_BW, axis=1)
     sequences_BWL = jnp.where(finished_B[:, None, None], s.fin_BWL, s.live_BWL)

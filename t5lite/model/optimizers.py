@@ -88,9 +88,12 @@ class AdamW:
     def create(self, params_axes: PyTree) -> optax.GradientTransformation:
         del params_axes  # AdamW's statistics have exactly the parameters' shapes
         tx = optax.adamw(
-            _as_schedule(self.learning_rate), self.b1, self.b2, self.eps,
+            _as_schedule(self.learning_rate),
+            self.b1,
+            self.b2,
+            self.eps,
             weight_decay=self.weight_decay,
-        )  # fmt: skip
+        )
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), tx) if self.clip_norm else tx
 
     def learning_rate_at(self, step: jax.Array) -> jax.Array:
@@ -226,10 +229,15 @@ class Adafactor:
             outs = [
                 self._update_one(g, p, f, vr, vc, v, m, decay, learning_rate)
                 for g, p, f, vr, vc, v, m in zip(
-                    g_leaves, flat(params), facts, flat(state.v_row), flat(state.v_col),
-                    flat(state.v), ms,
+                    g_leaves,
+                    flat(params),
+                    facts,
+                    flat(state.v_row),
+                    flat(state.v_col),
+                    flat(state.v),
+                    ms,
                 )
-            ]  # fmt: skip
+            ]
             unflat = lambda i: jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
             m = unflat(4) if self.beta1 is not None else None
             return unflat(0), AdafactorState(step, unflat(1), unflat(2), unflat(3), m)
@@ -370,8 +378,10 @@ def _masked(tree: PyTree, labels: PyTree) -> PyTree:
     is_axes = lambda x: x is None or isinstance(x, PartitionSpec)
     return jax.tree_util.tree_map(
         lambda x, label: x if label == "trained" else optax.MaskedNode(),
-        tree, labels, is_leaf=is_axes,
-    )  # fmt: skip
+        tree,
+        labels,
+        is_leaf=is_axes,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,9 +96,11 @@ class RelativePositionBiases(nn.Module):
             # Buckets of every offset memory - query in (-S, S) from the same static numpy
             # bucketing, looked up at the traced positions: identical to the full-length bias.
             table = relative_position_bucket(
-                np.arange(-(k_len - 1), k_len), self.bidirectional, self.num_buckets,
+                np.arange(-(k_len - 1), k_len),
+                self.bidirectional,
+                self.num_buckets,
                 self.max_distance,
-            )  # fmt: skip
+            )
             offset_BLS = memory[None] - query_positions_BL[:, :, None] + (k_len - 1)
             buckets_BLS = jnp.asarray(table)[jnp.clip(offset_BLS, 0, 2 * k_len - 2)]
             one_hot_BLSN = jax.nn.one_hot(buckets_BLS, self.num_buckets, dtype=jnp.float32)

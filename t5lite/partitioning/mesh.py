@@ -54,8 +54,7 @@ def create_mesh(
         )
         if v is not None
     ]
-    _check_model_sizes_agree(num_partitions, model_parallel_submesh, ici_mesh_shape,
-                             dcn_mesh_shape)  # fmt: skip
+    _check_model_sizes_agree(num_partitions, model_parallel_submesh, ici_mesh_shape, dcn_mesh_shape)
     if dcn_mesh_shape is not None and ici_mesh_shape is None:
         raise PartitioningError("create_mesh: dcn_mesh_shape needs ici_mesh_shape")
     if not given:

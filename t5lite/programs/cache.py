@@ -54,9 +54,13 @@ def cache(
     out = []
     for task in cacheable:
         path = cache_tasks.run_cache_job(
-            task.name, data.cache_dir, splits, num_shards, overwrite=overwrite,
+            task.name,
+            data.cache_dir,
+            splits,
+            num_shards,
+            overwrite=overwrite,
             pipeline_args=pipeline_args,
-        )  # fmt: skip
+        )
         print(f"cached {task.name} -> {path}")
         out.append(path)
     return out

@@ -26,8 +26,9 @@ def check_task_and_model(task: str, model: BaseModel, lengths: Mapping[str, int]
     converter = model.feature_converter_name
     setting = (
         f"DecoderOnlyModel.feature_converter = {converter!r}"
-        if converter != "enc_dec" else "an encoder-decoder model"
-    )  # fmt: skip
+        if converter != "enc_dec"
+        else "an encoder-decoder model"
+    )
     wants_inputs = converter in ("enc_dec", "prefix_lm")
     if wants_inputs and "inputs" not in lengths:
         raise ValueError(
@@ -48,8 +49,10 @@ def check_task_and_model(task: str, model: BaseModel, lengths: Mapping[str, int]
         if has_inputs != wants_inputs:
             hint = (
                 "set DecoderOnlyModel.feature_converter = 'prefix_lm' to train on inputs "
-                "and targets" if has_inputs else "it needs a task with 'inputs'"
-            )  # fmt: skip
+                "and targets"
+                if has_inputs
+                else "it needs a task with 'inputs'"
+            )
             raise ValueError(
                 f"task {t.name!r} has features {sorted(t.output_features)} but {setting} "
                 f"{'would drop its inputs' if has_inputs else 'reads inputs and targets'}: "
@@ -89,9 +92,13 @@ def make_evaluator(
 ) -> seqio_lite.Evaluator:
     """A seqio_lite evaluator whose batches have the model's features."""
     return seqio_lite.Evaluator(
-        task, lengths, split=split, batch_size=batch_size,
-        feature_converter=feature_converter(model, pack=False), num_examples=num_examples,
-    )  # fmt: skip
+        task,
+        lengths,
+        split=split,
+        batch_size=batch_size,
+        feature_converter=feature_converter(model, pack=False),
+        num_examples=num_examples,
+    )
 
 
 def run_evaluation(
@@ -169,16 +176,19 @@ def restored_trainer(
     checkpoint. Only the parameters are read, so the optimizer the checkpoint was trained with
     need not be configured to evaluate it."""
     trainer = Trainer(
-        model, partitioner or Partitioner(), batch_size=data.batch_size,
+        model,
+        partitioner or Partitioner(),
+        batch_size=data.batch_size,
         lengths=data.task_feature_lengths,
-    )  # fmt: skip
+    )
     abstract = trainer.abstract_state()
     ckpt = CheckpointManager(model_dir)
     try:
         restored, _ = ckpt.restore(
-            {"params": abstract.params, "step": abstract.step}, step=checkpoint_step,
+            {"params": abstract.params, "step": abstract.step},
+            step=checkpoint_step,
             with_extra=False,
-        )  # fmt: skip
+        )
     finally:
         ckpt.close()
     return trainer, restored["params"], int(restored["step"])
@@ -204,14 +214,22 @@ def evaluate(
     check_task_and_model(data.task, model, data.task_feature_lengths)
     trainer, params, step = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
     evaluator = make_evaluator(
-        model, data.task, dict(data.task_feature_lengths), split=split_of(data, "validation"),
-        num_examples=data.num_examples, batch_size=data.batch_size,
-    )  # fmt: skip
+        model,
+        data.task,
+        dict(data.task_feature_lengths),
+        split=split_of(data, "validation"),
+        num_examples=data.num_examples,
+        batch_size=data.batch_size,
+    )
     writer = mw.MetricsWriter(model_dir, total_steps=step, enabled=jax.process_index() == 0)
     try:
         return run_evaluation(
-            evaluator, trainer, params, writer=writer, step=step,
+            evaluator,
+            trainer,
+            params,
+            writer=writer,
+            step=step,
             decode_len=max_decode_length or data.task_feature_lengths["targets"],
-        )  # fmt: skip
+        )
     finally:
         writer.close()

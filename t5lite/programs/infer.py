@@ -58,9 +58,13 @@ def infer(
     is_chief = jax.process_index() == 0
     batch_size = data.batch_size
     evaluator = make_evaluator(
-        model, data.task, dict(data.task_feature_lengths), split=split_of(data, "validation"),
-        num_examples=data.num_examples, batch_size=batch_size,
-    )  # fmt: skip
+        model,
+        data.task,
+        dict(data.task_feature_lengths),
+        split=split_of(data, "validation"),
+        num_examples=data.num_examples,
+        batch_size=batch_size,
+    )
     expected = [
         (t.name, _text(ex, "inputs")) for t in evaluator.tasks for ex in evaluator.examples(t.name)
     ]

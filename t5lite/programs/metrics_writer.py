@@ -117,9 +117,19 @@ class MetricsWriter:
         shown = " ".join(
             f"{k}={_fmt(v)}"
             for k, v in metrics.items()
-            if k in ("loss", "accuracy", "learning_rate", "tokens_per_s", "padded_tokens_per_s",
-                     "seqs_per_s", "step_time_s", "mfu") or prefix != "train"
-        )  # fmt: skip
+            if k
+            in (
+                "loss",
+                "accuracy",
+                "learning_rate",
+                "tokens_per_s",
+                "padded_tokens_per_s",
+                "seqs_per_s",
+                "step_time_s",
+                "mfu",
+            )
+            or prefix != "train"
+        )
         eta = self.eta_seconds(step) if prefix == "train" else None
         eta_text = f" ETA {_duration(eta)}" if eta is not None else ""
         if prefix == "train" and self.tty:

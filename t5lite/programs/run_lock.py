@@ -65,8 +65,10 @@ class RunLock:
                 host, pid = owner.get("host"), owner.get("pid")
                 gone = host == self.me["host"] and isinstance(pid, int) and not _alive(pid)
                 if gone and not taken_over:
-                    self.info(f"taking over the run lock of {self.directory}: process {pid} on "
-                              f"{host} is gone")  # fmt: skip
+                    self.info(
+                        f"taking over the run lock of {self.directory}: process {pid} on "
+                        f"{host} is gone"
+                    )
                     self.path.unlink(missing_ok=True)
                     taken_over = True
                     continue
