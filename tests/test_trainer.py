@@ -194,6 +194,24 @@ def test_adafactor_state_is_factored_and_sharded_by_logical_axes():
     assert v_row.sharding == NamedSharding(tr.partitioner.mesh, P(None))
 
 
+def test_adafactor_replicate_factored_lays_v_row_and_v_col_out_as_t5x():
+    # t5x's derive_logical_axes: v_row=None, v_col=None; v and m keep the parameter's axes.
+    opt = optimizers.Adafactor(min_dim_size_to_factor=8, replicate_factored=True, beta1=0.9)
+    tr = _trainer(optimizer=opt, num_partitions=2)
+    state = tr.init_state()
+    st, mesh = state.opt_state, tr.partitioner.mesh
+    path = ("encoder", "layers_0", "mlp", "wi_0", "kernel")
+
+    def at(tree):
+        for k in path:
+            tree = tree[k]
+        return tree
+
+    assert at(st.v_col).sharding == NamedSharding(mesh, P(None))
+    assert at(st.v_row).sharding == NamedSharding(mesh, P(None))
+    assert at(st.m).sharding == at(state.params).sharding == NamedSharding(mesh, P(None, "model"))
+
+
 def test_label_smoothing_matches_optax_minus_entropy():
     from t5lite.model import losses
 

@@ -168,6 +168,10 @@ class Adafactor:
     """Momentum (t5x's `beta1`, optax's `momentum`): an EMA, without bias correction, of the
     scaled update (after clipping, learning rate and parameter scale, before weight decay),
     kept in fp32 with the parameters' layout. None: no momentum and no extra state."""
+    replicate_factored: bool = False
+    """Lay out v_row and v_col replicated, as t5x's `derive_logical_axes` does. False (t5lite):
+    each keeps the logical axes of the dimensions it keeps, so it is split like them (less
+    memory per device under Megatron's `mlp`/`heads` -> `model`). The numbers are the same."""
 
     def _factoring(self, axes: Any, shape: tuple[int, ...]) -> _Factoring | None:
         if axes is None or len(shape) < 2:
@@ -293,7 +297,7 @@ class Adafactor:
                 f = self._factoring(ax_t, p.shape)
                 if which == "v":
                     return ax if f is None else PartitionSpec(None)
-                if f is None:
+                if f is None or self.replicate_factored:
                     return PartitionSpec(None)
                 assert ax_t is not None
                 drop = f.cols if which == "v_row" else f.rows
