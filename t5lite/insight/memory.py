@@ -233,15 +233,24 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
 
 def _recomputed(a: dict[str, int]) -> dict[str, int]:
     """One unscanned layer's `full` recomputation as it stands before its backward, by kind
-    (XLA:CPU's buffer assignment): the input, each block's norm output twice (the gathered
-    matmul input and the copy the norm's gradient reads), the residual sums; per attention, q
-    and the context, then k and v, the logits and probabilities; the MLP's two pre-activations,
-    their product and the GELU's tanh."""
+    (XLA:CPU's buffer assignment): each block's gathered matmul input, the input and its
+    norm's output, q (per attention), k and v, the logits and probabilities, the MLP's two
+    pre-activations and their product. On megatron (heads split, `embed` whole) the
+    attention's recomputation runs apart from the MLP's, and nothing is fused across blocks:
+    each block's norm output is kept in both its layouts ([B, L, D] and the matmul's
+    [B * L, D]), the residual sums and each attention's context are buffers of their own, and
+    so is the GELU's tanh."""
     n = a["attentions"]
+    if a["heads_split"] and not a["embed_split"]:
+        return {
+            "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
+            "mlp": (3 + a["gelu"]) * a["h"],
+            "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
+        }
     return {
-        "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
-        "mlp": (3 + a["gelu"]) * a["h"],
-        "norms+residual": (n + 1) * (a["x_gathered"] + a["x"]) + (n + 1) * a["x"],
+        "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
+        "mlp": 3 * a["h"],
+        "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
     }
 
 
@@ -265,7 +274,7 @@ def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
 class PredictedMemory:
     """An analytic estimate of the train step's peak memory per device (no compilation).
 
-    The peak is the largest of these moments (and, for unscanned `full`, one more, below),
+    The peak is the largest of these moments (and, for unscanned `full`, one a stack, below),
     each a sum of buffers live at once:
       backward: state + batch + gradients (whole over the batch axes until reduced, all layers:
         the scan carries them) + saved activations (all layers, under the remat policy) + the
@@ -273,8 +282,8 @@ class PredictedMemory:
         layer's backward working set (its activations, recomputed under remat, and their
         cotangents);
       update: state + batch + gradients + the optimizer's parameter-sized update (the reduced
-        gradients), + the token embedding's scatter zeros and, per extra lookup of a shared
-        table (T5), one more unreduced and reduced table gradient.
+        gradients); unscanned, + the token embedding's scatter zeros and, per extra lookup of
+        a shared table (T5), one more unreduced and reduced table gradient.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
     likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
     by kind of layer (attention, MLP, norms and residual sums, logits and loss, and, at an
@@ -283,28 +292,12 @@ class PredictedMemory:
     logical axes with the rules table, so any preset (sequence or context parallelism
     included) is sized by what it shards.
 
-    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10% of
-    the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models (T5
-    context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
-    embedding gradient). Unscanned layers follow their own counts (above), within 10% for every
-    preset x remat policy on both families (two layers a stack). T5 data and context parallel
-    peak at the gradient reduction (the update moment), where each lookup of T5's shared
-    embedding adds its own table-sized gradient. Unscanned `full` has a third moment, inside the
-    layers' backward (every layer recomputed, the first one differentiated, the loss's buffers
-    gone), and counts at the loss gradient the recomputation XLA:CPU hoists ahead of it, by
-    layout: all of it on data parallel, FSDP, sequence and context parallel, the attention's on
-    the decoder-only model's megatron, none on the 2D layouts and T5's megatron
-    (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
-    layouts were off by 11-24%), and of an encoder-decoder's encoder under FSDP only the
-    attention's. At depth (benchmarks/memory_accuracy.py --unscanned --layers 4): within 10% for
-    every preset x remat policy on both families at 4 layers (a stack: 0.907 to 1.086; before
-    T5's GELU buffers counted once a stack, its encoder's FSDP hoisting and sequence
-    parallelism's gathered inputs under every policy, five misses, 0.879 to 1.165), and at
-    T5.1.1-small's 8 layers a stack on the five T5 cases measured (FSDP without remat and
-    `full`, megatron without remat, fully sharded without remat, 2D activations `minimal`:
-    1.001, 1.023, 1.041, 0.907, 1.051; the first three 1.108, 1.193, 1.139 before).
-    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128, `t5lite inspect
-    --host_device_count=8`): 7.28 GiB predicted against 7.71 compiled (0.944).
+    Accuracy is measured against XLA:CPU's compiled figure by tests/test_insight_accuracy.py
+    and benchmarks/memory_accuracy.py (every preset x remat policy, both families, layers
+    scanned or unrolled); docs/performance.md has the figures and the layouts known to miss.
+    Unscanned `full` has more moments, inside each stack's backward (that stack's every layer
+    recomputed, the first one differentiated, the loss's buffers gone); at the loss gradient
+    it counts the recomputation XLA:CPU hoists ahead of it, by layout (_unscanned_backward).
     """
 
     state: int
@@ -436,9 +429,19 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
         n, a = layers[s]
         work = _add(_recomputed(a), scale=_RECOMPUTED_WORKING)
         earlier = (v for stack in held[:s] for v in stack)
-        return _add(*earlier, *[_recomputed(a)] * n, work), work
+        # A stack recomputed ahead of the loss gradient holds what it held there.
+        own = held[s][0] if hoisted(a, s) == "all" else _recomputed(a)
+        return _add(*earlier, *[own] * n, work), work
 
-    moment, work = max(map(inside, range(len(layers))), key=lambda m: sum(m[0].values()))
+    moments = [inside(s) for s in range(len(layers))]
+    if any(hoisted(a, i) == "none" for i, (_, a) in enumerate(layers)):
+        # Recomputed after the loss gradient with nothing to order it (the 2D layouts), an
+        # earlier stack's recomputation starts while the later one's backward still runs:
+        # every layer of every stack recomputed, beside the first layer's working set.
+        work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
+        everything = (_recomputed(a) for n, a in layers for _ in range(n))
+        moments.append((_add(*everything, work), work))
+    moment, work = max(moments, key=lambda m: sum(m[0].values()))
     if gathered:
         # FSDP: each layer's recomputation gathers its weights again (over the batch axes),
         # and every layer's gathered copy stays live until its backward.
