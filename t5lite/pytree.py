@@ -30,12 +30,21 @@ def path_str(path: Sequence[Any]) -> str:
 def finite_by_array(tree: Any) -> jax.Array:
     """A bool vector, one entry per floating-point leaf of `tree` in tree order (see
     `t5lite.trainer.inexact_leaf_paths`): every element of that leaf is finite."""
-    # One fused reduction per array: x * 0 is 0 where x is finite and NaN where it is not (inf
-    # too), and a sum keeps a NaN. `all(isfinite(x))` first writes a bool array on XLA:CPU
-    # (about 1% of the T5.1.1-small train step).
-    flags = [
-        jnp.isfinite(jnp.sum(x * 0, dtype=jnp.float32))
+    leaves = [
+        x
         for x in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]
-    return jnp.stack(flags) if flags else jnp.ones([0], bool)
+    if not leaves:
+        return jnp.ones([0], bool)
+    # One plain read per array: a sum is finite only if every element is (a NaN or inf makes
+    # it NaN or inf). XLA:CPU fuses a bare sum into one pass; `sum(x * 0)` or
+    # `all(isfinite(x))` first write a temporary of the array's size. Finite elements whose sum
+    # overflows make a sum inf too, so only then, under the `cond`, each array is checked
+    # element by element: the flags are exact and the common case costs one read.
+    quick = jnp.stack([jnp.isfinite(jnp.sum(x)) for x in leaves])
+    return jax.lax.cond(
+        jnp.all(quick),
+        lambda: quick,
+        lambda: jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]),
+    )

@@ -153,10 +153,9 @@ def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens
 
 
 # Buffers of each shape that the CPU compiler keeps per layer without remat, read from XLA's
-# buffer assignment (`--xla_dump_to`) and fitted on the scanned models of
-# tests/test_insight_accuracy.py (L = 64..128), then checked on sequences of 512 (a decoder-only
-# model, and T5.1.1-small under FSDP at batch 128, 512/114 tokens: within 5%). Per block: the
-# input, the norm's output, the block's output before its reduction and the residual sum; per
+# buffer assignment (`--xla_dump_to`) on the scanned models of tests/test_insight_accuracy.py
+# and checked on longer sequences (docs/performance.md has the figures). Per block: the input,
+# the norm's output, the block's output before its reduction and the residual sum; per
 # attention, q and the context; keys and values once; the MLP's pre-activations, activation,
 # gated product and their cotangents. The [B, H, L, L] fp32 attention scores: every layer
 # keeps two (logits, probabilities); the layer being differentiated three more (their
@@ -169,25 +168,15 @@ _LOSS_BUFFERS = 2
 # values, so a layer keeps fewer [B, L, D] and [B, L, F] buffers (3 a block, 5 of the MLP's);
 # and the backward's peak is at the loss gradient, with the logits, their softmax and
 # cotangent and three [B, L, D] buffers of the last layer live beside every layer's saved
-# values. Fitted on the CPU compiler's totals over eight FSDP configurations (decoder-only: 2
-# and 4 layers, d_model 256 and 512, d_ff 1024 and 2048, L 128 and 256; T5 with 2 and 3
-# layers a stack, 128/64 tokens): the residual after state, batch and gradients is within
-# 1.2 MiB of the model for the decoder-only model; T5's 7 MiB more is its gated GELU's
-# (below). Remat: under FSDP the scheduler hoists every layer's recomputation ahead
-# of the loss gradient (no loop orders it), so the recomputed values are live together and
-# the only saving is the [B, H, L, S] scores, which the recomputation fuses away (decoder-only:
-# none 15.55, minimal and full 14.55 MiB a layer, 1 MiB = the two scores); on megatron and
-# the 2D layouts it hoists less (_unscanned_backward).
+# values. Fitted on the CPU compiler's totals over FSDP configurations of both families
+# (2 to 4 layers, several widths and lengths). Remat: under FSDP the scheduler hoists every
+# layer's recomputation ahead of the loss gradient (no loop orders it), so the recomputed
+# values are live together and the only saving is the [B, H, L, S] scores, which the
+# recomputation fuses away; other layouts hoist less (_unscanned_backward).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, _UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
 # T5.1.1's gated GELU (tanh form): six [B, L, F] buffers of a layer of each stack at the loss
-# gradient, whatever the depth and the remat policy. Fitted as three a layer at two layers a
-# stack (the "7 MiB more than modelled" above); the 4-layer figures showed them constant:
-# between 2 and 4 layers a stack XLA's figure grows (activations, a layer pair, FSDP) 22.04
-# MiB without remat against 26.5 counted per layer and 22.0 counted once (megatron: 20.54
-# against 26.5 and 22.0), and the part that does not grow with depth is the same under
-# every remat policy (FSDP: 21.84, 21.84, 21.85 MiB; 13.5 counted without them, 22.5 with).
-# On the 2D layouts part of them does grow with depth (fully sharded without remat: 16.79 a
-# pair against 14.12 counted: 0.926 at 4 layers a stack, the lowest of the matrix).
+# gradient, whatever the depth and the remat policy (between 2 and 4 layers a stack, the
+# part of XLA's figure that does not grow with depth is the same under every policy).
 _UNSCANNED_GELU_HIDDEN = 6
 
 # Kinds of activation a report breaks the total into (they add up to `activations`).
@@ -226,19 +215,14 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
     if remat == "full" and hoisted == "attention":
         # Megatron: each layer's attention is recomputed ahead of the loss gradient (its
         # input, three more [B, L, D] buffers, q, k, v and both score buffers live at the
-        # peak), its MLP, behind the out projection's all-reduce, is not (decoder-only, 2
-        # layers: 6.0 MiB a layer, no [B, L, F] buffer).
+        # peak), its MLP, behind the out projection's all-reduce, is not.
         return {
             "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
             "norms+residual": 4 * a["x"],
         }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
     # Sequence parallelism gathers each block's input (collectives.column_parallel), and those
-    # whole-length copies are live with the rest at the loss gradient whatever the policy
-    # (decoder-only `full`: 0.906 at 2 layers and 0.879 at 4 without them, 0.967 and 0.968
-    # with; T5: 0.873 without, 0.983, 1.015 and 1.035 at 2, 3 and 4 layers with). Without
-    # remat and with `minimal` likewise (XLA's figures are `full`'s or 1.5-3 MiB above):
-    # decoder-only 0.916 and 0.906 at 2 layers, 0.894 and 0.879 at 4 without them.
+    # whole-length copies are live with the rest at the loss gradient whatever the policy.
     gathered = a["sp_gathered"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
@@ -248,10 +232,21 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
 
 
 def _recomputed(a: dict[str, int]) -> dict[str, int]:
-    """One unscanned layer's `full` recomputation as it stands in the backward pass, by kind:
-    each block's gathered matmul input, the input and its norm's output, q (per attention),
-    k and v, the logits and probabilities, the MLP's two pre-activations and their product."""
+    """One unscanned layer's `full` recomputation as it stands before its backward, by kind
+    (XLA:CPU's buffer assignment): each block's gathered matmul input, the input and its
+    norm's output, q (per attention), k and v, the logits and probabilities, the MLP's two
+    pre-activations and their product. On megatron (heads split, `embed` whole) the
+    attention's recomputation runs apart from the MLP's, and nothing is fused across blocks:
+    each block's norm output is kept in both its layouts ([B, L, D] and the matmul's
+    [B * L, D]), the residual sums and each attention's context are buffers of their own, and
+    so is the GELU's tanh."""
     n = a["attentions"]
+    if a["heads_split"] and not a["embed_split"]:
+        return {
+            "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
+            "mlp": (3 + a["gelu"]) * a["h"],
+            "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
+        }
     return {
         "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
         "mlp": 3 * a["h"],
@@ -259,17 +254,11 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     }
 
 
-# Unscanned `full`, inside the layers' backward: every layer's recomputation is live (hoisted
-# ahead of the first layer's backward, before or after the loss gradient), and the layer
-# being differentiated adds the cotangents of its recomputed values and the matmuls' gradient
-# temporaries, _RECOMPUTED_WORKING times its recomputed values. Fitted on XLA:CPU's compiled
-# totals of the 14 programs of the layouts that recompute after the loss gradient:
-# decoder-only on 2D activations and fully sharded (2, 4 and 6 layers; at 2 the loss gradient
-# stays the peak), T5 on 2D activations and megatron (2, 3 and 4 layers a stack) and fully
-# sharded (2, 4): 1.5 puts all within 6% (1.25: 7%, 1.75: 8%, 1.0: 9%). The buffer
-# assignment at that peak (4 layers) holds 8.0 MiB of recomputed values a decoder-only layer
-# on the 2D layouts (modelled 6.5: XLA keeps more [B, L, H, K] values), T5's 12.3 (2D
-# activations, modelled 12.25) and 14.0 (megatron, modelled 14.5) a layer of each stack.
+# Unscanned `full`, inside a stack's backward: every layer of that stack is recomputed and
+# live (hoisted ahead of its first layer's backward), and the layer being differentiated adds
+# the cotangents of its recomputed values and the matmuls' gradient temporaries,
+# _RECOMPUTED_WORKING times its recomputed values (fitted on XLA:CPU's compiled totals of the
+# layouts that recompute after the loss gradient, 2 to 6 layers).
 _RECOMPUTED_WORKING = 1.5
 
 
@@ -285,7 +274,7 @@ def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
 class PredictedMemory:
     """An analytic estimate of the train step's peak memory per device (no compilation).
 
-    The peak is the largest of these moments (and, for unscanned `full`, one more, below),
+    The peak is the largest of these moments (and, for unscanned `full`, one a stack, below),
     each a sum of buffers live at once:
       backward: state + batch + gradients (whole over the batch axes until reduced, all layers:
         the scan carries them) + saved activations (all layers, under the remat policy) + the
@@ -293,8 +282,8 @@ class PredictedMemory:
         layer's backward working set (its activations, recomputed under remat, and their
         cotangents);
       update: state + batch + gradients + the optimizer's parameter-sized update (the reduced
-        gradients), + the token embedding's scatter zeros and, per extra lookup of a shared
-        table (T5), one more unreduced and reduced table gradient.
+        gradients); unscanned, + the token embedding's scatter zeros and, per extra lookup of
+        a shared table (T5), one more unreduced and reduced table gradient.
     `activations` is what the backward moment adds (0 when the update is the peak), `update`
     likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
     by kind of layer (attention, MLP, norms and residual sums, logits and loss, and, at an
@@ -303,28 +292,12 @@ class PredictedMemory:
     logical axes with the rules table, so any preset (sequence or context parallelism
     included) is sized by what it shards.
 
-    Accuracy (tests/test_insight_accuracy.py, measured on XLA:CPU): scanned layers within 10% of
-    the compiled figure for every preset x remat policy on T5.1.1 and decoder-only models (T5
-    context parallel `full`: 1.026, was 0.900 before the update moment counted T5's second
-    embedding gradient). Unscanned layers follow their own counts (above), within 10% for every
-    preset x remat policy on both families (two layers a stack). T5 data and context parallel
-    peak at the gradient reduction (the update moment), where each lookup of T5's shared
-    embedding adds its own table-sized gradient. Unscanned `full` has a third moment, inside the
-    layers' backward (every layer recomputed, the first one differentiated, the loss's buffers
-    gone), and counts at the loss gradient the recomputation XLA:CPU hoists ahead of it, by
-    layout: all of it on data parallel, FSDP, sequence and context parallel, the attention's on
-    the decoder-only model's megatron, none on the 2D layouts and T5's megatron
-    (_RECOMPUTED_WORKING gives the figures at 2 to 6 layers: within 6%; before this moment those
-    layouts were off by 11-24%), and of an encoder-decoder's encoder under FSDP only the
-    attention's. At depth (benchmarks/memory_accuracy.py --unscanned --layers 4): within 10% for
-    every preset x remat policy on both families at 4 layers (a stack: 0.907 to 1.086; before
-    T5's GELU buffers counted once a stack, its encoder's FSDP hoisting and sequence
-    parallelism's gathered inputs under every policy, five misses, 0.879 to 1.165), and at
-    T5.1.1-small's 8 layers a stack on the five T5 cases measured (FSDP without remat and
-    `full`, megatron without remat, fully sharded without remat, 2D activations `minimal`:
-    1.001, 1.023, 1.041, 0.907, 1.051; the first three 1.108, 1.193, 1.139 before).
-    T5.1.1-small under FSDP (configs/inspect.gin, 512/114 tokens, batch 128, `t5lite inspect
-    --host_device_count=8`): 7.28 GiB predicted against 7.71 compiled (0.944).
+    Accuracy is measured against XLA:CPU's compiled figure by tests/test_insight_accuracy.py
+    and benchmarks/memory_accuracy.py (every preset x remat policy, both families, layers
+    scanned or unrolled); docs/performance.md has the figures and the layouts known to miss.
+    Unscanned `full` has more moments, inside each stack's backward (that stack's every layer
+    recomputed, the first one differentiated, the loss's buffers gone); at the loss gradient
+    it counts the recomputation XLA:CPU hoists ahead of it, by layout (_unscanned_backward).
     """
 
     state: int
@@ -368,16 +341,18 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
         )
     )
     grads = _unreduced_gradient_bytes(trainer)
+    # The gradient reduction and the update: beside the gradients, their reduced copies (the
+    # optimizer's parameter-sized update).
     update = _tree_bytes_per_device(trainer.abstract_state().params)
-    # The gradient reduction and the update: beside the gradients and their reduced copies,
-    # the token embedding's scatter-add gradient, one per lookup (an encoder-decoder's shared
-    # table is looked up by both stacks; each lookup's gradient is reduced as its own operand
-    # and only then summed), and the scatter's zero-initialised table, live until the update
-    # (XLA:CPU's buffer assignment, T5 unscanned on data parallel: 2 x (gradients + one more
-    # table) + the zeros, to 0.4 MiB).
-    table = _embedding_gradient_bytes(trainer)
-    lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
-    update += (lookups - 1) * (table[0] + table[1]) + table[0]
+    if not cfg.scan_layers:
+        # Unscanned, each lookup of the token embedding keeps its own scatter-add gradient up
+        # to the reduction (an encoder-decoder's shared table is looked up by both stacks, and
+        # each lookup's gradient is reduced as its own operand of the combined all-reduce
+        # before they are summed), beside the scatter's zero-initialised table (XLA:CPU's
+        # buffer assignment, T5 on data parallel). The scanned program sums them first.
+        table = _embedding_gradient_bytes(trainer)
+        lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
+        update += (lookups - 1) * (table[0] + table[1]) + table[0]
     terms = (*terms, ("optimizer update", update))
     total = sum(backward.values())
     if total >= update:
@@ -420,56 +395,64 @@ def _scanned_backward(layers: list, remat: str, logits: int):
 def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0):
     """The backward moment's activations by kind, and its terms, for unscanned layers: the
     larger of the loss gradient (every layer's saved values, the last layer's working set and
-    the loss's buffers) and, under `full`, the layers' backward (every layer recomputed, no
-    loss buffers left)."""
-    single = len(layers) == 1
+    the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
+    recomputed, the earlier stacks' held values, no loss buffers left)."""
     first = layers[-1][1]  # the first layer differentiated: the last stack's last
 
     # Where the `full` recomputation goes, read from XLA:CPU's buffer assignment: all of it
-    # ahead of the loss gradient on data parallel, FSDP, sequence and context parallel; only
-    # the attention's on the decoder-only model's megatron; none on the 2D layouts (embed
-    # split) or T5's megatron, whose every layer is recomputed after the loss gradient, all
-    # ahead of the first layer's backward (the buffer assignment at 4 layers: every layer's
-    # recomputed values live beside the first one's cotangents, no logits). Of an
-    # encoder-decoder's encoder under FSDP (its recomputation gathers the weights again),
-    # only the attention's: counting all of it put T5 FSDP `full` at 1.043 (2 layers a
-    # stack) and 1.129 (4); the attention's, 1.001 and 0.996 (an encoder layer grows the
-    # prediction 6 MiB, not 12, beside a decoder layer's 8.25: 14.25 a pair against XLA's
-    # 14.54). Sequence parallel, without the gathers, hoists all of it (T5 `full` compiles to
-    # `minimal`'s figure at 2 and 4 layers a stack).
+    # ahead of the loss gradient on data parallel, FSDP, sequence and context parallel; the
+    # attention's on megatron (an encoder's right after its forward, a decoder's self-attention
+    # ahead of the loss; the MLP waits behind the out projection's all-reduce); none on the 2D
+    # layouts (embed split), whose layers are recomputed after the loss gradient, a stack's
+    # all ahead of its first layer's backward. Of an encoder-decoder's encoder under FSDP (its
+    # recomputation gathers the weights again), only the attention's. Sequence parallel,
+    # without the gathers, hoists all of it (T5 `full` compiles to `minimal`'s figure).
     def hoisted(a: dict[str, int], stack: int) -> str:
-        if a["embed_split"] or (a["heads_split"] and not single):
+        if a["embed_split"]:
             return "none"
         encoder = stack < len(layers) - 1
         return "attention" if a["heads_split"] or (encoder and gathered) else "all"
 
-    saved = _add(*(
-        _saved_unscanned(a, remat, hoisted(a, i)) for i, (n, a) in enumerate(layers)
-        for _ in range(n)
-    ))  # fmt: skip
+    held = [[_saved_unscanned(a, remat, hoisted(a, i))] * n for i, (n, a) in enumerate(layers)]
+    saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
-    # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure, 1.094 at 2
-    # layers a stack and 1.105 at 4 counting both, 0.983 and 1.035 counting the gathered
-    # inputs only (the decoder-only model, without the GELU buffers, needs them: 0.906 without).
+    # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
     gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers)
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
     at_loss = _add(saved, last, loss)
-    work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
-    inside = _add(*(_recomputed(a) for n, a in layers for _ in range(n)), work)
+
+    def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Stack `s`'s backward (stacks are differentiated last to first): the earlier stacks
+        hold what they held at the loss gradient, the later ones are done."""
+        n, a = layers[s]
+        work = _add(_recomputed(a), scale=_RECOMPUTED_WORKING)
+        earlier = (v for stack in held[:s] for v in stack)
+        # A stack recomputed ahead of the loss gradient holds what it held there.
+        own = held[s][0] if hoisted(a, s) == "all" else _recomputed(a)
+        return _add(*earlier, *[own] * n, work), work
+
+    moments = [inside(s) for s in range(len(layers))]
+    if any(hoisted(a, i) == "none" for i, (_, a) in enumerate(layers)):
+        # Recomputed after the loss gradient with nothing to order it (the 2D layouts), an
+        # earlier stack's recomputation starts while the later one's backward still runs:
+        # every layer of every stack recomputed, beside the first layer's working set.
+        work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
+        everything = (_recomputed(a) for n, a in layers for _ in range(n))
+        moments.append((_add(*everything, work), work))
+    moment, work = max(moments, key=lambda m: sum(m[0].values()))
     if gathered:
         # FSDP: each layer's recomputation gathers its weights again (over the batch axes),
-        # and every layer's gathered copy stays live until its backward (buffer assignment,
-        # fully sharded, 4 layers: decoder-only 0.82 MiB a layer, its weights split 4 ways).
-        inside["gathered weights"] = gathered
-    if remat == "full" and sum(inside.values()) > sum(at_loss.values()):
+        # and every layer's gathered copy stays live until its backward.
+        moment["gathered weights"] = gathered
+    if remat == "full" and sum(moment.values()) > sum(at_loss.values()):
         terms = (
-            ("saved activations", sum(inside.values()) - sum(work.values()) - gathered),
+            ("saved activations", sum(moment.values()) - sum(work.values()) - gathered),
             ("layer working set", sum(work.values())), ("loss temporaries", 0),
             ("gathered weights", gathered),
         )  # fmt: skip
-        return inside, terms
+        return moment, terms
     terms = (
         ("saved activations", sum(saved.values())), ("layer working set", sum(last.values())),
         ("loss temporaries", loss["logits+loss"]),
