@@ -77,8 +77,8 @@ def _bytes_per_device(
 def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
     """(sequence parallel, context parallel): whether the rules split activations' `length`
     and the blocks' features over the same mesh axes (Megatron-3's layout, where
-    `collectives.column_parallel` gathers each block's input), or split `length` and keep
-    `kv_length` whole (`collectives.context_attention` gathers keys and values)."""
+    `collectives.sequence_parallel_gather` gathers each block's input), or split `length` and keep
+    `kv_length` whole (`collectives.context_parallel_attention` gathers keys and values)."""
 
     def axes(names: tuple[str | None, ...], dim: int) -> set[str]:
         spec, _ = resolve_logical_axes(names, partitioner.rules)
@@ -221,8 +221,9 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
             "norms+residual": 4 * a["x"],
         }
     scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
-    # Sequence parallelism gathers each block's input (collectives.column_parallel), and those
-    # whole-length copies are live with the rest at the loss gradient whatever the policy.
+    # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
+    # and those whole-length copies are live with the rest at the loss gradient whatever the
+    # policy.
     gathered = a["sp_gathered"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
@@ -386,9 +387,10 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     with_loss = _add(loss, _add(work, scale=0.5 if gathered else 0))
     peak = with_loss if sum(with_loss.values()) > sum(work.values()) else work
     terms = (
-        ("saved activations", sum(saved.values())), ("layer working set", sum(work.values())),
+        ("saved activations", sum(saved.values())),
+        ("layer working set", sum(work.values())),
         ("loss temporaries", loss["logits+loss"]),
-    )  # fmt: skip
+    )
     return _add(saved, peak), terms
 
 
@@ -449,14 +451,16 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
     if remat == "full" and sum(moment.values()) > sum(at_loss.values()):
         terms = (
             ("saved activations", sum(moment.values()) - sum(work.values()) - gathered),
-            ("layer working set", sum(work.values())), ("loss temporaries", 0),
+            ("layer working set", sum(work.values())),
+            ("loss temporaries", 0),
             ("gathered weights", gathered),
-        )  # fmt: skip
+        )
         return moment, terms
     terms = (
-        ("saved activations", sum(saved.values())), ("layer working set", sum(last.values())),
+        ("saved activations", sum(saved.values())),
+        ("layer working set", sum(last.values())),
         ("loss temporaries", loss["logits+loss"]),
-    )  # fmt: skip
+    )
     return at_loss, terms
 
 
@@ -532,16 +536,28 @@ def accuracy_trainer(
 
     if family == "t5":
         cfg = T5Config(
-            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=1024,
-            num_encoder_layers=layers, num_decoder_layers=layers, remat_policy=remat,
+            vocab_size=8192,
+            emb_dim=256,
+            num_heads=4,
+            head_dim=64,
+            mlp_dim=1024,
+            num_encoder_layers=layers,
+            num_decoder_layers=layers,
+            remat_policy=remat,
             scan_layers=scan,
-        )  # fmt: skip
+        )
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
         cfg = DecoderOnlyConfig(
-            vocab_size=8192, emb_dim=256, num_heads=4, head_dim=64, mlp_dim=768,
-            num_layers=layers, remat_policy=remat, scan_layers=scan,
-        )  # fmt: skip
+            vocab_size=8192,
+            emb_dim=256,
+            num_heads=4,
+            head_dim=64,
+            mlp_dim=768,
+            num_layers=layers,
+            remat_policy=remat,
+            scan_layers=scan,
+        )
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
         raise ValueError(f"family {family!r}: one of {ACCURACY_FAMILIES}")
