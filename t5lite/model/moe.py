@@ -320,3 +320,46 @@ class Router(nn.Module):
         kernel_DE = self.param("kernel", init, (x_TD.shape[-1], self.num_experts), jnp.float32)
         logits_TE = x_TD @ constraints.weight(jnp.asarray(kernel_DE))
         return route(logits_TE, self.top_k, self.router, self.normalize_top_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeStats:
+    """What the MoE layers of one forward pass sowed, each a mean over the MoE layers."""
+
+    aux_loss: Array  # Switch load-balancing loss
+    z_loss: Array  # router z-loss
+    dropped_fraction: Array  # (token, choice) pairs over capacity ('dropless': 0)
+    load_imbalance: Array  # max over experts of the expert load / its mean (1: balanced)
+
+
+def collect_stats(intermediates: Any) -> MoeStats | None:
+    """The `MoeStats` of a forward pass's 'intermediates' collection (None: no MoE layer).
+
+    Scanned layers sow one stacked value per name; unscanned layers one each.
+    """
+
+    def values(name: str) -> list[Array]:
+        found: list[Array] = []
+
+        def visit(tree: Any) -> None:
+            if isinstance(tree, dict):
+                for key, sub in tree.items():
+                    if key == name:
+                        found.extend(jnp.asarray(v) for v in sub)
+                    else:
+                        visit(sub)
+
+        visit(intermediates)
+        return found
+
+    def mean(name: str) -> Array:
+        return jnp.mean(jnp.concatenate([v.reshape(-1) for v in values(name)]))
+
+    loads = values(EXPERT_LOAD)
+    if not loads:
+        return None
+    # Each load sums to 1 over its last axis (experts): max / mean = E * max.
+    imbalance = jnp.mean(
+        jnp.concatenate([(v.shape[-1] * jnp.max(v, axis=-1)).reshape(-1) for v in loads])
+    )
+    return MoeStats(mean(AUX_LOSS), mean(Z_LOSS), mean(DROPPED), imbalance)
