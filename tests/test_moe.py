@@ -309,13 +309,24 @@ def _collectives(hlo: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo)) for op in ops}
 
 
-def test_expert_parallel_train_step_uses_all_to_all():
+def test_expert_parallel_train_step_uses_all_to_all_over_data():
     require_devices(8)
     tr = _trainer("expert_parallel", dataclasses.replace(LM_MOE, num_layers=1))
     hlo = tr.train_step.lower(tr.abstract_state(), tr.batch_abstract).compile().as_text()
     counts = _collectives(hlo)
     # Dispatch and combine forward, their transposes backward: all-to-alls over `data`.
     assert counts["all-to-all"] >= 4, counts
+    data_groups = [
+        sorted(int(d.id) for d in col) for col in np.asarray(tr.partitioner.mesh.devices).T
+    ]
+    for line in hlo.splitlines():
+        if re.search(r"\sall-to-all\(", line):
+            groups = re.search(r"replica_groups=(\S+?),? ", line).group(1)
+            assert groups in (_iota_groups(data_groups), "[2,4]<=[4,2]T(1,0)"), line
+
+
+def _iota_groups(groups: list[list[int]]) -> str:
+    return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
 
 
 PRESET_NAMES = list(partitioning.PRESETS)
@@ -334,12 +345,17 @@ def one_device_reference():
     return out
 
 
-@pytest.mark.parametrize("preset", PRESET_NAMES)
-@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+# Capacity under every preset; dropless under one table with and one without `expert_mlp`
+# sharding.
+LOSS_CASES = [(p, "capacity") for p in PRESET_NAMES] + [
+    ("megatron", "dropless"),
+    ("expert_parallel", "dropless"),
+]
+
+
+@pytest.mark.parametrize(("preset", "dispatch"), LOSS_CASES)
 def test_losses_on_8_devices_equal_1_device(preset, dispatch, one_device_reference):
     require_devices(8)
-    if dispatch == "dropless" and preset not in ("megatron", "expert_parallel"):
-        pytest.skip("dropless: one table with and one without expert_mlp sharding suffice")
     cfg = dataclasses.replace(LM_MOE, moe_dispatch=dispatch, moe_eval_capacity_factor=0.5)
     tr = _trainer(preset, cfg)
     params_ref, want = one_device_reference[dispatch]

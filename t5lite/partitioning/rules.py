@@ -112,17 +112,19 @@ def data_parallel_logical_axis_rules(
 ) -> tuple[tuple[str, MeshAxis], ...]:
     """Pure data parallelism: the batch is split over every mesh axis, all weights replicated."""
     rules: list[tuple[str, MeshAxis]] = [("batch", (DATA, MODEL))]
-    for name in ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "embed", *_REPLICATED_NAMES):
+    names = [n for n in _REPLICATED_NAMES if n != "expert_group"]
+    for name in ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "embed", *names):
         rules.append((name, None))
     # As t5x's MoE table when the batch spans both axes: experts over `data`, their replicas
-    # over `model` (the second data axis), no expert-MLP split.
-    # An expert's tokens (its capacity slots) are split over `model` too, so that no two
-    # devices compute the same slots.
+    # over `model` (the second data axis), no expert-MLP split. The dispatched activations
+    # [expert, expert_group, expert_capacity, embed] keep their groups (sequences) over
+    # `model`, where the batch has them: the dispatch is an all-to-all over `data` only.
     rules += [
         ("expert", DATA),
         ("expert_mlp", None),
         ("expert_replicas", MODEL),
-        ("expert_capacity", MODEL),
+        ("expert_group", MODEL),
+        ("expert_capacity", None),
     ]
     return tuple(rules + list(additional_rules or ()))
 
