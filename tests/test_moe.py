@@ -424,3 +424,29 @@ def test_experts_not_dividing_their_mesh_axis_name_num_experts():
     )
     assert str(e.value).endswith("use a multiple of 4 experts or another rule for 'expert'")
     assert "\n" not in str(e.value)
+
+
+def test_the_gin_files_build_the_tiny_moe_lm_and_the_preset():
+    import gin
+
+    from t5lite.cli import registry as gin_registry
+    from t5lite.cli.gin_config import parse_gin
+
+    try:
+        parse_gin(["models/decoder_only/tiny_moe.gin", "partitioning/expert_parallel.gin"], [])
+        with gin.unlock_config():
+            cfg = gin_registry.DecoderOnlyConfig()
+            rules = gin_registry.Partitioner(mesh=partitioning.create_mesh()).rules
+    finally:
+        with gin.unlock_config():
+            gin.clear_config()
+    assert (cfg.num_experts, cfg.moe_every, cfg.moe_top_k, cfg.moe_dispatch) == (
+        4,
+        1,
+        2,
+        "capacity",
+    )
+    assert cfg.moe_normalize_top_k and cfg.num_layers == 2
+    assert rules == partitioning.preset_rules("expert_parallel")
+    assert dict(rules)["expert"] == "data" and dict(rules)["expert_mlp"] is None
+    assert dict(rules)["expert_capacity"] == "model"
