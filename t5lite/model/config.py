@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from t5lite.model import attention, moe
+from t5lite.model import attention
 from t5lite.model.precision import Precision
 
 RematPolicy = Literal["none", "minimal", "full"]
@@ -18,6 +18,10 @@ ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 """What `rope_scaling` accepts (HF `rope_type` 'default', 'linear', 'llama3')."""
 REMAT_POLICIES: tuple[str, ...] = ("none", "minimal", "full")
 """What `remat_policy` accepts: save everything, save matmul outputs only, save nothing."""
+MOE_DISPATCHES: tuple[str, ...] = ("capacity", "dropless")
+"""What `moe_dispatch` accepts (see model/moe.py)."""
+MOE_ROUTERS: tuple[str, ...] = ("softmax_then_topk", "topk_then_softmax")
+"""What `moe_router` accepts (see model/moe.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,12 +301,12 @@ def _check_moe(cfg: AnyConfig, num_layers: int) -> None:
     for field in ("moe_capacity_factor", "moe_eval_capacity_factor"):
         if getattr(cfg, field) <= 0:
             raise ValueError(f"{name}.{field} must be > 0, got {getattr(cfg, field)}")
-    if cfg.moe_dispatch not in moe.DISPATCHES:
+    if cfg.moe_dispatch not in MOE_DISPATCHES:
         raise ValueError(
-            f"{name}.moe_dispatch must be one of {moe.DISPATCHES}, got {cfg.moe_dispatch!r}"
+            f"{name}.moe_dispatch must be one of {MOE_DISPATCHES}, got {cfg.moe_dispatch!r}"
         )
-    if cfg.moe_router not in moe.ROUTERS:
-        raise ValueError(f"{name}.moe_router must be one of {moe.ROUTERS}, got {cfg.moe_router!r}")
+    if cfg.moe_router not in MOE_ROUTERS:
+        raise ValueError(f"{name}.moe_router must be one of {MOE_ROUTERS}, got {cfg.moe_router!r}")
     if not 0.0 <= cfg.moe_jitter_noise < 1.0:
         raise ValueError(f"{name}.moe_jitter_noise must be in [0, 1), got {cfg.moe_jitter_noise}")
     if cfg.moe_shared_experts < 0:

@@ -35,23 +35,21 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from t5lite import constraints
+from t5lite.model.config import MOE_DISPATCHES, MOE_ROUTERS, AnyConfig
 from t5lite.model.dense import Initializer, default_kernel_init
 from t5lite.model.layers import _ACTIVATIONS, MlpBlock
 
 Array = jax.Array
 DType = Any
 
-MoeDispatch = Literal["capacity", "dropless"]
-MoeRouter = Literal["softmax_then_topk", "topk_then_softmax"]
-DISPATCHES: tuple[str, ...] = ("capacity", "dropless")
-ROUTERS: tuple[str, ...] = ("softmax_then_topk", "topk_then_softmax")
+DISPATCHES, ROUTERS = MOE_DISPATCHES, MOE_ROUTERS
 
 # The names MoeBlock sows into 'intermediates' (one value per MoE layer and call).
 AUX_LOSS = "moe_aux_loss"
@@ -61,6 +59,37 @@ DROPPED = "moe_dropped_fraction"
 
 DISPATCHED_AXES = ("expert", "expert_group", "expert_capacity", "embed")
 HIDDEN_AXES = ("expert", "expert_group", "expert_capacity", "expert_mlp")
+
+
+def mlp_block(cfg: AnyConfig, sparse: bool, name: str = "mlp") -> nn.Module:
+    """The feed-forward block of a layer of `cfg`: a `MoeBlock` where `sparse` (see
+    `config.is_moe_layer`), else the dense `MlpBlock`."""
+    if not sparse:
+        return MlpBlock(
+            intermediate_dim=cfg.mlp_dim,
+            activations=cfg.mlp_activations,
+            dropout_rate=cfg.dropout_rate,
+            dtype=cfg.policy.compute,
+            param_dtype=cfg.policy.master,
+            name=name,
+        )
+    return MoeBlock(
+        num_experts=cfg.num_experts,
+        intermediate_dim=cfg.mlp_dim,
+        activations=cfg.mlp_activations,
+        top_k=cfg.moe_top_k,
+        router=cfg.moe_router,
+        normalize_top_k=cfg.moe_normalize_top_k,
+        jitter_noise=cfg.moe_jitter_noise,
+        dispatch=cfg.moe_dispatch,
+        capacity_factor=cfg.moe_capacity_factor,
+        eval_capacity_factor=cfg.moe_eval_capacity_factor,
+        num_shared_experts=cfg.moe_shared_experts,
+        dropout_rate=cfg.dropout_rate,
+        dtype=cfg.policy.compute,
+        param_dtype=cfg.policy.master,
+        name=name,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

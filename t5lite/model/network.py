@@ -81,35 +81,6 @@ def _rope_scaling(cfg: AnyConfig) -> positions.RopeScaling:
     )
 
 
-def _mlp(cfg: AnyConfig, sparse: bool) -> nn.Module:
-    if sparse:
-        return moe.MoeBlock(
-            num_experts=cfg.num_experts,
-            intermediate_dim=cfg.mlp_dim,
-            activations=cfg.mlp_activations,
-            top_k=cfg.moe_top_k,
-            router=cfg.moe_router,
-            normalize_top_k=cfg.moe_normalize_top_k,
-            jitter_noise=cfg.moe_jitter_noise,
-            dispatch=cfg.moe_dispatch,
-            capacity_factor=cfg.moe_capacity_factor,
-            eval_capacity_factor=cfg.moe_eval_capacity_factor,
-            num_shared_experts=cfg.moe_shared_experts,
-            dropout_rate=cfg.dropout_rate,
-            dtype=cfg.policy.compute,
-            param_dtype=cfg.policy.master,
-            name="mlp",
-        )
-    return layers.MlpBlock(
-        intermediate_dim=cfg.mlp_dim,
-        activations=cfg.mlp_activations,
-        dropout_rate=cfg.dropout_rate,
-        dtype=cfg.policy.compute,
-        param_dtype=cfg.policy.master,
-        name="mlp",
-    )
-
-
 def _constrain(x_BLD: Array) -> Array:
     return constraints.constrain(x_BLD, ("batch", "length", "embed"))
 
@@ -130,7 +101,7 @@ class EncoderLayer(nn.Module):
         y = _attention(cfg, "attention")(y, y, mask, bias_1HLS, deterministic=det)
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
-        y = _mlp(cfg, self.sparse)(y, deterministic=det)
+        y = moe.mlp_block(cfg, self.sparse)(y, deterministic=det)
         return _constrain(x_BLD + _dropout(cfg, y, det)), None
 
 
@@ -179,7 +150,7 @@ class DecoderLayer(nn.Module):
             )(y, encoded_BSD, cross_mask, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
-        y = _mlp(cfg, self.sparse)(y, deterministic=det)
+        y = moe.mlp_block(cfg, self.sparse)(y, deterministic=det)
         return _constrain(x_BLD + _dropout(cfg, y, det)), None
 
 
