@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
 from t5lite.model import moe, network
-from t5lite.model.models import DecoderOnlyModel
+from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
 from t5lite.partitioning import Partitioner, PartitioningError
 from t5lite.trainer import Trainer
 
@@ -362,6 +362,41 @@ def test_losses_on_8_devices_equal_1_device(preset, dispatch, one_device_referen
     params = jax.tree.map(lambda x, s: jax.device_put(x, s), params_ref, tr.state_shardings.params)
     got = tr.eval_step(params, tr.global_batch_from_full(_lm_batch()))
     assert float(want["moe_dropped_sum"]) > 0 or dispatch == "dropless"
+    for k in ("loss_sum", "moe_aux_loss_sum", "moe_z_loss_sum", "moe_dropped_sum"):
+        np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=2e-5, err_msg=k)
+
+
+T5_MOE = network.T5Config(
+    vocab_size=64,
+    emb_dim=16,
+    num_heads=4,
+    head_dim=4,
+    mlp_dim=32,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    num_experts=4,
+    moe_every=2,
+    moe_eval_capacity_factor=0.5,
+    variant="t5.1.0",
+)
+
+
+@pytest.mark.parametrize("preset", ["megatron", "expert_parallel"])
+def test_switch_style_t5_on_8_devices_equals_1_device(preset):
+    require_devices(8)
+    rng = np.random.RandomState(3)
+    batch = _lm_batch(seed=3)
+    batch["encoder_input_tokens"] = rng.randint(1, 64, (8, 8)).astype(np.int32)
+    model = EncoderDecoderModel(network_config=T5_MOE)
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), jax.tree.map(jnp.asarray, batch)))
+    want = jax.jit(model.eval_fn)(params["params"], batch)
+    assert float(want["moe_dropped_sum"]) > 0
+    part = Partitioner(
+        partitioning.create_mesh(2), logical_axis_rules=partitioning.preset_rules(preset)
+    )
+    tr = Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
+    sharded = jax.tree.map(jax.device_put, params["params"], tr.state_shardings.params)
+    got = tr.eval_step(sharded, tr.global_batch_from_full(batch))
     for k in ("loss_sum", "moe_aux_loss_sum", "moe_z_loss_sum", "moe_dropped_sum"):
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=2e-5, err_msg=k)
 

@@ -221,6 +221,7 @@ class MoeBlock(nn.Module):
             self.normalize_top_k,
             self.jitter_noise,
             self.kernel_init,
+            self.param_dtype,
             name="router",
         )(x_BLD.reshape(b * length, d), deterministic)
         names = (
@@ -335,6 +336,7 @@ class Router(nn.Module):
     normalize_top_k: bool
     jitter_noise: float
     kernel_init: Initializer
+    param_dtype: DType = jnp.float32
 
     @nn.compact
     def __call__(self, x_TD: Array, deterministic: bool) -> Routing:
@@ -346,8 +348,9 @@ class Router(nn.Module):
             )
             x_TD = x_TD * noise_TD
         init = nn.with_logical_partitioning(self.kernel_init, ("embed", "expert"))
-        kernel_DE = self.param("kernel", init, (x_TD.shape[-1], self.num_experts), jnp.float32)
-        logits_TE = x_TD @ constraints.weight(jnp.asarray(kernel_DE))
+        shape = (x_TD.shape[-1], self.num_experts)
+        kernel_DE = self.param("kernel", init, shape, self.param_dtype)
+        logits_TE = x_TD @ constraints.weight(jnp.asarray(kernel_DE, jnp.float32))
         return route(logits_TE, self.top_k, self.router, self.normalize_top_k)
 
 
