@@ -366,6 +366,22 @@ def test_losses_on_8_devices_equal_1_device(preset, dispatch, one_device_referen
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=2e-5, err_msg=k)
 
 
+def test_capacity_on_explicit_axes_equals_1_device(one_device_reference):
+    require_devices(8)
+    cfg = dataclasses.replace(LM_MOE, moe_eval_capacity_factor=0.5)
+    part = Partitioner(
+        partitioning.create_mesh(2),
+        logical_axis_rules=partitioning.preset_rules("megatron"),
+        shard_mode="explicit",
+    )
+    tr = Trainer(DecoderOnlyModel(network_config=cfg), part, batch_size=8, lengths={"targets": 8})
+    params_ref, want = one_device_reference["capacity"]
+    params = jax.tree.map(jax.device_put, params_ref, tr.state_shardings.params)
+    got = tr.eval_step(params, tr.global_batch_from_full(_lm_batch()))
+    for k in ("loss_sum", "moe_aux_loss_sum", "moe_z_loss_sum", "moe_dropped_sum"):
+        np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=2e-5, err_msg=k)
+
+
 T5_MOE = network.T5Config(
     vocab_size=64,
     emb_dim=16,
