@@ -17,10 +17,13 @@ Two dispatch modes:
     all-to-all (GShard). Runs everywhere (einsums only).
   - 'dropless' (MegaBlocks / Mixtral): no token is dropped: the (token, choice) pairs are sorted
     by expert and each expert's rows go through one grouped matmul, `jax.lax.ragged_dot(lhs
-    [M, D], rhs [E, D, F], group_sizes [E])`. XLA:CPU and XLA:GPU lower it to a dense loop over
-    the groups, TPU to its grouped-matmul kernel. Correct under every rules table, but the sort
-    is global: GSPMD gathers the tokens (and expert kernels sharded on `expert`), so dropless
-    does not give expert parallelism; use 'capacity' for that.
+    [M, D], rhs [E, D, F], group_sizes [E])`. On CPU JAX lowers it to a masked dense batched
+    matmul (every expert multiplies every row: E times the work, for tests and small models);
+    on GPU and TPU to XLA's ragged dot (`chlo.ragged_dot`; on GPU a Pallas/Triton kernel when
+    `jax_ragged_dot_use_gpu_pallas_triton_lowering` is set). Correct under every rules table,
+    but the sort is global: GSPMD gathers the tokens (and expert kernels sharded on `expert`),
+    so dropless gives no expert parallelism (use 'capacity'), and on Explicit mesh axes JAX
+    cannot type the sort (the trainer says so in one line: use shard_mode='auto').
 
 Auxiliary outputs are sown into the 'intermediates' collection (see `MoeStats`; the model adds
 the losses to the training loss when that collection is mutable, see models.py).
