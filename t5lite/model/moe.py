@@ -52,8 +52,6 @@ from t5lite.model.layers import _ACTIVATIONS, MlpBlock
 Array = jax.Array
 DType = Any
 
-DISPATCHES, ROUTERS = MOE_DISPATCHES, MOE_ROUTERS
-
 # The names MoeBlock sows into 'intermediates' (one value per MoE layer and call).
 AUX_LOSS = "moe_aux_loss"
 Z_LOSS = "moe_z_loss"
@@ -124,7 +122,7 @@ def route(
         top_logits_TK, experts_TK = jax.lax.top_k(logits_TE, top_k)
         weights_TK = jax.nn.softmax(top_logits_TK, axis=-1)
     else:
-        raise ValueError(f"moe router must be one of {ROUTERS}, got {router!r}")
+        raise ValueError(f"moe router must be one of {MOE_ROUTERS}, got {router!r}")
     return Routing(logits_TE, probs_TE, experts_TK.astype(jnp.int32), weights_TK)
 
 
@@ -133,7 +131,7 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> Array:
 
     f_e is the fraction of tokens whose top-k choices include e (counted before capacity, as
     Switch does; for k > 1 the fractions of the k choices are summed, as HF Mixtral does), P_e
-    the mean router probability of e. 1.0 when routing is uniform (k = 1).
+    the mean router probability of e. Uniform routing gives k; only P_e carries a gradient.
     """
     f_E = jnp.mean(jnp.sum(jax.nn.one_hot(routing.experts_TK, num_experts), axis=1), axis=0)
     p_E = jnp.mean(routing.probs_TE, axis=0)
@@ -242,7 +240,7 @@ class MoeBlock(nn.Module):
         elif self.dispatch == "dropless":
             y_BLD, dropped = self._dropless(x_BLD, routing, wi_EDF, wo_EFD, deterministic)
         else:
-            raise ValueError(f"moe dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
+            raise ValueError(f"moe dispatch must be one of {MOE_DISPATCHES}, got {self.dispatch!r}")
         if self.num_shared_experts:
             y_BLD = y_BLD + MlpBlock(
                 self.num_shared_experts * f,
