@@ -18,6 +18,10 @@ ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "llama3")
 """What `rope_scaling` accepts (HF `rope_type` 'default', 'linear', 'llama3')."""
 REMAT_POLICIES: tuple[str, ...] = ("none", "minimal", "full")
 """What `remat_policy` accepts: save everything, save matmul outputs only, save nothing."""
+MOE_DISPATCHES: tuple[str, ...] = ("capacity", "dropless")
+"""What `moe_dispatch` accepts (see model/moe.py)."""
+MOE_ROUTERS: tuple[str, ...] = ("softmax_then_topk", "topk_then_softmax")
+"""What `moe_router` accepts (see model/moe.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,33 @@ class T5Config:
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""
+    num_experts: int = 0
+    """E, experts per mixture-of-experts MLP (0: every MLP is dense); see model/moe.py."""
+    moe_every: int = 1
+    """Every k-th layer's MLP is a mixture of experts: layer i (from 0) when (i + 1) % k == 0,
+    in the encoder and the decoder alike (k=2: layers 1, 3, 5, ... as Switch / HF
+    `encoder_sparse_step=2`; k=1: every layer)."""
+    moe_top_k: int = 1
+    """Experts per token (1: Switch; 2: Mixtral)."""
+    moe_router: str = "softmax_then_topk"
+    """'softmax_then_topk' (Switch, Mixtral) or 'topk_then_softmax'."""
+    moe_normalize_top_k: bool = False
+    """Rescale the kept top-k router probabilities to sum to 1 (Mixtral: True; Switch: False)."""
+    moe_jitter_noise: float = 0.0
+    """Training only: the router input is multiplied by U(1 - eps, 1 + eps)."""
+    moe_dispatch: str = "capacity"
+    """'capacity' (GShard/Switch: fixed slots per expert, overflow dropped, expert parallelism
+    by the rules) or 'dropless' (sorted tokens, grouped matmul; no expert parallelism)."""
+    moe_capacity_factor: float = 1.25
+    """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
+    moe_eval_capacity_factor: float = 2.0
+    """'capacity': the factor for eval, scoring and decoding."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
+    moe_z_loss_coef: float = 0.001
+    """Weight of ST-MoE's router z-loss (mean over MoE layers) in the training loss."""
+    moe_shared_experts: int = 0
+    """Dense experts every token also goes through (their MLP is this many times mlp_dim)."""
 
     # Uniform interface shared with DecoderOnlyConfig, read by the layer classes.
     @property
@@ -109,6 +140,7 @@ class T5Config:
             raise ValueError("T5Config: scale_logits=True needs tied logits (tie_logits=True)")
         _check_remat(self.remat_policy)
         _check_attention(self, relative_bias=True)
+        _check_moe(self, max(self.num_encoder_layers, self.num_decoder_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +189,33 @@ class DecoderOnlyConfig:
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""
+    num_experts: int = 0
+    """E, experts per mixture-of-experts MLP (0: every MLP is dense); see model/moe.py."""
+    moe_every: int = 1
+    """Every k-th layer's MLP is a mixture of experts: layer i (from 0) when (i + 1) % k == 0,
+    in the encoder and the decoder alike (k=2: layers 1, 3, 5, ... as Switch / HF
+    `encoder_sparse_step=2`; k=1: every layer)."""
+    moe_top_k: int = 2
+    """Experts per token (1: Switch; 2: Mixtral)."""
+    moe_router: str = "softmax_then_topk"
+    """'softmax_then_topk' (Switch, Mixtral) or 'topk_then_softmax'."""
+    moe_normalize_top_k: bool = True
+    """Rescale the kept top-k router probabilities to sum to 1 (Mixtral: True; Switch: False)."""
+    moe_jitter_noise: float = 0.0
+    """Training only: the router input is multiplied by U(1 - eps, 1 + eps)."""
+    moe_dispatch: str = "capacity"
+    """'capacity' (GShard/Switch: fixed slots per expert, overflow dropped, expert parallelism
+    by the rules) or 'dropless' (sorted tokens, grouped matmul; no expert parallelism)."""
+    moe_capacity_factor: float = 1.25
+    """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
+    moe_eval_capacity_factor: float = 2.0
+    """'capacity': the factor for eval, scoring and decoding."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
+    moe_z_loss_coef: float = 0.001
+    """Weight of ST-MoE's router z-loss (mean over MoE layers) in the training loss."""
+    moe_shared_experts: int = 0
+    """Dense experts every token also goes through (their MLP is this many times mlp_dim)."""
 
     @property
     def policy(self) -> Precision:
@@ -186,6 +245,7 @@ class DecoderOnlyConfig:
             )
         _check_remat(self.remat_policy)
         _check_attention(self, relative_bias=self.position_embedding == "relative")
+        _check_moe(self, self.num_layers)
 
     @property
     def mlp_activations(self) -> tuple[str, ...]:
@@ -215,6 +275,49 @@ def _check_attention(cfg: AnyConfig, relative_bias: bool) -> None:
     )
     setting = f"{type(cfg).__name__}.attention_implementation"
     attention.check_implementation(cfg.attention_implementation, features, setting)
+
+
+def is_moe_layer(cfg: AnyConfig, index: int) -> bool:
+    """Whether layer `index` (from 0, encoder and decoder alike) has a mixture-of-experts MLP."""
+    return cfg.num_experts > 0 and (index + 1) % cfg.moe_every == 0
+
+
+def _check_moe(cfg: AnyConfig, num_layers: int) -> None:
+    """One line naming the setting for a mixture-of-experts option out of range."""
+    name = type(cfg).__name__
+    if cfg.num_experts < 0:
+        raise ValueError(f"{name}.num_experts must be >= 0 (0: dense), got {cfg.num_experts}")
+    if not cfg.num_experts:
+        return
+    if not 1 <= cfg.moe_top_k <= cfg.num_experts:
+        raise ValueError(
+            f"{name}.moe_top_k={cfg.moe_top_k} must be between 1 and num_experts={cfg.num_experts}"
+        )
+    if not 1 <= cfg.moe_every <= num_layers:
+        raise ValueError(
+            f"{name}.moe_every={cfg.moe_every} must be between 1 and the number of layers "
+            f"({num_layers})"
+        )
+    for field in ("moe_capacity_factor", "moe_eval_capacity_factor"):
+        if getattr(cfg, field) <= 0:
+            raise ValueError(f"{name}.{field} must be > 0, got {getattr(cfg, field)}")
+    if cfg.moe_dispatch not in MOE_DISPATCHES:
+        raise ValueError(
+            f"{name}.moe_dispatch must be one of {MOE_DISPATCHES}, got {cfg.moe_dispatch!r}"
+        )
+    if cfg.moe_router not in MOE_ROUTERS:
+        raise ValueError(f"{name}.moe_router must be one of {MOE_ROUTERS}, got {cfg.moe_router!r}")
+    if not 0.0 <= cfg.moe_jitter_noise < 1.0:
+        raise ValueError(f"{name}.moe_jitter_noise must be in [0, 1), got {cfg.moe_jitter_noise}")
+    if cfg.moe_shared_experts < 0:
+        raise ValueError(f"{name}.moe_shared_experts must be >= 0, got {cfg.moe_shared_experts}")
+    if cfg.scan_layers and cfg.moe_every > 1:
+        # Scanned layers must be identical; a scanned group of moe_every layers would change
+        # the parameter tree that scan_params, checkpoints and hf/ read.
+        raise ValueError(
+            f"{name}.moe_every={cfg.moe_every} needs scan_layers=False (scanned layers are "
+            "identical: use moe_every=1 to scan a mixture-of-experts model)"
+        )
 
 
 def config_record(config: AnyConfig) -> dict[str, Any]:

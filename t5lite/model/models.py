@@ -18,7 +18,7 @@ import numpy as np
 from flax.core import meta
 
 from t5lite import constraints
-from t5lite.model import decoding, layers, losses, network
+from t5lite.model import decoding, layers, losses, moe, network
 from t5lite.model.lora import BASE_PATTERN, LoRA, add_adapters, merge
 from t5lite.model.optimizers import AdamW, FrozenParams, Optimizer
 
@@ -158,8 +158,41 @@ class BaseModel(abc.ABC):
     def loss_terms(
         self, params: PyTree, batch: Batch, dropout_rng: Array | None
     ) -> tuple[Array, dict[str, Array]]:
-        """Loss numerator and summable metrics (loss = numerator / loss_denominator)."""
-        logits = self._logits(params, batch, dropout_rng)
+        """Loss numerator and summable metrics (loss = numerator / loss_denominator).
+
+        With mixture-of-experts layers the weighted load-balancing and router z-losses (means
+        over the MoE layers, per batch) are added as `coef * loss * max(loss_denominator, 1)`,
+        so they reach the normalised loss unscaled; the metrics `moe_aux_loss_sum`,
+        `moe_z_loss_sum`, `moe_dropped_sum` and `moe_load_imbalance_sum` carry them with the
+        same factor.
+        """
+        cfg = self.network_config
+        if not getattr(cfg, "num_experts", 0):
+            return self._token_loss_terms(self._logits(params, batch, dropout_rng), batch)
+        rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+        logits, state = self.module().apply(
+            {"params": self.forward_params(params)},
+            **self._inputs(batch),
+            enable_dropout=dropout_rng is not None,
+            rngs=rngs,
+            mutable=["intermediates"],
+        )
+        numerator, metrics = self._token_loss_terms(logits, batch)
+        stats = moe.collect_stats(state.get("intermediates", {}))
+        if stats is None:
+            return numerator, metrics
+        scale = jax.lax.stop_gradient(jnp.maximum(metrics["loss_denominator"], 1.0))
+        aux = cfg.moe_aux_loss_coef * stats.aux_loss + cfg.moe_z_loss_coef * stats.z_loss
+        metrics = {
+            **metrics,
+            "moe_aux_loss_sum": stats.aux_loss * scale,
+            "moe_z_loss_sum": stats.z_loss * scale,
+            "moe_dropped_sum": stats.dropped_fraction * scale,
+            "moe_load_imbalance_sum": stats.load_imbalance * scale,
+        }
+        return numerator + aux * scale, metrics
+
+    def _token_loss_terms(self, logits: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
         return losses.cross_entropy_terms(
             logits,
             batch["decoder_target_tokens"],

@@ -15,6 +15,7 @@ Parameter tree (unscanned; scanned replaces `layers_{i}` by one `layers` with a 
                       pre_mlp_layer_norm, mlp}
   decoder/decoder_norm/scale
   decoder/logits_dense/kernel                            [D, V]      (untied only)
+A mixture-of-experts layer's `mlp` is a `moe.MoeBlock` (router/kernel, wi_* [E, D, F], wo).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import numpy as np
 from flax import linen as nn
 
 from t5lite import constraints
-from t5lite.model import layers, positions
+from t5lite.model import layers, moe, positions
 from t5lite.model.attention import Mask
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
-from t5lite.model.config import AnyConfig, DecoderOnlyConfig, T5Config
+from t5lite.model.config import AnyConfig, DecoderOnlyConfig, T5Config, is_moe_layer
 from t5lite.model.masks import MaskParts
 
 Array = jax.Array
@@ -80,17 +81,6 @@ def _rope_scaling(cfg: AnyConfig) -> positions.RopeScaling:
     )
 
 
-def _mlp(cfg: AnyConfig) -> layers.MlpBlock:
-    return layers.MlpBlock(
-        intermediate_dim=cfg.mlp_dim,
-        activations=cfg.mlp_activations,
-        dropout_rate=cfg.dropout_rate,
-        dtype=cfg.policy.compute,
-        param_dtype=cfg.policy.master,
-        name="mlp",
-    )
-
-
 def _constrain(x_BLD: Array) -> Array:
     return constraints.constrain(x_BLD, ("batch", "length", "embed"))
 
@@ -100,6 +90,8 @@ class EncoderLayer(nn.Module):
 
     config: AnyConfig
     deterministic: bool = True
+    sparse: bool = False
+    """A mixture-of-experts MLP (model/moe.py) instead of the dense one."""
 
     @nn.compact
     def __call__(self, x_BLD: Array, mask: Mask, bias_1HLS: Array | None):
@@ -109,7 +101,7 @@ class EncoderLayer(nn.Module):
         y = _attention(cfg, "attention")(y, y, mask, bias_1HLS, deterministic=det)
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
-        y = _mlp(cfg)(y, deterministic=det)
+        y = moe.mlp_block(cfg, self.sparse)(y, deterministic=det)
         return _constrain(x_BLD + _dropout(cfg, y, det)), None
 
 
@@ -121,6 +113,8 @@ class DecoderLayer(nn.Module):
     deterministic: bool = True
     decode: bool = False
     """Self-attention through the KV cache (autoregressive decoding, see layers.py)."""
+    sparse: bool = False
+    """A mixture-of-experts MLP (model/moe.py) instead of the dense one."""
 
     @nn.compact
     def __call__(
@@ -156,7 +150,7 @@ class DecoderLayer(nn.Module):
             )(y, encoded_BSD, cross_mask, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
-        y = _mlp(cfg)(y, deterministic=det)
+        y = moe.mlp_block(cfg, self.sparse)(y, deterministic=det)
         return _constrain(x_BLD + _dropout(cfg, y, det)), None
 
 
@@ -186,16 +180,19 @@ def _layer_stack(
             layer_cls,
             # NOTE: the KV cache is stacked on axis 1 so that every cache array keeps the batch
             # first ([B, layers, ...]); decoding code can then expand / reorder it uniformly.
-            variable_axes={"params": 0, "cache": 1, layers.CROSS_CACHE: 1},
+            variable_axes={"params": 0, "cache": 1, layers.CROSS_CACHE: 1, "intermediates": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * len(args),
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BLD, _ = scanned(name="layers", **layer_kwargs)(x_BLD, *args)
+        # Scanned layers are identical: all sparse or all dense (config: moe_every=1).
+        sparse = is_moe_layer(cfg, 0)
+        x_BLD, _ = scanned(name="layers", sparse=sparse, **layer_kwargs)(x_BLD, *args)
         return x_BLD
     for i in range(num_layers):
-        x_BLD, _ = layer_cls(name=f"layers_{i}", **layer_kwargs)(x_BLD, *args)
+        sparse = is_moe_layer(cfg, i)
+        x_BLD, _ = layer_cls(name=f"layers_{i}", sparse=sparse, **layer_kwargs)(x_BLD, *args)
     return x_BLD
 
 

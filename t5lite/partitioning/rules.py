@@ -45,8 +45,15 @@ _REPLICATED_NAMES = (
 
 def _expert_rules(data_axis: MeshAxis) -> list[tuple[str, MeshAxis]]:
     """t5x's MoE names (t5x/contrib/moe, with model parallelism): experts split over the data
-    axis, each expert's MLP over `model`, expert replicas not split."""
-    return [("expert", data_axis), ("expert_mlp", MODEL), ("expert_replicas", None)]
+    axis, each expert's MLP over `model` (Megatron inside every expert), expert replicas not
+    split. `expert_capacity` is t5lite's: the slots of an expert's tokens in the dispatched
+    activations [expert, expert_group, expert_capacity, embed] (model/moe.py), kept whole."""
+    return [
+        ("expert", data_axis),
+        ("expert_mlp", MODEL),
+        ("expert_replicas", None),
+        ("expert_capacity", None),
+    ]
 
 
 def standard_logical_axis_rules(
@@ -105,18 +112,27 @@ def data_parallel_logical_axis_rules(
 ) -> tuple[tuple[str, MeshAxis], ...]:
     """Pure data parallelism: the batch is split over every mesh axis, all weights replicated."""
     rules: list[tuple[str, MeshAxis]] = [("batch", (DATA, MODEL))]
-    for name in ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "embed", *_REPLICATED_NAMES):
+    names = [n for n in _REPLICATED_NAMES if n != "expert_group"]
+    for name in ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "embed", *names):
         rules.append((name, None))
     # As t5x's MoE table when the batch spans both axes: experts over `data`, their replicas
-    # over `model` (the second data axis), no expert-MLP split.
-    rules += [("expert", DATA), ("expert_mlp", None), ("expert_replicas", MODEL)]
+    # over `model` (the second data axis), no expert-MLP split. The dispatched activations
+    # [expert, expert_group, expert_capacity, embed] keep their groups (sequences) over
+    # `model`, where the batch has them: the dispatch is an all-to-all over `data` only.
+    rules += [
+        ("expert", DATA),
+        ("expert_mlp", None),
+        ("expert_replicas", MODEL),
+        ("expert_group", MODEL),
+        ("expert_capacity", None),
+    ]
     return tuple(rules + list(additional_rules or ()))
 
 
 # The named layouts: one table that the gin presets (configs/partitioning/*.gin), `t5lite plan`
 # and the tests all read. name -> (activation_partitioning_dims, parameter_partitioning_dims) of
-# the t5x table it starts from; None: pure data parallelism. Presets in `_SEQUENCE_LAYOUTS` then
-# move `length` (see there).
+# the t5x table it starts from; None: pure data parallelism. Presets in `_TABLE_EDITS` then
+# move `length` or the expert names (see there).
 PRESETS: dict[str, tuple[int, int] | None] = {
     "data_parallel": None,
     "megatron": (1, 1),
@@ -130,6 +146,13 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     # (Optimus splits each weight's input dim over rows and its output dim over columns, which
     # one rule per name cannot say for both MLP matrices; see README "2D tensor parallelism").
     "tensor_2d": (2, 2),
+    # GShard expert parallelism (Lepikhin et al. 2020): Megatron's dense layers; experts over
+    # `data`, each expert whole on its devices (`expert_mlp` replicated, no all-reduce inside an
+    # expert), its tokens split over `model` (`expert_capacity`). The dispatch and combine
+    # einsums of model/moe.py become all-to-alls over `data`. The other presets keep t5x's MoE
+    # rules: experts over `data` too, with Megatron (`expert_mlp` -> model) inside every expert,
+    # or, with 2D parameters, experts unsplit and `embed` over `data` (ZeRO-3).
+    "expert_parallel": (1, 1),
 }
 
 
@@ -160,9 +183,16 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
     return front + rest
 
 
-_SEQUENCE_LAYOUTS = {
+def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
+    """Experts whole (`expert_mlp` replicated), their capacity slots over `model`."""
+    moved = {"expert_mlp": None, "expert_capacity": MODEL}
+    return [(n, moved.get(n, a)) for n, a in rules]
+
+
+_TABLE_EDITS = {
     "sequence_parallel": _sequence_parallel,
     "context_parallel": _context_parallel,
+    "expert_parallel": _expert_parallel,
 }
 
 
@@ -187,8 +217,8 @@ def preset_rules(
     if dims is None:
         return data_parallel_logical_axis_rules(additional_rules)
     rules = list(standard_logical_axis_rules(*dims, data_axis=data_axis))
-    if name in _SEQUENCE_LAYOUTS:
-        rules = _SEQUENCE_LAYOUTS[name](rules)
+    if name in _TABLE_EDITS:
+        rules = _TABLE_EDITS[name](rules)
     return tuple(rules + list(additional_rules or ()))
 
 
@@ -319,9 +349,25 @@ def resolve_logical_axes(
     result = [None if r is unassigned else r for r in result]
     flagged = tuple(a for a, r in zip(axes, result) if a in wanted and r is None)
     spec = PartitionSpec(*result)
+    if shape is not None and mesh is not None and "expert" in axes:
+        _check_experts(axes.index("expert"), spec, shape, mesh, path)
     if shape is not None and mesh is not None:
         validate_spec(spec, shape, mesh, path=path, logical_axes=axes)
     return spec, flagged
+
+
+def _check_experts(
+    dim: int, spec: PartitionSpec, shape: Sequence[int], mesh: Mesh, path: str
+) -> None:
+    """One line naming `num_experts` when the experts do not divide their mesh axes."""
+    entry = spec[dim] if dim < len(spec) else None
+    size = math.prod(mesh.shape[t] for t in mesh_axes_of(entry) if t in mesh.shape)
+    if shape[dim] % size:
+        raise PartitioningError(
+            f"num_experts={shape[dim]} is not divisible by mesh axes {entry!r} of size {size}, "
+            f"which the rules give 'expert' ({path or 'array'}, mesh {mesh_str(mesh)}): use a "
+            f"multiple of {size} experts or another rule for 'expert'"
+        )
 
 
 def validate_spec(
