@@ -38,7 +38,7 @@ from t5lite.insight.topology import get_topology
 from t5lite.insight.types import Candidate, Layout
 from t5lite.model.config import REMAT_POLICIES
 from t5lite.model.models import BaseModel
-from t5lite.partitioning import PRESETS, Partitioner, PartitioningError
+from t5lite.partitioning import PRESETS, Partitioner, PartitioningError, presets_for
 from t5lite.trainer import Trainer
 
 # Used only to rank when the device's figures are unknown (CPU): the order of layouts then
@@ -298,7 +298,7 @@ def plan(
     device_memory_gib: float | None = None,
     link_bandwidth_gbps: float | None = None,
     peak_tflops: float | None = None,
-    presets: Sequence[str] = tuple(PRESETS),
+    presets: Sequence[str] | None = None,
     remat_policies: Sequence[str] = REMAT_POLICIES,
     model_sizes: Sequence[int] | None = None,
     num_microbatches: int = 1,
@@ -321,7 +321,8 @@ def plan(
         figures (compiling still happens on the devices at hand).
       device_memory_gib, link_bandwidth_gbps, peak_tflops: per-device figures; override the
         device's (required to drop layouts when the device's memory is unknown, e.g. CPU).
-      presets, remat_policies, model_sizes: restrict the search space.
+      presets, remat_policies, model_sizes: restrict the search space (presets default:
+        every preset that applies to the model, `presets_for`).
       top_k: how many of the analytically fastest fitting layouts to compile (more when their
         estimates are within 10% of the fastest, or when none of them fits once compiled).
       output_gin: where to write the winner's gin bindings.
@@ -338,6 +339,8 @@ def plan(
         check_plot_path(plot)  # before anything slow
     devices, spec = _resolve_devices(num_devices, topology, device)
     spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
+    if presets is None:
+        presets = presets_for(getattr(model.network_config, "num_experts", 0))
     layouts = enumerate_layouts(len(devices), presets, remat_policies, model_sizes)
     say = _progress(progress)
     say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")

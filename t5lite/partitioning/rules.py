@@ -156,6 +156,15 @@ PRESETS: dict[str, tuple[int, int] | None] = {
 }
 
 
+EXPERT_PRESETS = ("expert_parallel",)
+"""Presets that only differ from another for a model with experts (`num_experts > 0`)."""
+
+
+def presets_for(num_experts: int) -> tuple[str, ...]:
+    """The presets worth searching for a model: the expert layouts only when it has experts."""
+    return tuple(p for p in PRESETS if num_experts > 0 or p not in EXPERT_PRESETS)
+
+
 def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
     """Megatron-3 (Korthikanti et al. 2022): `length` -> model *after* mlp/heads/vocab.
 
