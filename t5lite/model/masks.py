@@ -39,6 +39,12 @@ class MaskParts:
     prefix_q: Array | None = None
     prefix_kv: Array | None = None
     causal: bool = dataclasses.field(default=False, metadata={"static": True})
+    whole: Array | None = None
+    """The whole mask [B, 1, L, S], built once by the network for all its layers (`with_whole`):
+    what `dense` returns. Built where the network builds it, the mask is laid out as it always
+    was (a mask built inside each layer took other layouts, and other collectives, under
+    sequence and context parallelism); an implementation that reads only the parts leaves it
+    unused, and XLA drops it."""
 
     def block(self, kv_start: Array | int, size: int, length_q: int) -> Array | None:
         """The mask of keys `[kv_start, kv_start + size)` for every query: [B, 1, L, size]."""
@@ -66,7 +72,13 @@ class MaskParts:
 
     def dense(self, length_q: int, length_kv: int) -> Array | None:
         """The whole mask, [B, 1, L, S] (what the `xla` implementation takes)."""
+        if self.whole is not None:
+            return self.whole
         return self.block(0, length_kv, length_q)
+
+    def with_whole(self, length_q: int, length_kv: int) -> MaskParts:
+        """These parts with the whole mask built now (see `whole`)."""
+        return dataclasses.replace(self, whole=self.block(0, length_kv, length_q))
 
     @property
     def empty(self) -> bool:
@@ -75,4 +87,4 @@ class MaskParts:
 
     def without_causal(self) -> MaskParts:
         """The same mask without the causal part (a prefix goes with it)."""
-        return dataclasses.replace(self, causal=False, prefix_q=None, prefix_kv=None)
+        return dataclasses.replace(self, causal=False, prefix_q=None, prefix_kv=None, whole=None)

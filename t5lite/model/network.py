@@ -362,16 +362,18 @@ def _padding_or_segments(tokens_BL: Array | None, segment_ids_BL: Array | None) 
 
 
 def _self_mask(
+    length: int,
     valid_BL: Array | None,
     segment_ids_BL: Array | None,
     causal: bool,
     prefix_BL: Array | None = None,
 ) -> MaskParts:
-    """Self-attention's mask by its parts: padding, packed segments, causality (a prefix-LM's
-    prefix attending bidirectionally within itself)."""
+    """Self-attention's mask by its parts (padding, packed segments, causality, a prefix-LM's
+    prefix attending bidirectionally within itself) and whole, for every layer."""
     valid = None if valid_BL is None else valid_BL > 0
     prefix = None if prefix_BL is None else prefix_BL != 0
-    return MaskParts(valid, valid, segment_ids_BL, segment_ids_BL, prefix, prefix, causal=causal)
+    parts = MaskParts(valid, valid, segment_ids_BL, segment_ids_BL, prefix, prefix, causal=causal)
+    return parts.with_whole(length, length)
 
 
 class EncoderDecoder(nn.Module):
@@ -408,7 +410,8 @@ class EncoderDecoder(nn.Module):
         """
         del encoder_positions
         valid = _padding_or_segments(encoder_input_tokens, None)
-        mask = _self_mask(valid, encoder_segment_ids, causal=False)
+        length = encoder_input_tokens.shape[1]
+        mask = _self_mask(length, valid, encoder_segment_ids, causal=False)
         return self.encoder(encoder_input_tokens, mask, deterministic=not enable_dropout)
 
     def decode(
@@ -443,7 +446,7 @@ class EncoderDecoder(nn.Module):
         b, length = decoder_input_tokens.shape
         dec_valid = _padding_or_segments(decoder_target_tokens, None)
         causal = not (decode and length == 1)
-        self_mask = _self_mask(dec_valid, decoder_segment_ids, causal)
+        self_mask = _self_mask(length, dec_valid, decoder_segment_ids, causal)
         enc_valid = encoder_input_tokens > 0
         dec_valid = jnp.ones((b, length), bool) if dec_valid is None else dec_valid > 0
         packed = decoder_segment_ids is not None and encoder_segment_ids is not None
@@ -452,7 +455,7 @@ class EncoderDecoder(nn.Module):
             enc_valid,
             decoder_segment_ids if packed else None,
             encoder_segment_ids if packed else None,
-        )
+        ).with_whole(length, encoder_input_tokens.shape[1])
         return self.decoder(
             decoder_input_tokens,
             encoded,
@@ -541,7 +544,7 @@ class DecoderOnly(nn.Module):
                 decode=True, max_decode_length=max_decode_length,
             )  # fmt: skip
         valid = _padding_or_segments(decoder_target_tokens, None)
-        mask = _self_mask(valid, decoder_segment_ids, True, decoder_causal_attention)
+        mask = _self_mask(length, valid, decoder_segment_ids, True, decoder_causal_attention)
         return self.decoder(
             decoder_input_tokens,
             None,
