@@ -128,7 +128,7 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     # GSPMD's 2D sharding (weights [embed -> data, mlp/heads -> model], activations [batch ->
     # data, embed -> model]) is t5x's 2/2 table: the rules-only form of 2D tensor parallelism
     # (Optimus splits each weight's input dim over rows and its output dim over columns, which
-    # one rule per name cannot say for both MLP matrices; see README "2D tensor parallelism").
+    # one rule per name cannot say for both MLP matrices; see docs/partitioning.md).
     "tensor_2d": (2, 2),
 }
 
