@@ -184,3 +184,14 @@ def test_lint_command():
     if shutil.which("ruff", path=path) is None:
         pytest.skip("ruff is not installed (the [test] extra)")
     run(block("README.md", "lint"), timeout=300)
+
+
+def test_measured_figures_live_in_performance_md():
+    """Speeds and speed-ups have one home; the other pages point to it."""
+    measured = re.compile(
+        r"\d(?:[\d.]*)\s?(?:tokens/s|GiB/s|ms/step|s wall|× (?:Orbax|PyTorch|transformers))"
+    )
+    for f in markdown_files():
+        if f != "docs/performance.md":
+            assert not measured.findall((ROOT / f).read_text()), f
+    assert measured.findall((ROOT / "docs" / "performance.md").read_text())
