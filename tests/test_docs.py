@@ -104,6 +104,7 @@ def test_rules_tables_render_each_preset_in_priority_order():
 
     page = (ROOT / "docs" / "partitioning.md").read_text()
     for name in PRESETS:
+        assert f"### `{name}`\n" in page, f"{name}: run python docs/rules_tables.py"
         section = page.split(f"### `{name}`\n", 1)[1].split("\n\n###", 1)[0]
         rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (.+) \|$", section, flags=re.M)
         want = preset_rules(name)
