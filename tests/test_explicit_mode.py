@@ -92,11 +92,11 @@ def test_explicit_mode_trains_like_auto_mode(preset):
 def test_explicit_mode_with_what_real_runs_add(variant):
     """What a real run adds to the quickstart, on Explicit axes under FSDP's table: layers under
     nn.scan with gradient accumulation over microbatches (the split must not slice a sharded
-    dimension); or LoRA adapters over a frozen base (LoRA needs unscanned layers) on README's
+    dimension); or LoRA adapters over a frozen base (LoRA needs unscanned layers) on the docs'
     multi-slice recipe (a hybrid DCN x ICI mesh, batch over replica and data). Losses equal
     auto mode's; parameters sit where auto mode puts them."""
     require_devices(8)
-    if variant == "lora_multislice":  # README's recipe: 2 slices (DCN) x 4 devices on `model`
+    if variant == "lora_multislice":  # multi-slice recipe: 2 slices (DCN) x 4 devices on `model`
         mesh_kw = {"ici_mesh_shape": (1, 1, 4), "dcn_mesh_shape": (2, 1, 1)}
         kw = dict(mesh_kw=mesh_kw, data_axis=("replica", "data"), lora=LoRA(rank=2, alpha=4.0))
     else:

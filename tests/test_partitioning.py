@@ -275,7 +275,7 @@ def test_batches_follow_the_rules_when_length_is_sharded():
 
 @pytest.mark.slow
 def test_multislice_recipe_with_the_run_presets(tmp_path, capsys):
-    """README's multi-slice recipe on the quickstart (whose NUM_PARTITIONS is 4)."""
+    """docs/multi-process.md's multi-slice recipe on the quickstart (whose NUM_PARTITIONS is 4)."""
     require_devices(8)
     common = ["train", "--gin_file=quickstart.gin", "--gin_file=partitioning/multislice.gin",
               f"--gin.MODEL_DIR='{tmp_path}'", "--gin.TRAIN_STEPS=2", "--gin.train.evaluation=None",

@@ -1,7 +1,5 @@
-"""README's fine-tuning walkthrough runs as written: HF T5 and Llama in, fine-tuned, HF out.
-
-The block is found by its first line (not by index), so blocks added before it do not move it.
-"""
+"""docs/huggingface.md's fine-tuning walkthrough runs as written: HF T5 and Llama in,
+fine-tuned, HF out."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from readme_blocks import blocks
+from readme_blocks import block
 from readme_blocks import run as run_block
 
 pytestmark = pytest.mark.slow  # two imports, two fine-tunes, two evals, two exports
@@ -20,13 +18,6 @@ pytest.importorskip("transformers", reason="needs the [hf] extra (the block writ
 safetensors = pytest.importorskip("safetensors.numpy", reason="needs the [hf] extra")
 
 ROOT = Path("/tmp/t5lite_walkthrough")
-MARKER = "mkdir -p /tmp/t5lite_walkthrough"
-
-
-def _block() -> str:
-    found = [b for b in blocks("bash") if b.startswith(MARKER)]
-    assert len(found) == 1, "README has one walkthrough block"
-    return found[0]
 
 
 def _losses(run: str) -> list[float]:
@@ -36,7 +27,7 @@ def _losses(run: str) -> list[float]:
 
 def test_walkthrough_imports_finetunes_evaluates_and_exports():
     shutil.rmtree(ROOT, ignore_errors=True)  # as on a fresh machine
-    out = run_block(_block(), timeout=1800)
+    out = run_block(block("docs/huggingface.md", "walkthrough"), timeout=1800)
     assert "transformers loads both" in out.stdout
     for run in ("t5_ft", "llama_lora"):
         assert (ROOT / run / "checkpoint_30" / "COMMIT").is_file()

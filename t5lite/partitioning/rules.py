@@ -144,7 +144,7 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     # GSPMD's 2D sharding (weights [embed -> data, mlp/heads -> model], activations [batch ->
     # data, embed -> model]) is t5x's 2/2 table: the rules-only form of 2D tensor parallelism
     # (Optimus splits each weight's input dim over rows and its output dim over columns, which
-    # one rule per name cannot say for both MLP matrices; see README "2D tensor parallelism").
+    # one rule per name cannot say for both MLP matrices; see docs/partitioning.md).
     "tensor_2d": (2, 2),
     # GShard expert parallelism (Lepikhin et al. 2020): Megatron's dense layers; experts over
     # `data`, each expert whole on its devices (`expert_mlp` replicated, no all-reduce inside an
