@@ -98,9 +98,10 @@ class ProgressWatchdog:
     into an error line and exit code 1 within a bounded time. `ping()` after every step.
     """
 
-    def __init__(self, timeout_s: float | None, what: str = "training"):
+    def __init__(self, timeout_s: float | None, what: str = "training", command: str = "train"):
         self.timeout_s = timeout_s
         self.what = what
+        self.command = command  # the message's prefix, as every other error line of the command
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,7 +121,8 @@ class ProgressWatchdog:
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
                 sys.stderr.write(
-                    f"t5lite: error: process {jax.process_index()} of {jax.process_count()}: "
+                    f"t5lite {self.command}: error: process {jax.process_index()} of "
+                    f"{jax.process_count()}: "
                     f"no {self.what} progress for {idle:.0f} s (step_timeout_s="
                     f"{self.timeout_s:g}); a peer process has probably died\n"
                 )

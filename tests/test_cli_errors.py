@@ -311,8 +311,8 @@ def test_help_describes_gin_presets_and_required_macros(tmp_path):
     text = " ".join(out.stdout.split())
     assert "--gin.NAME=VALUE bindings, values as Python literals" in text
     assert ("partitioning/: activations_2d.gin, context_parallel.gin, data_parallel.gin, "
-            "expert_parallel.gin, fsdp.gin, fully_sharded.gin, megatron.gin, multislice.gin, sequence_parallel.gin, "
-            "tensor_2d.gin") in text  # fmt: skip
+            "expert_parallel.gin, fsdp.gin, fully_sharded.gin, megatron.gin, multislice.gin, "
+            "sequence_parallel.gin, tensor_2d.gin") in text  # fmt: skip
     assert "runs/pretrain.gin: MODEL_DIR, TASK, TASK_FEATURE_LENGTHS, TRAIN_STEPS" in text
 
 
