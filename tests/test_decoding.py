@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5lite import partitioning
-from t5lite.model import decoding, models, network
+from t5lite.model import decoding, kv_cache, models, network
 
 T5_TINY = network.T5Config(
     vocab_size=128, emb_dim=16, num_heads=8, head_dim=4, mlp_dim=32,
@@ -123,7 +123,7 @@ def test_cached_logits_equal_full_forward_at_every_step():
         module.apply, enable_dropout=False, decode=True, max_decode_length=L,
         method=module.decode, mutable=["cache"],
     ))  # fmt: skip
-    cache = models._zero_cache(lambda: call({"params": params}, encoded, enc, dec))
+    cache = kv_cache.zero_cache(lambda: call({"params": params}, encoded, enc, dec))
     steps = []
     for i in range(L):
         logits, v = call({"params": params, "cache": cache}, encoded, enc, dec[:, i : i + 1])
@@ -616,7 +616,7 @@ def test_cache_sharded_by_its_logical_axes(scan):
     want_sh = part.shardings(meta.unbox(boxed["cache"]), cache_axes)
 
     def step(p, tokens):
-        cache = models._zero_cache(lambda: create(p, tokens))
+        cache = kv_cache.zero_cache(lambda: create(p, tokens))
         _, v = module.apply(
             {"params": p, "cache": cache}, tokens[:, :1], enable_dropout=False, decode=True,
             max_decode_length=L, mutable=["cache"],

@@ -15,10 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import meta
 
-from t5lite import constraints
 from t5lite.model import decoding, layers, losses, moe, network
+from t5lite.model.kv_cache import set_cache_index, zero_cache
 from t5lite.model.lora import BASE_PATTERN, LoRA, add_adapters, merge
 from t5lite.model.optimizers import AdamW, FrozenParams, Optimizer
 
@@ -288,19 +287,26 @@ class BaseModel(abc.ABC):
         """Runs `decoding_method` with this model's settings and ids, in `decode_order`."""
         method = self.decoding_method
         kwargs: dict[str, Any] = dict(
-            initial_index=initial_index, max_decode_steps=max_decode_steps, eos_id=self.eos_id,
-            pad_id=self.pad_id, decoder_start_token_id=self.decoder_start_token_id,
+            initial_index=initial_index,
+            max_decode_steps=max_decode_steps,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            decoder_start_token_id=self.decoder_start_token_id,
             order=self.decode_order,
-        )  # fmt: skip
+        )
         if method == "beam":
             kwargs.update(
                 beam_size=self.beam_size, alpha=self.alpha, min_log_prob=self.min_log_prob
             )
         elif method == "sample":
             kwargs.update(
-                decode_rng=rng, num_decodes=self.num_decodes, temperature=self.temperature,
-                top_k=self.top_k, top_p=self.top_p, min_log_prob=self.min_log_prob,
-            )  # fmt: skip
+                decode_rng=rng,
+                num_decodes=self.num_decodes,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_log_prob=self.min_log_prob,
+            )
         overrides = dict(decoder_params or {})
         unknown = sorted(set(overrides) - _DECODER_PARAMS[method])
         if unknown:
@@ -332,35 +338,6 @@ _DECODER_PARAMS = {
     "sample": {"max_decode_steps", "temperature", "top_k", "top_p", "min_log_prob"},
     "beam": {"max_decode_steps", "alpha", "min_log_prob"},
 }
-
-
-def _zero_cache(create: Any) -> PyTree:
-    """A zero KV cache shaped by `create()` (a decode=True apply; traced, never run).
-
-    Each array is constrained to its logical axes, so the cache is born sharded like the
-    activations (batch over data, heads over model) under the partitioner's rules.
-    """
-    _, variables = jax.eval_shape(create)
-    boxed = variables["cache"]
-
-    def zeros(x: Any) -> Array:
-        if isinstance(x, meta.Partitioned):
-            return constraints.constrain(jnp.zeros(x.value.shape, x.value.dtype), x.names)
-        return jnp.zeros(x.shape, x.dtype)
-
-    return jax.tree.map(zeros, boxed, is_leaf=lambda x: isinstance(x, meta.Partitioned))
-
-
-def _set_cache_index(cache: PyTree, index_B: Array) -> PyTree:
-    """Sets every `cache_index` leaf ([B] or [B, layers]) to the per-row `index_B`."""
-
-    def one(path: tuple[Any, ...], x: Array) -> Array:
-        if getattr(path[-1], "key", None) != "cache_index":
-            return x
-        idx = index_B.astype(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
-        return jnp.broadcast_to(idx, x.shape)
-
-    return jax.tree_util.tree_map_with_path(one, cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,11 +407,18 @@ class EncoderDecoderModel(BaseModel):
                 variables[layers.CROSS_CACHE] = cross
             mutable = ["cache"] if cross is not None else ["cache", layers.CROSS_CACHE]
             return module.apply(
-                variables, encoded_BSD, enc, tokens, enable_dropout=False, decode=True,
-                max_decode_length=length, method=module.decode, mutable=mutable,
-            )  # fmt: skip
+                variables,
+                encoded_BSD,
+                enc,
+                tokens,
+                enable_dropout=False,
+                decode=True,
+                max_decode_length=length,
+                method=module.decode,
+                mutable=mutable,
+            )
 
-        cache = _zero_cache(lambda: call(None, enc_BS, jnp.zeros((b, length), jnp.int32)))
+        cache = zero_cache(lambda: call(None, enc_BS, jnp.zeros((b, length), jnp.int32)))
         # The cross-attention keys/values of every decoder layer, projected once before the
         # loop (t5x projects them again at every step): of this step only the projections are
         # used, XLA drops the rest of it.
@@ -551,11 +535,16 @@ class DecoderOnlyModel(BaseModel):
         def call(cache: PyTree, tokens: Array, causal: Array | None = None):
             variables = {"params": params, **({"cache": cache} if cache is not None else {})}
             return module.apply(
-                variables, tokens, decoder_causal_attention=causal, enable_dropout=False,
-                decode=True, max_decode_length=length, mutable=["cache"],
-            )  # fmt: skip
+                variables,
+                tokens,
+                decoder_causal_attention=causal,
+                enable_dropout=False,
+                decode=True,
+                max_decode_length=length,
+                mutable=["cache"],
+            )
 
-        cache = _zero_cache(lambda: call(None, jnp.zeros((b, length), jnp.int32)))
+        cache = zero_cache(lambda: call(None, jnp.zeros((b, length), jnp.int32)))
         if causal_BL is None:
             initial_B = jnp.zeros((b,), jnp.int32)
             prompt_BL = jnp.full_like(tokens_BL, self.pad_id)
@@ -569,7 +558,7 @@ class DecoderOnlyModel(BaseModel):
             # The prefill wrote all L positions; each row resumes at its last prompt token
             # (re-fed, so the first step yields the first target). Later positions are masked
             # until overwritten.
-            cache = _set_cache_index(variables["cache"], initial_B)
+            cache = set_cache_index(variables["cache"], initial_B)
 
         def tokens_to_logits(state: decoding.DecodingState) -> tuple[Array, PyTree]:
             logits_B1V, variables = call(state.cache, state.cur_token)

@@ -20,7 +20,6 @@ A mixture-of-experts layer's `mlp` is a `moe.MoeBlock` (router/kernel, wi_* [E, 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -34,6 +33,8 @@ from t5lite.model.attention import Mask
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
 from t5lite.model.config import AnyConfig, DecoderOnlyConfig, T5Config, is_moe_layer
+from t5lite.model.layer_trees import scan_params as scan_params
+from t5lite.model.layer_trees import unscan_params as unscan_params
 from t5lite.model.masks import MaskParts
 
 Array = jax.Array
@@ -130,9 +131,15 @@ class DecoderLayer(nn.Module):
         x_BLD = _constrain(x_BLD)
         y = _norm(cfg, "pre_self_attention_layer_norm")(x_BLD)
         y = _attention(cfg, "self_attention")(
-            y, y, self_mask, bias_1HLL, positions_BL, positions_BL, deterministic=det,
+            y,
+            y,
+            self_mask,
+            bias_1HLL,
+            positions_BL,
+            positions_BL,
+            deterministic=det,
             decode=self.decode,
-        )  # fmt: skip
+        )
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         if self.cross_attention:
             y = _norm(cfg, "pre_cross_attention_layer_norm")(x_BLD)
@@ -280,9 +287,12 @@ class Decoder(nn.Module):
                 raise ValueError("decode=True needs max_decode_length (the KV cache length)")
             initialized = self.has_variable("cache", "cache_index")
             index = self.variable(
-                "cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ("batch",)),
-                tokens_BL.shape[:1], jnp.int32,
-            )  # fmt: skip
+                "cache",
+                "cache_index",
+                nn.with_logical_partitioning(jnp.zeros, ("batch",)),
+                tokens_BL.shape[:1],
+                jnp.int32,
+            )
             if initialized:
                 decode_positions_BL = index.value[:, None] + jnp.arange(length)[None]
                 index.value = index.value + length
@@ -300,9 +310,10 @@ class Decoder(nn.Module):
         if decode_positions_BL is not None and length == 1:
             # One step: this row's query position against the whole cache (length S).
             bias_1HLL = (
-                None if cfg.use_rope
+                None
+                if cfg.use_rope
                 else _relpos_bias(cfg, False, 1, max_decode_length, decode_positions_BL)
-            )  # fmt: skip
+            )
             positions_BL = decode_positions_BL
         else:  # teacher forcing, cache creation, or a prefill (from position 0)
             k_len = length if decode_positions_BL is None else max_decode_length
@@ -540,9 +551,15 @@ class DecoderOnly(nn.Module):
         if decode and length == 1:
             # One cached step: causal by each row's cache index (built in the attention layer).
             return self.decoder(
-                decoder_input_tokens, None, None, None, None, deterministic=not enable_dropout,
-                decode=True, max_decode_length=max_decode_length,
-            )  # fmt: skip
+                decoder_input_tokens,
+                None,
+                None,
+                None,
+                None,
+                deterministic=not enable_dropout,
+                decode=True,
+                max_decode_length=max_decode_length,
+            )
         valid = _padding_or_segments(decoder_target_tokens, None)
         mask = _self_mask(length, valid, decoder_segment_ids, True, decoder_causal_attention)
         return self.decoder(
@@ -555,44 +572,3 @@ class DecoderOnly(nn.Module):
             decode=decode,
             max_decode_length=max_decode_length,
         )
-
-
-# --- scanned <-> unscanned parameter trees ----------------------------------------------------
-
-_LAYER_KEY = re.compile(r"^layers_(\d+)$")
-
-
-def scan_params(params: Any) -> Any:
-    """Stacks every `layers_{0..n-1}` group into one `layers` group with a leading axis.
-
-    Args:
-      params: unscanned parameter tree (nested dicts of arrays; boxes not allowed).
-
-    Returns:
-      The tree a `scan_layers=True` network expects.
-    """
-    if not isinstance(params, dict):
-        return params
-    idx = sorted(int(m.group(1)) for k in params if (m := _LAYER_KEY.match(k)))
-    out = {k: scan_params(v) for k, v in params.items() if not _LAYER_KEY.match(k)}
-    if idx:
-        if idx != list(range(len(idx))):
-            raise ValueError(f"layer groups are not contiguous from 0: {idx}")
-        if "layers" in out:
-            raise ValueError("tree has both 'layers' and 'layers_{i}' groups")
-        stacked = [scan_params(params[f"layers_{i}"]) for i in idx]
-        out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *stacked)
-    return out
-
-
-def unscan_params(params: Any) -> Any:
-    """Inverse of `scan_params`: splits each `layers` group along axis 0 into `layers_{i}`."""
-    if not isinstance(params, dict):
-        return params
-    out = {k: unscan_params(v) for k, v in params.items() if k != "layers"}
-    if "layers" in params:
-        stacked = params["layers"]
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        for i in range(n):
-            out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-    return out

@@ -38,9 +38,18 @@ PyTree = Any
 # activation index), and from t5x's MoE tables `expert_group` and `unmodeled`. `lora_rank` is
 # the inner dimension of LoRA's factors (model/lora.py): a few columns, never worth splitting.
 _REPLICATED_NAMES = (
-    "length", "kv_length", "kv", "relpos_buckets", "layers", "lora_rank",
-    "abspos_buckets", "stack", "mlp_activations", "expert_group", "unmodeled",
-)  # fmt: skip
+    "length",
+    "kv_length",
+    "kv",
+    "relpos_buckets",
+    "layers",
+    "lora_rank",
+    "abspos_buckets",
+    "stack",
+    "mlp_activations",
+    "expert_group",
+    "unmodeled",
+)
 
 
 def _expert_rules(data_axis: MeshAxis) -> list[tuple[str, MeshAxis]]:
