@@ -153,7 +153,9 @@ def test_every_documented_command_line_parses():
     assert commands == set(cli.COMMANDS), commands  # every command is shown somewhere
     for line in lines:
         args, _, beam = cli._parse(line)
-        assert args.command == line[0] and beam == [], line
+        assert args.command == line[0], line
+        if line[0] != "cache":  # `cache` hands what it does not take to Beam (docs/data.md)
+            assert beam == [], line
 
 
 # Command lines of the test suite that pass flags beside gin (the gin-only ones parse alike).
