@@ -88,6 +88,9 @@ class T5Config:
     """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
     moe_eval_capacity_factor: float = 2.0
     """'capacity': the factor for eval, scoring and decoding."""
+    moe_expert_capacity: int = 0
+    """'capacity': fixed slots per expert and sequence in training and eval alike (HF Switch's
+    `expert_capacity`), clipped to the sequence length; 0: from the capacity factors."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
     moe_z_loss_coef: float = 0.001
@@ -210,6 +213,9 @@ class DecoderOnlyConfig:
     """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
     moe_eval_capacity_factor: float = 2.0
     """'capacity': the factor for eval, scoring and decoding."""
+    moe_expert_capacity: int = 0
+    """'capacity': fixed slots per expert and sequence in training and eval alike (HF Switch's
+    `expert_capacity`), clipped to the sequence length; 0: from the capacity factors."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
     moe_z_loss_coef: float = 0.001
@@ -301,6 +307,11 @@ def _check_moe(cfg: AnyConfig, num_layers: int) -> None:
     for field in ("moe_capacity_factor", "moe_eval_capacity_factor"):
         if getattr(cfg, field) <= 0:
             raise ValueError(f"{name}.{field} must be > 0, got {getattr(cfg, field)}")
+    if cfg.moe_expert_capacity < 0:
+        raise ValueError(
+            f"{name}.moe_expert_capacity must be >= 0 (0: from the capacity factors), got "
+            f"{cfg.moe_expert_capacity}"
+        )
     if cfg.moe_dispatch not in MOE_DISPATCHES:
         raise ValueError(
             f"{name}.moe_dispatch must be one of {MOE_DISPATCHES}, got {cfg.moe_dispatch!r}"

@@ -85,6 +85,7 @@ def mlp_block(cfg: AnyConfig, sparse: bool, name: str = "mlp") -> nn.Module:
         dispatch=cfg.moe_dispatch,
         capacity_factor=cfg.moe_capacity_factor,
         eval_capacity_factor=cfg.moe_eval_capacity_factor,
+        expert_capacity=cfg.moe_expert_capacity,
         num_shared_experts=cfg.moe_shared_experts,
         dropout_rate=cfg.dropout_rate,
         dtype=cfg.policy.compute,
@@ -188,6 +189,8 @@ class MoeBlock(nn.Module):
         (Switch's and HF Mixtral's `router_jitter_noise`); 0 disables it.
       dispatch: 'capacity' or 'dropless' (see the module docstring).
       capacity_factor / eval_capacity_factor: capacity for training / for eval and inference.
+      expert_capacity: fixed slots per expert and group for training and eval alike, clipped
+        to [1, S] (HF Switch's `expert_capacity`); 0: from the factors.
       num_shared_experts: dense experts every token also goes through (0: none).
     """
 
@@ -201,6 +204,7 @@ class MoeBlock(nn.Module):
     dispatch: str = "capacity"
     capacity_factor: float = 1.25
     eval_capacity_factor: float = 2.0
+    expert_capacity: int = 0
     num_shared_experts: int = 0
     dropout_rate: float = 0.0
     dtype: DType = jnp.float32
@@ -290,7 +294,10 @@ class MoeBlock(nn.Module):
         """GShard/Switch dispatch with one group per sequence; returns (y, dropped fraction)."""
         b, length, _ = x_BLD.shape
         k, e = self.top_k, self.num_experts
-        capacity = expert_capacity(length, e, k, factor)
+        if self.expert_capacity > 0:
+            capacity = max(1, min(length, self.expert_capacity))
+        else:
+            capacity = expert_capacity(length, e, k, factor)
         dispatch_GSEC, combine_GSEC, kept_GSK = capacity_masks(
             routing.experts_TK.reshape(b, length, k),
             routing.weights_TK.reshape(b, length, k),
