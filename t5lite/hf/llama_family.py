@@ -156,8 +156,8 @@ def entries(cfg: network.DecoderOnlyConfig) -> list[Entry]:
         if cfg.num_experts and is_moe_layer(cfg, i):
             moe = f"{hf}.block_sparse_moe"
             # Mixtral's w1 is the gate (SiLU), w3 the linear input, w2 the output.
-            names = ("w1", "w3", "w2")
-            out += moe_entries(f"{moe}.gate.weight", f"{moe}.experts.{{j}}", ours, d, f, e, names)
+            w132 = ("w1", "w3", "w2")
+            out += moe_entries(f"{moe}.gate.weight", f"{moe}.experts.{{j}}", ours, d, f, e, w132)
         else:
             out += mlp_entries(f"{hf}.mlp", ours, d, f, ("gate_proj", "up_proj", "down_proj"))
     out.append(Entry("model.norm.weight", ("decoder", "decoder_norm", "scale"), (d,), "copy"))

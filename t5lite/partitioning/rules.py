@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -215,7 +215,10 @@ _TABLE_EDITS = {
 
 
 def preset_rules(
-    name: str, additional_rules: LogicalRules | None = None, data_axis: MeshAxis = DATA
+    name: str,
+    additional_rules: LogicalRules | None = None,
+    data_axis: MeshAxis = DATA,
+    overrides: Mapping[str, MeshAxis] | None = None,
 ) -> tuple[tuple[str, MeshAxis], ...]:
     """The rules table of a named preset (see `PRESETS`).
 
@@ -224,7 +227,22 @@ def preset_rules(
       additional_rules: appended after the preset's rules (lowest priority).
       data_axis: the mesh axis (or axes) the batch is split over (standard tables only);
         `('replica', 'data')` on a multi-slice mesh.
+      overrides: logical name -> mesh axis (None: replicated) replacing the preset's rules for
+        that name in place, their priority kept; e.g. `{'expert': 'model', 'expert_mlp': None}`
+        puts whole experts over `model` (docs/moe.md).
     """
+    rules = _preset_table(name, additional_rules, data_axis)
+    for logical in overrides or {}:
+        if logical not in (n for n, _ in rules):
+            raise PartitioningError(
+                f"preset_rules.overrides: preset {name!r} has no rule for {logical!r} to override"
+            )
+    return tuple((n, overrides[n] if overrides and n in overrides else a) for n, a in rules)
+
+
+def _preset_table(
+    name: str, additional_rules: LogicalRules | None, data_axis: MeshAxis
+) -> tuple[tuple[str, MeshAxis], ...]:
     if name not in PRESETS:
         close = difflib.get_close_matches(name, sorted(PRESETS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
