@@ -455,3 +455,28 @@ def test_convert_commands_in_moe_docs(tmp_path):
     with torch.no_grad():
         diff = reloaded(input_ids=tokens).logits - mixtral(input_ids=tokens).logits
     assert float(diff.abs().max()) <= TOL
+
+
+def test_preset_rules_overrides_replace_rules_in_place_and_bind_in_gin():
+    import gin
+
+    from t5lite.cli import registry as gin_registry
+    from t5lite.cli.gin_config import parse_gin
+
+    megatron = partitioning.preset_rules("megatron")
+    over = LAYOUTS["experts_over_model"]
+    # Same names in the same order (same priorities); only the two overridden rules differ.
+    assert [n for n, _ in over] == [n for n, _ in megatron]
+    changed = {n: a for (n, a), (_, b) in zip(over, megatron) if a != b}
+    assert changed == {"expert": "model", "expert_mlp": None}
+    with pytest.raises(partitioning.PartitioningError, match="has no rule for 'experts'"):
+        partitioning.preset_rules("megatron", overrides={"experts": "model"})
+    binding = "preset_rules.overrides = {'expert': None, 'expert_mlp': 'model'}"
+    try:
+        parse_gin(["partitioning/megatron.gin"], [binding])
+        with gin.unlock_config():
+            rules = gin_registry.Partitioner(mesh=partitioning.create_mesh()).rules
+    finally:
+        with gin.unlock_config():
+            gin.clear_config()
+    assert rules == LAYOUTS["experts_replicated_megatron"]
