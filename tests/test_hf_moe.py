@@ -37,7 +37,7 @@ V, E = 96, 4
 
 
 def _switch_hf(path: Path, expert_capacity: int = 64, layers: int = 4, **kw):
-    """A tiny Switch model: T5.1.0 layers, layers 1 and 3 sparse (sparse step 2)."""
+    """A tiny Switch model: T5.1.0 layers, layers 1 (and 3) sparse (sparse step 2)."""
     cfg = transformers.SwitchTransformersConfig(
         vocab_size=V,
         d_model=32,
@@ -60,6 +60,9 @@ def _switch_hf(path: Path, expert_capacity: int = 64, layers: int = 4, **kw):
     )
     torch.manual_seed(0)
     model = transformers.SwitchTransformersForConditionalGeneration(cfg).eval()
+    # NOTE: untied (tie_word_embeddings=False), transformers 5.x also unties the encoder's and
+    # decoder's input embeddings, which Switch, like T5, shares: share them again.
+    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
     model.save_pretrained(path)
     return model
 
@@ -128,9 +131,13 @@ def _sown(inter, stack: str, name: str) -> list[np.ndarray]:
 # --- Switch Transformers -------------------------------------------------------------------------
 
 
-def test_switch_parity_router_losses_and_round_trip(tmp_path):
-    hf = _switch_hf(tmp_path / "hf", expert_capacity=64)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_switch_parity_router_losses_and_round_trip(tmp_path, tied):
+    hf = _switch_hf(tmp_path / "hf", expert_capacity=64, tie_word_embeddings=tied)
+    assert (hf.lm_head.weight.data_ptr() == hf.shared.weight.data_ptr()) == tied
     cfg, params = hf_convert.import_hf(tmp_path / "hf")
+    # Tied: scaled by d_model**-0.5 (T5 v1.0); untied: a separate lm_head, unscaled.
+    assert (cfg.logits_via_embedding, cfg.scale_tied_logits) == (tied, tied)
     assert (cfg.variant, cfg.num_experts, cfg.moe_every, cfg.moe_top_k) == ("t5.1.0", E, 2, 1)
     assert (cfg.moe_expert_capacity, cfg.moe_dispatch, cfg.moe_normalize_top_k) == (
         64,
