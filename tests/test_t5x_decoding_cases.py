@@ -3,8 +3,9 @@
 Each case keeps t5x's inputs and expected outputs; the t5x options it needs are named in the
 call: `order="best_last"` (t5x's ascending order, equal scores broken as t5x does),
 `max_decode_steps_after_prompt=True` (t5x counts `max_decode_steps` after the prompt),
-`state_callback_fn` and beam search's `min_log_prob`. Coordinates: t5x's sequences and t5lite's
-are the same for these calls (the prompt at positions 1.., results without the start slot).
+`state_callback_fn`, `max_decode_steps_hard_limit` and beam search's `min_log_prob`.
+Coordinates: t5x's sequences and t5lite's are the same for these calls (the prompt at positions
+1.., results without the start slot).
 """
 
 from __future__ import annotations
@@ -255,6 +256,84 @@ def test_temperature_sample_max_decode_steps_endpad():
     expected = [[2, 3, 3, 3, 3, 0, 0, 0], [2, 2, 2, 2, 2, 2, 3, 3], [2, 2, 2, 3, 3, 3, 3, 0]]
     np.testing.assert_array_equal(seqs[:, 0], expected)
     np.testing.assert_allclose(scores, [[0.0], [0.0], [0.0]])
+
+
+HARD_LIMIT_INPUTS = np.array([[0, 2, 0, 0, 0, 0, 0, 0], [0, 2, 2, 0, 0, 0, 0, 0]], np.int32)
+CLIPPED_TO_4 = [[2, 3, 3, 3, 3, 0, 0, 0], [2, 2, 3, 3, 3, 3, 0, 0]]
+UNCLIPPED = [[2, 3, 3, 3, 3, 3, 3, 3], [2, 2, 3, 3, 3, 3, 3, 3]]
+
+
+def test_temperature_sample_max_decode_steps_hard_limit():
+    """t5x test_temperature_sample_max_decode_steps_hard_limit: 10 steps clipped to 4."""
+    seqs, scores = decoding.temperature_sample(
+        HARD_LIMIT_INPUTS,
+        {},
+        _constant(MAX_STEPS_LOGITS, 1),
+        top_k=4,
+        max_decode_steps=10,
+        max_decode_steps_hard_limit=4,
+        max_decode_steps_after_prompt=True,
+    )
+    np.testing.assert_array_equal(seqs[:, 0], CLIPPED_TO_4)
+    np.testing.assert_array_equal(scores, [[0.0], [0.0]])
+
+
+@pytest.mark.parametrize(
+    ("steps", "hard_limit", "expected"),
+    [
+        (10, None, UNCLIPPED),
+        (10, 0, UNCLIPPED),  # t5x: a limit <= 0 is no limit
+        (10, -1, UNCLIPPED),
+        (None, 4, UNCLIPPED),  # t5x: the limit clips max_decode_steps only, never sets it
+        (3, 4, [[2, 3, 3, 3, 0, 0, 0, 0], [2, 2, 3, 3, 3, 0, 0, 0]]),  # below the limit
+    ],
+)
+def test_temperature_sample_max_decode_steps_hard_limit_when_set(steps, hard_limit, expected):
+    seqs, _ = decoding.greedy(
+        HARD_LIMIT_INPUTS,
+        {},
+        _constant(MAX_STEPS_LOGITS, 1),
+        max_decode_steps=steps,
+        max_decode_steps_hard_limit=hard_limit,
+        max_decode_steps_after_prompt=True,
+    )
+    np.testing.assert_array_equal(seqs[:, 0], expected)
+
+
+def test_max_decode_steps_hard_limit_bounds_traced_steps_and_reaches_the_model():
+    """The limit is static and bounds a traced `max_decode_steps`; a model takes it as a
+    `decoder_params` entry (t5x passes `decoder_params` to its decode function)."""
+    from t5lite.model import models
+
+    run = jax.jit(
+        lambda steps: decoding.temperature_sample(
+            HARD_LIMIT_INPUTS,
+            {},
+            _constant(MAX_STEPS_LOGITS, 1),
+            temperature=0.0,
+            max_decode_steps=steps,
+            max_decode_steps_hard_limit=4,
+            max_decode_steps_after_prompt=True,
+        )[0]
+    )
+    np.testing.assert_array_equal(run(jnp.int32(10))[:, 0], CLIPPED_TO_4)
+    with pytest.raises(ValueError, match="max_decode_steps_hard_limit must be a Python int"):
+        decoding.greedy(
+            HARD_LIMIT_INPUTS,
+            {},
+            _constant(MAX_STEPS_LOGITS, 1),
+            max_decode_steps=10,
+            max_decode_steps_hard_limit=jnp.int32(4),
+        )
+    initial_index = np.array([1, 2])  # decoding from the end of the prompt, as the model does
+    for method in ("greedy", "sample"):
+        model = models.DecoderOnlyModel(decoding_method=method, num_decodes=1, top_k=1)
+        args = (HARD_LIMIT_INPUTS, {}, _constant(MAX_STEPS_LOGITS, 1), None, initial_index, 10)
+        seqs, _ = model._decode(*args, {"max_decode_steps_hard_limit": 4})
+        np.testing.assert_array_equal(seqs[:, 0], CLIPPED_TO_4)
+    beam = models.DecoderOnlyModel(decoding_method="beam", beam_size=1)
+    with pytest.raises(ValueError, match=r"\['max_decode_steps_hard_limit'\] do not apply"):
+        beam._decode(*args, {"max_decode_steps_hard_limit": 4})
 
 
 @pytest.mark.parametrize("after_prompt", [False, True])

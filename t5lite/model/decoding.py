@@ -33,7 +33,8 @@ equal score are kept and returned as t5x keeps and returns them.
 Steps. `max_decode_steps` counts positions from `initial_index` by default (forced prompt tokens
 count); `max_decode_steps_after_prompt=True` counts them after each row's prompt, as t5x does.
 The two agree where decoding starts at the end of the prompt (a prefilled prompt, as the
-decoder-only model decodes).
+decoder-only model decodes). `max_decode_steps_hard_limit` (sampling) clips `max_decode_steps`
+by a static number, as t5x's does.
 
 The cache is any pytree whose leaves have the batch on axis 0 (t5lite's KV cache does, scanned
 or not); for several decodes per example (samples, beams) it is repeated per decode here, so
@@ -147,6 +148,22 @@ def _sample_step(
     )
 
 
+def _hard_limited(
+    max_decode_steps: int | Array | None, hard_limit: int | None
+) -> int | Array | None:
+    """t5x's `max_decode_steps_hard_limit`: clips `max_decode_steps` when both are set."""
+    if hard_limit is not None and (isinstance(hard_limit, bool) or not isinstance(hard_limit, int)):
+        raise ValueError(
+            f"max_decode_steps_hard_limit must be a Python int or None (static, as in t5x), got "
+            f"{hard_limit!r}"
+        )
+    if hard_limit is None or hard_limit <= 0 or max_decode_steps is None:
+        return max_decode_steps
+    if isinstance(max_decode_steps, int):
+        return min(max_decode_steps, hard_limit)
+    return jnp.minimum(max_decode_steps, hard_limit)
+
+
 def temperature_sample(
     prompt_BL: Array,
     cache: PyTree,
@@ -161,6 +178,7 @@ def temperature_sample(
     min_log_prob: float | Array | None = None,
     max_decode_steps: int | Array | None = None,
     max_decode_steps_after_prompt: bool = False,
+    max_decode_steps_hard_limit: int | None = None,
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
@@ -187,6 +205,10 @@ def temperature_sample(
         tokens count); default: up to position L - 1. May be traced.
       max_decode_steps_after_prompt: t5x's count instead: `max_decode_steps` positions after
         each row's prompt (its non-pad tokens), wherever decoding starts; static.
+      max_decode_steps_hard_limit: t5x's clip: when it is > 0 and `max_decode_steps` is given,
+        `max_decode_steps` becomes `min(max_decode_steps, max_decode_steps_hard_limit)`; None
+        or <= 0: no clip. It bounds a traced `max_decode_steps` by a static number (a Python
+        int, as in t5x). Without `max_decode_steps` it does nothing (as in t5x).
       eos_id: decoding of a row stops after generating this token (t5x: 1).
       pad_id: written after a row stops; marks "no prompt token" in `prompt_BL` (t5x: 0).
       decoder_start_token_id: fed at position 0 (t5x: 0).
@@ -202,6 +224,7 @@ def temperature_sample(
     """
     _check_order(order)
     b, length = prompt_BL.shape
+    max_decode_steps = _hard_limited(max_decode_steps, max_decode_steps_hard_limit)
     start = _start(
         prompt_BL,
         initial_index,
