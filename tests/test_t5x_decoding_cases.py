@@ -144,6 +144,108 @@ def test_beam_search_force_decode_prefix_with_initial_index():
     np.testing.assert_allclose(scores, want, atol=1e-5)
 
 
+def test_beam_search_max_decode_step():
+    """t5x test_beam_search_max_decode_step: t5x's `max_decode_step` (search steps from where
+    decoding starts) is t5lite's `max_decode_steps` as counted by default."""
+    logits = [[-1e7, -1e10, -0.1, -0.9], [-1e7, -1e10, -0.9, -0.1]]
+    seqs, scores = decoding.beam_search(
+        np.zeros((2, 5), np.int32),
+        {},
+        _constant(logits, 2),
+        beam_size=2,
+        max_decode_steps=2,
+        order="best_last",
+    )
+    expected = [[[3, 2, 0, 0, 0], [2, 2, 0, 0, 0]], [[2, 3, 0, 0, 0], [3, 3, 0, 0, 0]]]
+    np.testing.assert_array_equal(seqs, expected)
+    assert np.all(np.diff(np.asarray(scores)) >= 0)
+    # No beam finished: t5x returns the live beams with their plain log-probabilities.
+    np.testing.assert_allclose(scores, _expected_scores(expected, logits, np.zeros((2, 5))))
+
+
+def test_beam_search_force_decode_prefix_with_initial_index_max_decode_step():
+    """t5x's case of that name: row 0 never finishes and stops after 2 steps; row 1 finishes."""
+    inputs = np.array([[0, 7, 0, 0, 0], [0, 4, 5, 0, 0]], np.int32)
+    seqs, scores = decoding.beam_search(
+        inputs,
+        {},
+        _constant(LOGITS_WITH_EOS, 2),
+        beam_size=2,
+        alpha=0.0,
+        initial_index=np.array([1, 2], np.int32),
+        max_decode_steps=2,
+        order="best_last",
+    )
+    expected = [[[7, 3, 2, 0, 0], [7, 2, 2, 0, 0]], [[4, 5, 3, 1, 0], [4, 5, 1, 0, 0]]]
+    np.testing.assert_array_equal(seqs, expected)
+    assert np.all(np.diff(np.asarray(scores)) >= 0)
+    prompts = [[7, 0, 0, 0, 0], [4, 5, 0, 0, 0]]
+    np.testing.assert_allclose(
+        scores, _expected_scores(expected, LOGITS_WITH_EOS, prompts), atol=1e-5
+    )
+
+
+def _gnmt(alpha, length):
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+@pytest.mark.parametrize("counts_prompt", [False, True])
+def test_beam_search_brevity_penalty_after_a_prefilled_prompt(counts_prompt):
+    """t5x's beam search divides a finished beam's log-probability by the penalty of
+    `initial_index + steps` (its lengths = initial_index + cur_index + 1): the prefilled prompt
+    counts. `brevity_counts_prompt=True` gives that; t5lite's default counts the steps only.
+    t5x's `force_decode_prefix_with_initial_index` case, with alpha 0.6."""
+    inputs = np.array([[0, 7, 0, 0, 0], [0, 4, 5, 0, 0]], np.int32)
+    alpha = 0.6
+    seqs, scores = decoding.beam_search(
+        inputs,
+        {},
+        _constant(LOGITS_WITH_EOS, 2),
+        beam_size=2,
+        alpha=alpha,
+        initial_index=np.array([1, 2], np.int32),
+        brevity_counts_prompt=counts_prompt,
+        order="best_last",
+    )
+    expected = [[[7, 3, 2, 2, 2], [7, 2, 2, 2, 2]], [[4, 5, 3, 1, 0], [4, 5, 1, 0, 0]]]
+    np.testing.assert_array_equal(seqs, expected)
+    prompts = [[7, 0, 0, 0, 0], [4, 5, 0, 0, 0]]
+    logp = _expected_scores(expected, LOGITS_WITH_EOS, prompts)
+    # Row 0 never finishes: its live beams, unpenalised. Row 1's EOS comes after 2 and 1
+    # generated tokens, behind a prompt of 2 (initial_index).
+    generated = np.array([2, 1])
+    length = generated + 2 if counts_prompt else generated
+    np.testing.assert_allclose(scores[0], logp[0], atol=1e-5)
+    np.testing.assert_allclose(scores[1], logp[1] / _gnmt(alpha, length), atol=1e-5)
+    # Without initial_index (the prompt forced, t5x's initial_index = 0) both count the same.
+    plain = [
+        decoding.beam_search(
+            inputs, {}, _constant(LOGITS_WITH_EOS, 2), beam_size=2, brevity_counts_prompt=c
+        )[1]
+        for c in (False, True)
+    ]
+    np.testing.assert_array_equal(plain[0], plain[1])
+
+
+def test_model_brevity_counts_prompt_reaches_beam_search():
+    from t5lite.model import models
+
+    inputs = np.array([[0, 7, 0, 0, 0], [0, 4, 5, 0, 0]], np.int32)
+    initial_index = np.array([1, 2], np.int32)
+    args = (inputs, {}, _constant(LOGITS_WITH_EOS, 2), None, initial_index, None, None)
+    got = {}
+    for counts in (False, True):
+        model = models.DecoderOnlyModel(
+            decoding_method="beam", beam_size=2, alpha=0.6, brevity_counts_prompt=counts
+        )
+        got[counts] = np.asarray(model._decode(*args)[1])
+    want = decoding.beam_search(
+        *args[:3], beam_size=2, alpha=0.6, initial_index=initial_index, brevity_counts_prompt=True
+    )[1]
+    np.testing.assert_array_equal(got[True], want)
+    assert got[True][1, 0] > got[False][1, 0]  # a longer length: a larger divisor
+
+
 def test_beam_search_min_log_prob():
     """t5x test_beam_search_min_log_prob: no live beam stays above -0.05 after one step."""
     logits = [[-1e7, -1e10, -0.1, -0.9], [-1e7, -1e10, -0.9, -0.1]]

@@ -406,6 +406,7 @@ def _beam_step(
     pad_id: int,
     ascending: bool,
     min_log_prob_B: Array | None,
+    counts_prompt: bool,
 ) -> _Beams:
     """Extends every live beam by one token; moves EOS-ended candidates to the finished pool.
     Live beams and the pool are kept best first, or in t5x's ascending order (`ascending`)."""
@@ -429,7 +430,10 @@ def _beam_step(
     # NOTE: candidates scored near NEG_INF extend beams that never existed (fewer than W
     # continuations so far); they never count as finished.
     finishes_BC = eos_BC & (logp_BC > NEG_INF / 2)
-    penalty_B1 = brevity_penalty(alpha, s.index_B - start.index_B + 1)[:, None]
+    # The decoded length: positions from where decoding started, or (t5x) every target
+    # position so far, a prefilled prompt included.
+    from_B = 0 if counts_prompt else start.index_B
+    penalty_B1 = brevity_penalty(alpha, s.index_B - from_B + 1)[:, None]
     fin_BWL, fin_score_BW, fin_flag_BW = _merge_finished(
         s, seqs_BCL, logp_BC / penalty_B1, finishes_BC, ascending
     )
@@ -456,7 +460,7 @@ def _beam_step(
     )
     # No live beam can beat the worst finished one: its log-probability only falls, and the
     # penalty divides by at most the penalty of the longest possible decode.
-    max_len_B = start.last_B - start.index_B + 1
+    max_len_B = start.last_B - from_B + 1
     best_possible_B = jnp.max(new.live_logp_BW, axis=1) / brevity_penalty(alpha, max_len_B)
     stop_B = (s.index_B >= start.last_B) | (jnp.min(new.fin_score_BW, axis=1) >= best_possible_B)
     if min_log_prob_B is not None:  # t5x: no live beam's log-probability is above it
@@ -475,6 +479,7 @@ def beam_search(
     max_decode_steps: int | Array | None = None,
     max_decode_steps_after_prompt: bool = False,
     min_log_prob: float | Array | None = None,
+    brevity_counts_prompt: bool = False,
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
@@ -503,6 +508,9 @@ def beam_search(
       min_log_prob: a row stops once none of its live beams has a log-probability (without
         the brevity penalty) at or above this (t5x's `min_log_prob`, per row). None: no limit.
         A scalar or [B]; may be traced.
+      brevity_counts_prompt: t5x's penalty length: every target position up to the new
+        token, a prefilled prompt (positions < initial_index) included. Default: the positions
+        from `initial_index` (the two agree without `initial_index`); static.
       order: "best_first", or "best_last": t5x's order, in which beams are also kept during the
         search, so that equal scores are broken as t5x breaks them.
 
@@ -544,6 +552,7 @@ def beam_search(
         pad_id=pad_id,
         ascending=order == "best_last",
         min_log_prob_B=min_log_prob_B,
+        counts_prompt=brevity_counts_prompt,
     )
     s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), step, carry)
     finished_B = jnp.any(s.fin_flag_BW, axis=1)

@@ -61,6 +61,9 @@ class BaseModel(abc.ABC):
     """'beam': beams per example."""
     alpha: float = 0.6
     """'beam': brevity penalty exponent, ((5 + length) / 6) ** alpha."""
+    brevity_counts_prompt: bool = False
+    """'beam': the penalty's length counts the prompt too, as t5x's (decoder-only prompts; see
+    `decoding.beam_search`); False: the generated tokens only."""
     decode_order: str = "best_first"
     """Order of all decodes (`return_all_decodes`): 'best_first' ([:, 0] is the best, as HF's
     generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best; beam search then
@@ -296,7 +299,10 @@ class BaseModel(abc.ABC):
         )
         if method == "beam":
             kwargs.update(
-                beam_size=self.beam_size, alpha=self.alpha, min_log_prob=self.min_log_prob
+                beam_size=self.beam_size,
+                alpha=self.alpha,
+                min_log_prob=self.min_log_prob,
+                brevity_counts_prompt=self.brevity_counts_prompt,
             )
         elif method == "sample":
             kwargs.update(
