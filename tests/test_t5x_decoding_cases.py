@@ -3,9 +3,12 @@
 Each case keeps t5x's inputs and expected outputs; the t5x options it needs are named in the
 call: `order="best_last"` (t5x's ascending order, equal scores broken as t5x does),
 `max_decode_steps_after_prompt=True` (t5x counts `max_decode_steps` after the prompt),
-`state_callback_fn`, `max_decode_steps_hard_limit` and beam search's `min_log_prob`.
-Coordinates: t5x's sequences and t5lite's are the same for these calls (the prompt at positions
-1.., results without the start slot).
+`max_decode_steps_hard_limit`, `rescale_log_probs=True` (t5x's sample scores),
+`state_callback_fn`, `logit_callback_fn`, and beam search's `min_log_prob` and
+`brevity_counts_prompt=True` (t5x's penalty length after a prefilled prompt); t5x's beam
+`max_decode_step` is t5lite's `max_decode_steps`. Coordinates: t5x's sequences and t5lite's are
+the same for these calls (the prompt at positions 1.., results without the start slot).
+docs/differences.md lists what has no option.
 """
 
 from __future__ import annotations
@@ -497,3 +500,91 @@ def test_model_decode_order_and_min_log_prob_reach_beam_search():
     assert float(aux["scores"][0]) == float(np.max(scores[0]))
     seqs, _ = model._decode(*args, {"min_log_prob": -100.0})
     np.testing.assert_array_equal(seqs[:, -1], [[2, 2, 2, 2, 2], [3, 3, 3, 3, 3]])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "rescale", "expected", "score"),
+    [
+        ([0, 2, 2, 2, 0], True, [2, 2, 2, 2, 2], 0.0),
+        ([0, 2, 2, 3, 0], False, [2, 2, 3, 2, 2], -1.02165125),
+    ],
+)
+def test_greedy_decoding_topk_sample_log_probs(prompt, rescale, expected, score):
+    """t5x's test of that name: with `rescale_log_probs` (t5x's default) top_k=1 scores every
+    token 0; without it, the model's log-probability (2 x log 0.6)."""
+    logits = [[-1e7, -1e7, -0.510825624, -0.916290732]]  # 2 and 3 at 0.6 and 0.4
+    seqs, scores = decoding.temperature_sample(
+        np.array([prompt], np.int32),
+        {},
+        _constant(logits, 1),
+        top_k=1,
+        rescale_log_probs=rescale,
+    )
+    np.testing.assert_array_equal(seqs[:, 0], [expected])
+    np.testing.assert_allclose(scores[:, 0], [score], atol=1e-6)
+
+
+def test_rescaled_scores_are_those_of_the_distribution_sampled_from():
+    """t5x's rescale_log_probs: log_softmax of the logits / temperature after top-p (t5x's
+    test_topp_log_probs masks (0.3, 0, 0.1, 0.6) at temperature 1.4 and top-p 0.7 to
+    [-0.857, NEG_INF, NEG_INF, -0.364]); greedy rows (temperature 0) score 0."""
+    logits = np.array([[-1.2, NEG_INF, -2.3, -0.51]] * 2, np.float32)
+    seqs, scores = decoding.temperature_sample(
+        np.zeros((2, 6), np.int32),
+        {},
+        _constant(logits, 1),
+        temperature=jnp.array([1.4, 0.0]),
+        top_p=0.7,
+        rescale_log_probs=True,
+        eos_id=-1,
+    )
+    masked = np.array([-0.85714293, -np.inf, -np.inf, -0.36428571])
+    logp = masked - np.log(np.sum(np.exp(masked[np.isfinite(masked)])))
+    np.testing.assert_allclose(scores[0, 0], sum(logp[t] for t in seqs[0, 0]), rtol=1e-5)
+    assert set(np.asarray(seqs[0, 0]).tolist()) <= {0, 3}  # top-p keeps tokens 0 and 3
+    np.testing.assert_array_equal(seqs[1, 0], [3] * 6)
+    assert float(scores[1, 0]) == 0.0
+    # The default scores the same tokens by the model's own distribution.
+    _, raw = decoding.temperature_sample(
+        np.zeros((2, 6), np.int32),
+        {},
+        _constant(logits, 1),
+        temperature=jnp.array([1.4, 0.0]),
+        top_p=0.7,
+        eos_id=-1,
+    )
+    model_logp = np.asarray(jax.nn.log_softmax(logits[0]))
+    np.testing.assert_allclose(raw[0, 0], sum(model_logp[t] for t in seqs[0, 0]), rtol=1e-5)
+
+
+def test_temperature_sample_with_logit_callback():
+    """t5x test_temperature_sample_with_logit_callback: the callback makes 2 (row 0) and 3
+    (row 1) the only likely tokens after the prompt."""
+
+    def logit_callback_fn(logits, state):
+        del state
+        return logits.at[0, 2].set(0.0).at[1, 3].set(0.0)
+
+    inputs = np.array([[0, 5, 6, 7, 0], [0, 8, 9, 0, 0]], np.int32)
+    seqs, scores = decoding.temperature_sample(
+        inputs,
+        {},
+        _constant([[-1e7] * 4] * 2, 1),
+        temperature=0.0,
+        logit_callback_fn=logit_callback_fn,
+    )
+    np.testing.assert_array_equal(seqs[:, 0], [[5, 6, 7, 2, 2], [8, 9, 3, 3, 3]])
+    np.testing.assert_allclose(scores, [[0.0], [0.0]], atol=1e-6)  # scored after the callback
+
+
+def test_model_rescale_log_probs_is_a_decoder_param():
+    from t5lite.model import models
+
+    logits = [[-1e7, -1e7, -0.510825624, -0.916290732]]
+    args = (np.zeros((1, 3), np.int32), {}, _constant(logits, 1), None, None, None)
+    for method in ("greedy", "sample"):
+        model = models.DecoderOnlyModel(decoding_method=method, top_k=1)
+        _, raw = model._decode(*args, None)
+        _, rescaled = model._decode(*args, {"rescale_log_probs": True})
+        np.testing.assert_allclose(raw, [[3 * np.log(0.6)]], rtol=1e-6)
+        np.testing.assert_array_equal(rescaled, [[0.0]])

@@ -60,6 +60,7 @@ from t5lite.model.decode_common import (
     ORDERS,
     PAD_ID,
     DecodingState,
+    LogitCallbackFn,
     SamplingLoopState,
     StateCallbackFn,
     TokensToLogits,
@@ -83,6 +84,7 @@ __all__ = [
     "ORDERS",
     "PAD_ID",
     "DecodingState",
+    "LogitCallbackFn",
     "SamplingLoopState",
     "StateCallbackFn",
     "TokensToLogits",
@@ -98,34 +100,60 @@ Array = jax.Array
 PyTree = Any
 
 
+def _token_logp(logits_BV: Array, token_B: Array) -> Array:
+    """log_softmax(logits)[b, token_B[b]], [B]."""
+    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    return jnp.take_along_axis(logp_BV, token_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
 def _choose(
-    logits_BV: Array, key: Array, temperature_B: Array, top_k: int, top_p: float | Array
-) -> Array:
-    """Next tokens [B]: sampled, or the argmax in rows whose temperature is 0."""
+    logits_BV: Array,
+    key: Array,
+    temperature_B: Array,
+    top_k: int,
+    top_p: float | Array,
+    rescale: bool,
+) -> tuple[Array, Array]:
+    """Next tokens [B] (sampled, or the argmax in rows whose temperature is 0) and their
+    log-probabilities [B]: the model's, or (`rescale`, t5x) those of the distribution sampled
+    from, 0 in greedy rows."""
     greedy_B = jnp.argmax(logits_BV, axis=-1)
     hot_B = temperature_B > 0.0
     safe_B1 = jnp.where(hot_B, temperature_B, 1.0)[:, None]  # no 0 / 0 in greedy rows
-    sampled_B = jax.random.categorical(key, filter_logits(logits_BV / safe_B1, top_k, top_p))
-    return jnp.where(hot_B, sampled_B, greedy_B)
+    scaled_BV = filter_logits(logits_BV / safe_B1, top_k, top_p)
+    next_B = jnp.where(hot_B, jax.random.categorical(key, scaled_BV), greedy_B)
+    if rescale:
+        return next_B, jnp.where(hot_B, _token_logp(scaled_BV, next_B), 0.0)
+    return next_B, _token_logp(logits_BV, next_B)
+
+
+def _choose_greedy(logits_BV: Array, rescale: bool) -> tuple[Array, Array]:
+    """`_choose` for statically greedy decoding."""
+    next_B = jnp.argmax(logits_BV, axis=-1)
+    return next_B, jnp.zeros(next_B.shape) if rescale else _token_logp(logits_BV, next_B)
 
 
 def _sample_step(
     c: SamplingLoopState,
     tokens_to_logits: TokensToLogits,
-    choose: Callable[[Array, Array], Array],
+    choose: Callable[[Array, Array], tuple[Array, Array]],
     start: _Start,
     min_log_prob_B: Array | None,
     eos_id: int,
     pad_id: int,
     state_callback_fn: StateCallbackFn | None,
+    logit_callback_fn: LogitCallbackFn | None,
 ) -> SamplingLoopState:
     """One position of every row: predict (or force the prompt), score, write, maybe stop."""
     if state_callback_fn is not None:
         c = state_callback_fn(c)
     logits, cache = tokens_to_logits(DecodingState(c.cur_index, c.cur_token, c.sequences, c.cache))
     logits_BV = _logits_BV(logits)
+    if logit_callback_fn is not None:
+        logits_BV = logit_callback_fn(logits_BV, c).astype(jnp.float32)
     prompt_B, forced_B = _forced(start.forced_BL, c.cur_index, pad_id)
-    next_B = jnp.where(forced_B, prompt_B, choose(logits_BV, c.step))
+    chosen_B, chosen_logp_B = choose(logits_BV, c.step)
+    next_B = jnp.where(forced_B, prompt_B, chosen_B)
     ends_B = (next_B == eos_id) & ~forced_B
     if state_callback_fn is not None:  # a token the callback wrote is forced; its EOS ends
         placed_B, by_callback_B = _forced(c.sequences, c.cur_index, pad_id)
@@ -133,10 +161,8 @@ def _sample_step(
         ends_B = jnp.where(by_callback_B, placed_B == eos_id, ends_B)
         forced_B = forced_B | by_callback_B
     next_B = jnp.where(c.ended, pad_id, next_B).astype(jnp.int32)
-    token_logp_B = jnp.take_along_axis(
-        jax.nn.log_softmax(logits_BV, axis=-1), next_B[:, None], axis=-1
-    )[:, 0]
-    logp_B = c.log_prob + jnp.where(c.ended | forced_B, 0.0, token_logp_B)
+    # A token that adds to the score is the chosen one (not forced, row not ended).
+    logp_B = c.log_prob + jnp.where(c.ended | forced_B, 0.0, chosen_logp_B)
     at_BL = jnp.arange(c.sequences.shape[1])[None] == c.cur_index[:, None]
     write_BL = at_BL & ~c.ended[:, None]
     sequences_BL = jnp.where(write_BL, next_B[:, None], c.sequences)
@@ -184,6 +210,8 @@ def temperature_sample(
     decoder_start_token_id: int = DECODER_START_ID,
     order: str = "best_first",
     state_callback_fn: StateCallbackFn | None = None,
+    logit_callback_fn: LogitCallbackFn | None = None,
+    rescale_log_probs: bool = False,
 ) -> tuple[Array, Array]:
     """Samples `num_decodes` continuations per row (greedy where the temperature is 0).
 
@@ -216,11 +244,15 @@ def temperature_sample(
       state_callback_fn: t5x's hook: called with the `SamplingLoopState` before every step and
         once after the loop; what it returns is the state the loop goes on with (e.g. tokens
         it writes ahead in `sequences` are forced). None: no hook.
+      logit_callback_fn: t5x's hook: `(logits [B, V] fp32, state) -> logits`, applied to the
+        model's logits at every step before sampling and scoring (`state` as the step starts).
+      rescale_log_probs: t5x's scores: the log-probabilities of the distribution sampled from
+        (after temperature, top-k and top-p; 0 per greedy token) instead of the model's; static.
 
     Returns:
       (sequences [B, N, L] int32, log_probs [B, N] fp32): decodes sorted by the model's
-      log-probability of the generated tokens (raw logits, before temperature and filtering;
-      forced prompt tokens excluded), in `order`.
+      log-probability of the generated tokens (raw logits, before temperature and filtering,
+      unless `rescale_log_probs`; forced prompt tokens excluded), in `order`.
     """
     _check_order(order)
     b, length = prompt_BL.shape
@@ -242,7 +274,7 @@ def temperature_sample(
     )
     rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
     if top_k == 1 or (isinstance(temperature, int | float) and temperature == 0.0):
-        choose = lambda logits_BV, step: jnp.argmax(logits_BV, axis=-1)  # statically greedy
+        choose = lambda logits_BV, step: _choose_greedy(logits_BV, rescale_log_probs)
     else:
         choose = lambda logits_BV, step: _choose(
             logits_BV,
@@ -250,6 +282,7 @@ def temperature_sample(
             temperature_B,
             top_k,
             top_p if top_p_B is None else top_p_B,
+            rescale_log_probs,
         )
     step = functools.partial(
         _sample_step,
@@ -260,6 +293,7 @@ def temperature_sample(
         eos_id=eos_id,
         pad_id=pad_id,
         state_callback_fn=state_callback_fn,
+        logit_callback_fn=logit_callback_fn,
     )
     carry = SamplingLoopState(
         jnp.zeros((), jnp.int32),

@@ -263,8 +263,9 @@ class BaseModel(abc.ABC):
           return_all_decodes: return every sample / beam, not just the best.
           decoder_params: per-call overrides of the model's decoding fields (t5x's
             `decoder_params`), which may be traced or per row [B]: 'temperature', 'top_p',
-            'top_k' (static), 'min_log_prob' (sampling), 'max_decode_steps_hard_limit'
-            (greedy and sampling; static), 'alpha' (beam) and 'max_decode_steps' (any method).
+            'top_k' (static), 'min_log_prob' (sampling), 'max_decode_steps_hard_limit' and
+            'rescale_log_probs' (greedy and sampling; static), 'alpha' (beam) and
+            'max_decode_steps' (any method).
 
         Returns:
           (decodes, {"scores": ...}): ids [B, T] (or [B, N, T] with all decodes, in
@@ -340,10 +341,11 @@ class BaseModel(abc.ABC):
 
 # What `predict_batch_with_aux(decoder_params=...)` may override, per decoding method.
 _DECODER_PARAMS = {
-    "greedy": {"max_decode_steps", "max_decode_steps_hard_limit"},
+    "greedy": {"max_decode_steps", "max_decode_steps_hard_limit", "rescale_log_probs"},
     "sample": {
         "max_decode_steps",
         "max_decode_steps_hard_limit",
+        "rescale_log_probs",
         "temperature",
         "top_k",
         "top_p",
