@@ -588,3 +588,51 @@ def test_model_rescale_log_probs_is_a_decoder_param():
         _, rescaled = model._decode(*args, {"rescale_log_probs": True})
         np.testing.assert_allclose(raw, [[3 * np.log(0.6)]], rtol=1e-6)
         np.testing.assert_array_equal(rescaled, [[0.0]])
+
+
+def test_temperature_sample_per_item_temperature():
+    """t5x's case of that name: top-p 0.63 after temperatures below 0.8 keeps one token; its
+    scores are 0 with t5x's (default) rescaled log-probabilities."""
+    logits = np.repeat(
+        np.array(
+            [
+                [-1.2, -1e7, -2.3, -0.51],  # (0.3, 0, 0.1, 0.6)
+                [-0.51, -1.2, -1e7, -2.3],
+                [-1.2, -1e7, -0.51, -2.3],
+                [-1.2, -0.51, -1e7, -2.3],
+            ],
+            np.float32,
+        ),
+        2,
+        axis=0,
+    )
+    seqs, scores = decoding.temperature_sample(
+        np.zeros((4, 20), np.int32),
+        {},
+        lambda state: (jnp.asarray(logits), state.cache),
+        temperature=np.array([0.5, 0, 0.3, 0.2]),
+        top_p=0.63,
+        num_decodes=2,
+        rescale_log_probs=True,
+    )
+    expected = np.array([[3] * 20, [0] * 20, [2] * 20, [EOS_ID] + [0] * 19])
+    np.testing.assert_array_equal(seqs, np.repeat(expected[:, None], 2, axis=1))
+    np.testing.assert_array_equal(scores, np.zeros((4, 2)))
+
+
+def test_dynamic_topp_max_decode_steps():
+    """t5x's case of that name: temperature, top-p and max_decode_steps traced."""
+    run = jax.jit(
+        lambda t, p, m: decoding.temperature_sample(
+            np.zeros((1, 20), np.int32),
+            {},
+            _constant([[-1.2, -1e7, -2.3, -0.51]], 1),
+            temperature=t,
+            top_p=p,
+            max_decode_steps=m,
+            rescale_log_probs=True,
+        )
+    )
+    seqs, scores = run(0.8, 0.63, 10)
+    np.testing.assert_array_equal(seqs, [[[3] * 10 + [0] * 10]])
+    np.testing.assert_array_equal(scores, [[0.0]])
