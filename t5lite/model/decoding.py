@@ -233,10 +233,9 @@ def temperature_sample(
         tokens count); default: up to position L - 1. May be traced.
       max_decode_steps_after_prompt: t5x's count instead: `max_decode_steps` positions after
         each row's prompt (its non-pad tokens), wherever decoding starts; static.
-      max_decode_steps_hard_limit: t5x's clip: when it is > 0 and `max_decode_steps` is given,
-        `max_decode_steps` becomes `min(max_decode_steps, max_decode_steps_hard_limit)`; None
-        or <= 0: no clip. It bounds a traced `max_decode_steps` by a static number (a Python
-        int, as in t5x). Without `max_decode_steps` it does nothing (as in t5x).
+      max_decode_steps_hard_limit: t5x's static bound (a Python int) on a given, maybe traced
+        `max_decode_steps`, which becomes the smaller of the two; None or <= 0: no bound.
+        Without `max_decode_steps` it does nothing (as in t5x).
       eos_id: decoding of a row stops after generating this token (t5x: 1).
       pad_id: written after a row stops; marks "no prompt token" in `prompt_BL` (t5x: 0).
       decoder_start_token_id: fed at position 0 (t5x: 0).
@@ -276,13 +275,9 @@ def temperature_sample(
     if top_k == 1 or (isinstance(temperature, int | float) and temperature == 0.0):
         choose = lambda logits_BV, step: _choose_greedy(logits_BV, rescale_log_probs)
     else:
+        top_p = top_p if top_p_B is None else top_p_B
         choose = lambda logits_BV, step: _choose(
-            logits_BV,
-            jax.random.fold_in(rng, step),
-            temperature_B,
-            top_k,
-            top_p if top_p_B is None else top_p_B,
-            rescale_log_probs,
+            logits_BV, jax.random.fold_in(rng, step), temperature_B, top_k, top_p, rescale_log_probs
         )
     step = functools.partial(
         _sample_step,
