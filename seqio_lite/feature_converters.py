@@ -327,7 +327,10 @@ class PrefixLMFeatureConverter(FeatureConverter):
     """Decoder-only on `inputs ++ targets`: full attention over the prefix, loss on the targets.
 
     `decoder_causal_attention` is 1 on the inputs and on the first target position (which reads
-    the last input token through the shifted `decoder_input_tokens`), as in seqio.
+    the last input token through the shifted `decoder_input_tokens`), as in seqio. Unpacked, an
+    example with empty targets gets one padding target (seqio's), so that position is still
+    there: it is where decoding from the prompt starts. Packed, it is dropped, as seqio's
+    packing drops it (see docs/differences.md).
 
     Args:
       loss_on_targets_only: True (default): loss weights only on the targets part; False: on
@@ -357,6 +360,11 @@ class PrefixLMFeatureConverter(FeatureConverter):
 
     def _convert(self, ex: Mapping[str, np.ndarray]) -> Example:
         inputs, targets = ex["inputs"], ex["targets"]
+        if targets.size == 0 and not self.pack:
+            # NOTE: without it the position after the inputs would be padding, with
+            # decoder_causal_attention 0 and decoder_input_tokens 0 there, and a decode would
+            # start one token early (without the last input, usually EOS).
+            targets = np.zeros(1, np.int32)
         seq = np.concatenate([inputs, targets]).astype(np.int32)
         positions = np.arange(seq.size)
         return {

@@ -189,6 +189,21 @@ def test_call_refusals():
     )
 
 
+def test_a_whole_mask_refusal_names_decoding_and_context_parallelism():
+    """A kernel that needs the mask by its parts is handed a whole one by the KV cache's decode
+    steps and by context parallelism's per-device attention: the line names both."""
+    q, k, v = _qkv()
+    whole = layers.make_causal_mask(B, L)
+    with pytest.raises(ValueError) as e:
+        attention.dot_product_attention(q, k, v, None, whole, implementation="chunked")
+    assert str(e.value) == (
+        "attention_implementation='chunked' needs the mask by its parts, but got a whole one, "
+        "as the KV cache's decode steps and context parallelism (attention inside its shard_map) "
+        "give (chunked is for training, scoring and prefill without context parallelism); use "
+        "'xla'"
+    )
+
+
 @pytest.fixture
 def cudnn_runs_as_jax_xla(monkeypatch):
     """`jax.nn.dot_product_attention` records each call's implementation and shapes, then runs

@@ -247,6 +247,123 @@ def test_prefix_lm_loss_on_targets_only():
     assert not batch["decoder_loss_weights"][1].any()  # the padding row
 
 
+def _prefix_lm_rows(pack, examples, lengths, batch_size=1):
+    conv = fc.PrefixLMFeatureConverter(pack=pack)
+    packer = fc.RowPacker(conv, batch_size, conv.group_lengths(lengths))
+    for e in examples:
+        assert packer.add(conv.convert_example({k: np.array(v) for k, v in e.items()}, lengths))
+    return packer.batch()
+
+
+def _assert_rows(batch, expected):
+    assert sorted(batch) == sorted(expected)
+    for k, v in expected.items():
+        np.testing.assert_array_equal(batch[k][0], v, err_msg=k)
+
+
+def test_prefix_lm_seqio_cases():
+    """seqio's feature_converters_test.py: test_prefix_lm_unpacked, test_prefix_lm_packed,
+    test_empty_inputs (packed) and test_prefix_lm_unpacked_trivial_targets (empty targets: one
+    padding target keeps the position after the inputs, where decoding starts)."""
+    _assert_rows(
+        _prefix_lm_rows(
+            False, [{"inputs": [9, 4, 6, 1], "targets": [3, 9, 1]}], {"inputs": 5, "targets": 4}
+        ),
+        {
+            "decoder_target_tokens": [9, 4, 6, 1, 3, 9, 1, 0, 0],
+            "decoder_input_tokens": [0, 9, 4, 6, 1, 3, 9, 0, 0],  # seqio: 1 after EOS
+            "decoder_loss_weights": [0, 0, 0, 0, 1, 1, 1, 0, 0],
+            "decoder_causal_attention": [1, 1, 1, 1, 1, 0, 0, 0, 0],
+        },
+    )
+    _assert_rows(
+        _prefix_lm_rows(
+            True,
+            [
+                {"inputs": [7, 8, 5, 1], "targets": [3, 9, 1]},
+                {"inputs": [8, 4, 9, 3, 1], "targets": [4, 1]},
+            ],
+            {"inputs": 8, "targets": 7},
+        ),
+        {
+            "decoder_target_tokens": [7, 8, 5, 1, 3, 9, 1, 8, 4, 9, 3, 1, 4, 1, 0],
+            "decoder_input_tokens": [0, 7, 8, 5, 1, 3, 9, 0, 8, 4, 9, 3, 1, 4, 0],
+            "decoder_loss_weights": [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0],
+            "decoder_positions": [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 0],
+            "decoder_segment_ids": [1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 0],
+            "decoder_causal_attention": [1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
+        },
+    )
+    _assert_rows(
+        _prefix_lm_rows(
+            True,
+            [
+                {"inputs": [1], "targets": [1, 2]},
+                {"inputs": [], "targets": [3, 4]},
+                {"inputs": [2, 3, 4, 5, 6], "targets": [5, 6]},
+            ],
+            {"inputs": 7, "targets": 7},
+        ),
+        {
+            "decoder_target_tokens": [1, 1, 2, 3, 4, 2, 3, 4, 5, 6, 5, 6, 0, 0],
+            "decoder_input_tokens": [0, 1, 1, 0, 3, 0, 2, 3, 4, 5, 6, 5, 0, 0],
+            "decoder_loss_weights": [0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+            "decoder_segment_ids": [1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3, 3, 0, 0],
+            "decoder_positions": [0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5, 6, 0, 0],
+            "decoder_causal_attention": [1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+        },
+    )
+    trivial = {"inputs": [9, 4, 6, 1], "targets": []}
+    _assert_rows(
+        _prefix_lm_rows(False, [trivial], {"inputs": 5, "targets": 4}),
+        {
+            "decoder_target_tokens": [9, 4, 6, 1, 0, 0, 0, 0, 0],
+            "decoder_input_tokens": [0, 9, 4, 6, 1, 0, 0, 0, 0],
+            "decoder_loss_weights": [0, 0, 0, 0, 0, 0, 0, 0, 0],
+            "decoder_causal_attention": [1, 1, 1, 1, 1, 0, 0, 0, 0],
+        },
+    )
+    # Packed, the padding target is dropped, as seqio's packing drops it (its packers keep a
+    # feature's non-zero tokens). seqio then keeps the mask's extra entry, one position to the
+    # right of the example's tokens (here: on padding, with loss weight 1 there); t5lite keeps
+    # the example's own entries only (docs/differences.md).
+    _assert_rows(
+        _prefix_lm_rows(True, [trivial], {"inputs": 5, "targets": 4}),
+        {
+            "decoder_target_tokens": [9, 4, 6, 1, 0, 0, 0, 0, 0],
+            "decoder_input_tokens": [0, 9, 4, 6, 0, 0, 0, 0, 0],
+            "decoder_loss_weights": [0, 0, 0, 0, 0, 0, 0, 0, 0],
+            "decoder_segment_ids": [1, 1, 1, 1, 0, 0, 0, 0, 0],
+            "decoder_positions": [0, 1, 2, 3, 0, 0, 0, 0, 0],
+            "decoder_causal_attention": [1, 1, 1, 1, 0, 0, 0, 0, 0],
+        },
+    )
+
+
+def test_prefix_lm_empty_targets_decode_from_the_whole_prompt():
+    """A row with empty targets (what a predict-only example has) decodes as the same inputs
+    with targets do: the model's prompt runs to the last input token."""
+    import jax
+
+    from t5lite.model import models, network
+
+    cfg = network.DecoderOnlyConfig(
+        vocab_size=32, emb_dim=16, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=32, num_layers=1
+    )
+    model = models.DecoderOnlyModel(network_config=cfg, eos_id=-1)  # decode to the end
+    lengths = {"inputs": 5, "targets": 4}
+    inputs = [9, 4, 6, 1]
+    batch = _prefix_lm_rows(
+        False,
+        [{"inputs": inputs, "targets": []}, {"inputs": inputs, "targets": [3, 9, 1]}],
+        lengths,
+        2,
+    )
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch)["params"]
+    decodes = np.asarray(jax.jit(model.predict_batch)(params, batch))
+    np.testing.assert_array_equal(decodes[0], decodes[1])
+
+
 def test_overlong_examples_trim_drop_or_error():
     long = {"inputs": np.arange(2, 30), "targets": np.arange(2, 5)}
     lengths = {"inputs": 8, "targets": 8}

@@ -205,8 +205,9 @@ def _cudnn_refuses(f: Features) -> str | None:
 def _needs_parts(f: Features, name: str) -> str | None:
     if f.mask == "dense":
         return (
-            f"needs the mask by its parts, and the KV cache's decode steps give a whole one "
-            f"(decoding runs 'xla'; {name} is for training, scoring and prefill)"
+            f"needs the mask by its parts, but got a whole one, as the KV cache's decode steps "
+            f"and context parallelism (attention inside its shard_map) give ({name} is for "
+            f"training, scoring and prefill without context parallelism)"
         )
     return None
 

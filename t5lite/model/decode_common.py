@@ -240,3 +240,4 @@ class SamplingLoopState:
 
 
 StateCallbackFn = Callable[[SamplingLoopState], SamplingLoopState]
+LogitCallbackFn = Callable[[Array, SamplingLoopState], Array]

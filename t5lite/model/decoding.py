@@ -33,7 +33,8 @@ equal score are kept and returned as t5x keeps and returns them.
 Steps. `max_decode_steps` counts positions from `initial_index` by default (forced prompt tokens
 count); `max_decode_steps_after_prompt=True` counts them after each row's prompt, as t5x does.
 The two agree where decoding starts at the end of the prompt (a prefilled prompt, as the
-decoder-only model decodes).
+decoder-only model decodes). `max_decode_steps_hard_limit` (sampling) clips `max_decode_steps`
+by a static number, as t5x's does.
 
 The cache is any pytree whose leaves have the batch on axis 0 (t5lite's KV cache does, scanned
 or not); for several decodes per example (samples, beams) it is repeated per decode here, so
@@ -59,6 +60,7 @@ from t5lite.model.decode_common import (
     ORDERS,
     PAD_ID,
     DecodingState,
+    LogitCallbackFn,
     SamplingLoopState,
     StateCallbackFn,
     TokensToLogits,
@@ -82,6 +84,7 @@ __all__ = [
     "ORDERS",
     "PAD_ID",
     "DecodingState",
+    "LogitCallbackFn",
     "SamplingLoopState",
     "StateCallbackFn",
     "TokensToLogits",
@@ -97,34 +100,60 @@ Array = jax.Array
 PyTree = Any
 
 
+def _token_logp(logits_BV: Array, token_B: Array) -> Array:
+    """log_softmax(logits)[b, token_B[b]], [B]."""
+    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    return jnp.take_along_axis(logp_BV, token_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
 def _choose(
-    logits_BV: Array, key: Array, temperature_B: Array, top_k: int, top_p: float | Array
-) -> Array:
-    """Next tokens [B]: sampled, or the argmax in rows whose temperature is 0."""
+    logits_BV: Array,
+    key: Array,
+    temperature_B: Array,
+    top_k: int,
+    top_p: float | Array,
+    rescale: bool,
+) -> tuple[Array, Array]:
+    """Next tokens [B] (sampled, or the argmax in rows whose temperature is 0) and their
+    log-probabilities [B]: the model's, or (`rescale`, t5x) those of the distribution sampled
+    from, 0 in greedy rows."""
     greedy_B = jnp.argmax(logits_BV, axis=-1)
     hot_B = temperature_B > 0.0
     safe_B1 = jnp.where(hot_B, temperature_B, 1.0)[:, None]  # no 0 / 0 in greedy rows
-    sampled_B = jax.random.categorical(key, filter_logits(logits_BV / safe_B1, top_k, top_p))
-    return jnp.where(hot_B, sampled_B, greedy_B)
+    scaled_BV = filter_logits(logits_BV / safe_B1, top_k, top_p)
+    next_B = jnp.where(hot_B, jax.random.categorical(key, scaled_BV), greedy_B)
+    if rescale:
+        return next_B, jnp.where(hot_B, _token_logp(scaled_BV, next_B), 0.0)
+    return next_B, _token_logp(logits_BV, next_B)
+
+
+def _choose_greedy(logits_BV: Array, rescale: bool) -> tuple[Array, Array]:
+    """`_choose` for statically greedy decoding."""
+    next_B = jnp.argmax(logits_BV, axis=-1)
+    return next_B, jnp.zeros(next_B.shape) if rescale else _token_logp(logits_BV, next_B)
 
 
 def _sample_step(
     c: SamplingLoopState,
     tokens_to_logits: TokensToLogits,
-    choose: Callable[[Array, Array], Array],
+    choose: Callable[[Array, Array], tuple[Array, Array]],
     start: _Start,
     min_log_prob_B: Array | None,
     eos_id: int,
     pad_id: int,
     state_callback_fn: StateCallbackFn | None,
+    logit_callback_fn: LogitCallbackFn | None,
 ) -> SamplingLoopState:
     """One position of every row: predict (or force the prompt), score, write, maybe stop."""
     if state_callback_fn is not None:
         c = state_callback_fn(c)
     logits, cache = tokens_to_logits(DecodingState(c.cur_index, c.cur_token, c.sequences, c.cache))
     logits_BV = _logits_BV(logits)
+    if logit_callback_fn is not None:
+        logits_BV = logit_callback_fn(logits_BV, c).astype(jnp.float32)
     prompt_B, forced_B = _forced(start.forced_BL, c.cur_index, pad_id)
-    next_B = jnp.where(forced_B, prompt_B, choose(logits_BV, c.step))
+    chosen_B, chosen_logp_B = choose(logits_BV, c.step)
+    next_B = jnp.where(forced_B, prompt_B, chosen_B)
     ends_B = (next_B == eos_id) & ~forced_B
     if state_callback_fn is not None:  # a token the callback wrote is forced; its EOS ends
         placed_B, by_callback_B = _forced(c.sequences, c.cur_index, pad_id)
@@ -132,10 +161,8 @@ def _sample_step(
         ends_B = jnp.where(by_callback_B, placed_B == eos_id, ends_B)
         forced_B = forced_B | by_callback_B
     next_B = jnp.where(c.ended, pad_id, next_B).astype(jnp.int32)
-    token_logp_B = jnp.take_along_axis(
-        jax.nn.log_softmax(logits_BV, axis=-1), next_B[:, None], axis=-1
-    )[:, 0]
-    logp_B = c.log_prob + jnp.where(c.ended | forced_B, 0.0, token_logp_B)
+    # A token that adds to the score is the chosen one (not forced, row not ended).
+    logp_B = c.log_prob + jnp.where(c.ended | forced_B, 0.0, chosen_logp_B)
     at_BL = jnp.arange(c.sequences.shape[1])[None] == c.cur_index[:, None]
     write_BL = at_BL & ~c.ended[:, None]
     sequences_BL = jnp.where(write_BL, next_B[:, None], c.sequences)
@@ -145,6 +172,22 @@ def _sample_step(
     return SamplingLoopState(
         c.step + 1, c.cur_index + 1, next_B[:, None], sequences_BL, cache, c.ended | ends_B, logp_B
     )
+
+
+def _hard_limited(
+    max_decode_steps: int | Array | None, hard_limit: int | None
+) -> int | Array | None:
+    """t5x's `max_decode_steps_hard_limit`: clips `max_decode_steps` when both are set."""
+    if hard_limit is not None and (isinstance(hard_limit, bool) or not isinstance(hard_limit, int)):
+        raise ValueError(
+            f"max_decode_steps_hard_limit must be a Python int or None (static, as in t5x), got "
+            f"{hard_limit!r}"
+        )
+    if hard_limit is None or hard_limit <= 0 or max_decode_steps is None:
+        return max_decode_steps
+    if isinstance(max_decode_steps, int):
+        return min(max_decode_steps, hard_limit)
+    return jnp.minimum(max_decode_steps, hard_limit)
 
 
 def temperature_sample(
@@ -161,11 +204,14 @@ def temperature_sample(
     min_log_prob: float | Array | None = None,
     max_decode_steps: int | Array | None = None,
     max_decode_steps_after_prompt: bool = False,
+    max_decode_steps_hard_limit: int | None = None,
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
     order: str = "best_first",
     state_callback_fn: StateCallbackFn | None = None,
+    logit_callback_fn: LogitCallbackFn | None = None,
+    rescale_log_probs: bool = False,
 ) -> tuple[Array, Array]:
     """Samples `num_decodes` continuations per row (greedy where the temperature is 0).
 
@@ -187,6 +233,9 @@ def temperature_sample(
         tokens count); default: up to position L - 1. May be traced.
       max_decode_steps_after_prompt: t5x's count instead: `max_decode_steps` positions after
         each row's prompt (its non-pad tokens), wherever decoding starts; static.
+      max_decode_steps_hard_limit: t5x's static bound (a Python int) on a given, maybe traced
+        `max_decode_steps`, which becomes the smaller of the two; None or <= 0: no bound.
+        Without `max_decode_steps` it does nothing (as in t5x).
       eos_id: decoding of a row stops after generating this token (t5x: 1).
       pad_id: written after a row stops; marks "no prompt token" in `prompt_BL` (t5x: 0).
       decoder_start_token_id: fed at position 0 (t5x: 0).
@@ -194,14 +243,19 @@ def temperature_sample(
       state_callback_fn: t5x's hook: called with the `SamplingLoopState` before every step and
         once after the loop; what it returns is the state the loop goes on with (e.g. tokens
         it writes ahead in `sequences` are forced). None: no hook.
+      logit_callback_fn: t5x's hook: `(logits [B, V] fp32, state) -> logits`, applied to the
+        model's logits at every step before sampling and scoring (`state` as the step starts).
+      rescale_log_probs: t5x's scores: the log-probabilities of the distribution sampled from
+        (after temperature, top-k and top-p; 0 per greedy token) instead of the model's; static.
 
     Returns:
       (sequences [B, N, L] int32, log_probs [B, N] fp32): decodes sorted by the model's
-      log-probability of the generated tokens (raw logits, before temperature and filtering;
-      forced prompt tokens excluded), in `order`.
+      log-probability of the generated tokens (raw logits, before temperature and filtering,
+      unless `rescale_log_probs`; forced prompt tokens excluded), in `order`.
     """
     _check_order(order)
     b, length = prompt_BL.shape
+    max_decode_steps = _hard_limited(max_decode_steps, max_decode_steps_hard_limit)
     start = _start(
         prompt_BL,
         initial_index,
@@ -219,14 +273,11 @@ def temperature_sample(
     )
     rng = jax.random.PRNGKey(0) if decode_rng is None else decode_rng
     if top_k == 1 or (isinstance(temperature, int | float) and temperature == 0.0):
-        choose = lambda logits_BV, step: jnp.argmax(logits_BV, axis=-1)  # statically greedy
+        choose = lambda logits_BV, step: _choose_greedy(logits_BV, rescale_log_probs)
     else:
+        top_p = top_p if top_p_B is None else top_p_B
         choose = lambda logits_BV, step: _choose(
-            logits_BV,
-            jax.random.fold_in(rng, step),
-            temperature_B,
-            top_k,
-            top_p if top_p_B is None else top_p_B,
+            logits_BV, jax.random.fold_in(rng, step), temperature_B, top_k, top_p, rescale_log_probs
         )
     step = functools.partial(
         _sample_step,
@@ -237,6 +288,7 @@ def temperature_sample(
         eos_id=eos_id,
         pad_id=pad_id,
         state_callback_fn=state_callback_fn,
+        logit_callback_fn=logit_callback_fn,
     )
     carry = SamplingLoopState(
         jnp.zeros((), jnp.int32),
@@ -383,6 +435,7 @@ def _beam_step(
     pad_id: int,
     ascending: bool,
     min_log_prob_B: Array | None,
+    counts_prompt: bool,
 ) -> _Beams:
     """Extends every live beam by one token; moves EOS-ended candidates to the finished pool.
     Live beams and the pool are kept best first, or in t5x's ascending order (`ascending`)."""
@@ -406,7 +459,10 @@ def _beam_step(
     # NOTE: candidates scored near NEG_INF extend beams that never existed (fewer than W
     # continuations so far); they never count as finished.
     finishes_BC = eos_BC & (logp_BC > NEG_INF / 2)
-    penalty_B1 = brevity_penalty(alpha, s.index_B - start.index_B + 1)[:, None]
+    # The decoded length: positions from where decoding started, or (t5x) every target
+    # position so far, a prefilled prompt included.
+    from_B = 0 if counts_prompt else start.index_B
+    penalty_B1 = brevity_penalty(alpha, s.index_B - from_B + 1)[:, None]
     fin_BWL, fin_score_BW, fin_flag_BW = _merge_finished(
         s, seqs_BCL, logp_BC / penalty_B1, finishes_BC, ascending
     )
@@ -433,7 +489,7 @@ def _beam_step(
     )
     # No live beam can beat the worst finished one: its log-probability only falls, and the
     # penalty divides by at most the penalty of the longest possible decode.
-    max_len_B = start.last_B - start.index_B + 1
+    max_len_B = start.last_B - from_B + 1
     best_possible_B = jnp.max(new.live_logp_BW, axis=1) / brevity_penalty(alpha, max_len_B)
     stop_B = (s.index_B >= start.last_B) | (jnp.min(new.fin_score_BW, axis=1) >= best_possible_B)
     if min_log_prob_B is not None:  # t5x: no live beam's log-probability is above it
@@ -452,6 +508,7 @@ def beam_search(
     max_decode_steps: int | Array | None = None,
     max_decode_steps_after_prompt: bool = False,
     min_log_prob: float | Array | None = None,
+    brevity_counts_prompt: bool = False,
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     decoder_start_token_id: int = DECODER_START_ID,
@@ -480,6 +537,9 @@ def beam_search(
       min_log_prob: a row stops once none of its live beams has a log-probability (without
         the brevity penalty) at or above this (t5x's `min_log_prob`, per row). None: no limit.
         A scalar or [B]; may be traced.
+      brevity_counts_prompt: t5x's penalty length: every target position up to the new
+        token, a prefilled prompt (positions < initial_index) included. Default: the positions
+        from `initial_index` (the two agree without `initial_index`); static.
       order: "best_first", or "best_last": t5x's order, in which beams are also kept during the
         search, so that equal scores are broken as t5x breaks them.
 
@@ -521,6 +581,7 @@ def beam_search(
         pad_id=pad_id,
         ascending=order == "best_last",
         min_log_prob_B=min_log_prob_B,
+        counts_prompt=brevity_counts_prompt,
     )
     s = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), step, carry)
     finished_B = jnp.any(s.fin_flag_BW, axis=1)

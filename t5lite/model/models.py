@@ -61,6 +61,9 @@ class BaseModel(abc.ABC):
     """'beam': beams per example."""
     alpha: float = 0.6
     """'beam': brevity penalty exponent, ((5 + length) / 6) ** alpha."""
+    brevity_counts_prompt: bool = False
+    """'beam': the penalty's length counts the prompt too, as t5x's (decoder-only prompts; see
+    `decoding.beam_search`); False: the generated tokens only."""
     decode_order: str = "best_first"
     """Order of all decodes (`return_all_decodes`): 'best_first' ([:, 0] is the best, as HF's
     generate) or 'best_last' (t5x's ascending scores, [:, -1] is the best; beam search then
@@ -260,7 +263,8 @@ class BaseModel(abc.ABC):
           return_all_decodes: return every sample / beam, not just the best.
           decoder_params: per-call overrides of the model's decoding fields (t5x's
             `decoder_params`), which may be traced or per row [B]: 'temperature', 'top_p',
-            'top_k' (static), 'min_log_prob' (sampling), 'alpha' (beam) and
+            'top_k' (static), 'min_log_prob' (sampling), 'max_decode_steps_hard_limit' and
+            'rescale_log_probs' (greedy and sampling; static), 'alpha' (beam) and
             'max_decode_steps' (any method).
 
         Returns:
@@ -296,7 +300,10 @@ class BaseModel(abc.ABC):
         )
         if method == "beam":
             kwargs.update(
-                beam_size=self.beam_size, alpha=self.alpha, min_log_prob=self.min_log_prob
+                beam_size=self.beam_size,
+                alpha=self.alpha,
+                min_log_prob=self.min_log_prob,
+                brevity_counts_prompt=self.brevity_counts_prompt,
             )
         elif method == "sample":
             kwargs.update(
@@ -334,8 +341,16 @@ class BaseModel(abc.ABC):
 
 # What `predict_batch_with_aux(decoder_params=...)` may override, per decoding method.
 _DECODER_PARAMS = {
-    "greedy": {"max_decode_steps"},
-    "sample": {"max_decode_steps", "temperature", "top_k", "top_p", "min_log_prob"},
+    "greedy": {"max_decode_steps", "max_decode_steps_hard_limit", "rescale_log_probs"},
+    "sample": {
+        "max_decode_steps",
+        "max_decode_steps_hard_limit",
+        "rescale_log_probs",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_log_prob",
+    },
     "beam": {"max_decode_steps", "alpha", "min_log_prob"},
 }
 
