@@ -1,0 +1,174 @@
+"""t5lite under lm-evaluation-harness, offline, against lm-eval's own `hf` model.
+
+A random small Hugging Face T5 and Llama with a tokenizer trained here (nothing downloaded) are
+imported with `t5lite convert`; lm-eval's `hf` model reads the Hugging Face directory, t5lite's
+harness model the imported checkpoint and the tokenizer files convert carried beside it. Both
+run the shipped local tasks (configs/lm_eval: multiple choice over JSONL, generation over JSONL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
+transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+pytest.importorskip("lm_eval", reason="needs the [eval] extra (lm-eval)")
+pytest.importorskip("accelerate", reason="lm-eval's hf model needs the [eval] extra (accelerate)")
+
+from t5lite.hf import convert  # noqa: E402
+from t5lite.model import models, network  # noqa: E402
+from t5lite.partitioning import Partitioner  # noqa: E402
+from t5lite.programs import harness  # noqa: E402
+from t5lite.programs.harness_tokens import find_tokens  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = str(ROOT / "configs" / "lm_eval")
+# max |loglikelihood_t5lite - loglikelihood_hf| per request, fp32 (sums of a few log-probs;
+# the logits agree to ~1e-5, test_hf_parity).
+TOL = 1e-4
+V = 128
+
+
+def _tokenizer(path: Path, causal: bool) -> None:
+    """A SentencePiece-style BPE trained on the tasks' own text, saved as HF tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<unk>", "<s>", "</s>"] if causal else ["<pad>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    text = []
+    for name in ("mc.jsonl", "gen.jsonl"):
+        for line in open(os.path.join(TASKS, name)):
+            text.append(" ".join(str(v) for v in json.loads(line).values()))
+    trainer = trainers.BpeTrainer(vocab_size=V, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(text * 4, trainer)
+    if causal:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 1)]
+        )
+        kw = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A </s>", special_tokens=[("</s>", 1)]
+        )
+        kw = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+    fast.save_pretrained(path)
+
+
+def _hf_model(tmp_path: Path, kind: str) -> Path:
+    torch.manual_seed(0)
+    if kind == "t5":
+        cfg = transformers.T5Config(
+            vocab_size=V,
+            d_model=32,
+            d_kv=8,
+            d_ff=48,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            dropout_rate=0.0,
+            feed_forward_proj="gated-gelu",
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+        model = transformers.T5ForConditionalGeneration(cfg).eval()
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    hf_dir = tmp_path / f"hf_{kind}"
+    model.save_pretrained(hf_dir)
+    _tokenizer(hf_dir, causal=kind == "llama")
+    return hf_dir
+
+
+def _t5lite_lm(hf_dir: Path, out: Path, config: harness.HarnessConfig):
+    checkpoint = convert.hf_to_t5lite(hf_dir, out)
+    model = _model_from(checkpoint)
+    partitioner = Partitioner(num_partitions=2)
+    params = harness.restore_params(model, partitioner, str(checkpoint), config.batch_size)
+    tokens = find_tokens(model, str(checkpoint))
+    return model, harness.make_lm(model, partitioner, params, tokens, config)
+
+
+def _model_from(checkpoint: Path) -> models.BaseModel:
+    """The imported model, as convert's model.gin builds it."""
+    from t5lite.checkpoint.layout import read_extra
+    from t5lite.model.config import config_from_record
+
+    record = read_extra(checkpoint)
+    cfg = config_from_record(record["network_config"])
+    ids = record["token_ids"]
+    if isinstance(cfg, network.T5Config):
+        return models.EncoderDecoderModel(cfg, **ids)
+    return models.DecoderOnlyModel(cfg, inputs_bidirectional_attention=False, **ids)
+
+
+def _requests(task_name: str):
+    """The task's requests as lm-eval builds them (zero-shot)."""
+    from lm_eval.tasks import TaskManager
+
+    prepared = harness.prepare(harness.HarnessConfig(tasks=[task_name], include_path=TASKS))
+    (task,) = harness.load_tasks(prepared)
+    task.build_all_requests(limit=None, rank=0, world_size=1)
+    assert isinstance(prepared.manager, TaskManager)
+    return task.instances
+
+
+@pytest.mark.parametrize("kind", ["t5", "llama"])
+def test_loglikelihood_and_greedy_generation_equal_lm_evals_hf_model(tmp_path, kind):
+    from lm_eval.models.huggingface import HFLM
+
+    hf_dir = _hf_model(tmp_path, kind)
+    config = harness.HarnessConfig(tasks=[], batch_size=4, max_length=64, max_gen_toks=8)
+    _, lm = _t5lite_lm(hf_dir, tmp_path / "t5lite", config)
+    backend = "seq2seq" if kind == "t5" else "causal"
+    ref = HFLM(pretrained=str(hf_dir), backend=backend, device="cpu", batch_size=4, max_length=64)
+
+    mc = _requests("t5lite_mc")
+    ours = lm.loglikelihood(mc)
+    theirs = ref.loglikelihood(mc)
+    assert len(ours) == len(theirs) == 18
+    diff = max(abs(a[0] - b[0]) for a, b in zip(ours, theirs))
+    assert diff < TOL, diff
+    assert [a[1] for a in ours] == [b[1] for b in theirs]
+
+    gen = _requests("t5lite_gen")
+    ref_gen = gen
+    if kind == "t5":
+        # NOTE: lm-eval's hf seq2seq lets the decoder run to len(context) + max_gen_toks
+        # tokens; its `max_length` pins it to the task's max_gen_toks (+ the start token).
+        ref_gen = [
+            dataclasses.replace(r, arguments=(r.args[0], {**r.args[1], "max_length": 9}))
+            for r in gen
+        ]
+    texts = lm.generate_until(gen)
+    assert texts == ref.generate_until(ref_gen)
+    assert all(texts) and len(set(texts)) > 1  # real continuations, not all the same
+
+    rolling = [type(r)("loglikelihood_rolling", r.doc, (r.args[0],), r.idx) for r in gen]
+    got, want = lm.loglikelihood_rolling(rolling), ref.loglikelihood_rolling(rolling)
+    np.testing.assert_allclose(got, want, atol=TOL)
