@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 
 torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
@@ -46,8 +44,8 @@ def _tokenizer(path: Path, causal: bool) -> None:
     tok.decoder = decoders.Metaspace()
     text = []
     for name in ("mc.jsonl", "gen.jsonl"):
-        for line in open(os.path.join(TASKS, name)):
-            text.append(" ".join(str(v) for v in json.loads(line).values()))
+        lines = Path(TASKS, name).read_text().splitlines()
+        text += [" ".join(str(v) for v in json.loads(line).values()) for line in lines]
     trainer = trainers.BpeTrainer(vocab_size=V, special_tokens=specials, show_progress=False)
     tok.train_from_iterator(text * 4, trainer)
     if causal:

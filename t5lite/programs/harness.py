@@ -70,6 +70,7 @@ def _lm_eval() -> Any:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before `datasets` reads its settings
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        import lm_eval.evaluator
         import lm_eval.tasks
     except ImportError:
         raise HarnessError(
@@ -84,15 +85,26 @@ def prepare(config: HarnessConfig) -> PreparedTasks:
     lm_eval = _lm_eval()
     if not config.tasks:
         raise HarnessError("HarnessConfig.tasks is empty: name at least one lm-eval task")
-    include = os.path.abspath(config.include_path) if config.include_path else None
-    if include is not None and not os.path.isdir(include):
-        raise HarnessError(f"HarnessConfig.include_path {config.include_path} does not exist")
+    include = _include_dir(config.include_path) if config.include_path else None
     # Built-in tasks are not indexed: they all download their data (and indexing takes ~20 s).
     manager = lm_eval.tasks.TaskManager(include_path=include, include_defaults=False)
     folders: dict[str, str] = {}
     for name in config.tasks:
         _check_task(manager, name, config.include_path, folders)
     return PreparedTasks(manager, folders)
+
+
+def _include_dir(path: str) -> str:
+    """`path`, else the same path under the packaged configs/ (as gin files are found)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = [os.path.join(here, "..", "configs"), os.path.join(here, "..", "..", "configs")]
+    for base in [os.getcwd(), *packaged]:
+        full = os.path.normpath(os.path.join(base, path))
+        if os.path.isdir(full):
+            return full
+    raise HarnessError(
+        f"HarnessConfig.include_path {path} does not exist (nor under the packaged configs/)"
+    )
 
 
 def _check_task(manager: Any, name: str, include: str | None, folders: dict[str, str]) -> None:
@@ -165,11 +177,9 @@ def run_harness(
     step: int,
 ) -> dict[str, float]:
     """Runs the tasks on `lm`; writes and returns `{"<task>/<metric>": value}`."""
-    lm_eval = _lm_eval()
-    import lm_eval.evaluator
-
+    evaluator = _lm_eval().evaluator
     tasks = load_tasks(prepared)
-    results = lm_eval.evaluator.simple_evaluate(
+    results = evaluator.simple_evaluate(
         model=lm,
         tasks=tasks,
         num_fewshot=config.num_fewshot,
@@ -184,7 +194,7 @@ def run_harness(
     out: dict[str, float] = {}
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     splits = _splits(tasks)
-    version = getattr(lm_eval, "__version__", "?")
+    version = getattr(_lm_eval(), "__version__", "?")
     for task, metrics in results["results"].items():
         numbers = _metrics(metrics)
         out.update({f"{task}/{k}": v for k, v in numbers.items()})
@@ -318,3 +328,27 @@ class HarnessEvaluate:
         self.last = run_harness(
             self.lm, self.config, self.prepared, writer=self.writer, step=info.step
         )
+
+
+def train_hook(
+    config: HarnessConfig,
+    prepared: PreparedTasks,
+    model: Any,
+    partitioner: Any,
+    task: str,
+    writer: Any,
+    seed: int = 0,
+) -> HarnessEvaluate:
+    """The train loop's harness evaluation; the vocabulary is `config`'s, else the training
+    task's targets vocabulary."""
+    import seqio_lite
+    from t5lite.programs.harness_tokens import find_tokens
+
+    vocab = config.vocabulary
+    if vocab is None and config.tokenizer is None:
+        obj = seqio_lite.get_task_or_mixture(task)
+        first = obj.tasks[0] if isinstance(obj, seqio_lite.Mixture) else obj
+        vocab = first.output_features["targets"].vocabulary
+    tokens = find_tokens(model, "", tokenizer=config.tokenizer, vocabulary=vocab)
+    lm = make_lm(model, partitioner, None, tokens, config, seed=seed)
+    return HarnessEvaluate(config, prepared, lm, writer)
