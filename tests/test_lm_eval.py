@@ -136,13 +136,20 @@ def _requests(task_name: str):
     return task.instances
 
 
-@pytest.mark.parametrize("kind", ["t5", "llama"])
-def test_loglikelihood_and_greedy_generation_equal_lm_evals_hf_model(tmp_path, kind):
+@pytest.fixture(scope="module", params=["t5", "llama"])
+def imported(request, tmp_path_factory):
+    """(kind, HF directory, t5lite harness model) for a random small HF model."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    hf_dir = _hf_model(tmp, request.param)
+    config = harness.HarnessConfig(tasks=[], batch_size=4, max_length=64, max_gen_toks=8)
+    _, lm = _t5lite_lm(hf_dir, tmp / "t5lite", config)
+    return request.param, hf_dir, lm
+
+
+def test_loglikelihood_and_greedy_generation_equal_lm_evals_hf_model(imported):
     from lm_eval.models.huggingface import HFLM
 
-    hf_dir = _hf_model(tmp_path, kind)
-    config = harness.HarnessConfig(tasks=[], batch_size=4, max_length=64, max_gen_toks=8)
-    _, lm = _t5lite_lm(hf_dir, tmp_path / "t5lite", config)
+    kind, hf_dir, lm = imported
     backend = "seq2seq" if kind == "t5" else "causal"
     ref = HFLM(pretrained=str(hf_dir), backend=backend, device="cpu", batch_size=4, max_length=64)
 
@@ -170,3 +177,24 @@ def test_loglikelihood_and_greedy_generation_equal_lm_evals_hf_model(tmp_path, k
     rolling = [type(r)("loglikelihood_rolling", r.doc, (r.args[0],), r.idx) for r in gen]
     got, want = lm.loglikelihood_rolling(rolling), ref.loglikelihood_rolling(rolling)
     np.testing.assert_allclose(got, want, atol=TOL)
+
+
+def test_multiple_choice_accuracy_is_the_argmax_of_t5lites_scores(imported, tmp_path):
+    from t5lite.programs.evaluate import read_eval_results
+    from t5lite.programs.metrics_writer import MetricsWriter
+
+    _, _, lm = imported
+    config = harness.HarnessConfig(tasks=["t5lite_mc"], include_path=TASKS)
+    writer = MetricsWriter(str(tmp_path), total_steps=7)
+    metrics = harness.run_harness(lm, config, harness.prepare(config), writer=writer, step=7)
+    writer.close()
+    requests = _requests("t5lite_mc")
+    scores = [logp for logp, _ in lm.loglikelihood(requests)]
+    docs = [json.loads(line) for line in Path(TASKS, "mc.jsonl").read_text().splitlines()]
+    picks = [int(np.argmax(scores[3 * i : 3 * i + 3])) for i in range(len(docs))]
+    assert [r.doc["answer"] for r in requests[::3]] == [d["answer"] for d in docs]
+    want = float(np.mean([p == d["answer"] for p, d in zip(picks, docs)]))
+    assert metrics == {"t5lite_mc/acc": want}
+    (record,) = read_eval_results(tmp_path, "t5lite_mc", "test")
+    assert (record["step"], record["metrics"]) == (7, {"acc": want})
+    assert record["harness"].startswith("lm-eval 0.4.")
