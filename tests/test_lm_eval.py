@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
+from readme_blocks import block
 
 torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
@@ -198,3 +202,100 @@ def test_multiple_choice_accuracy_is_the_argmax_of_t5lites_scores(imported, tmp_
     (record,) = read_eval_results(tmp_path, "t5lite_mc", "test")
     assert (record["step"], record["metrics"]) == (7, {"acc": want})
     assert record["harness"].startswith("lm-eval 0.4.")
+
+
+# --- the CLI and the docs ---------------------------------------------------------------------
+
+
+def _run_commands(text: str) -> None:
+    """Runs a docs block's `t5lite ...` commands in this process (shared compile cache)."""
+    for line in text.replace("\\\n", " ").splitlines():
+        argv = shlex.split(line)
+        assert argv[0] == "t5lite", line
+        assert run_cli(*argv[1:]) == 0, line
+
+
+def _records(model_dir: str, task: str) -> list[dict]:
+    from t5lite.programs.evaluate import read_eval_results
+
+    return read_eval_results(model_dir, task, "test")
+
+
+def test_docs_import_and_eval_and_the_registered_lm_eval_model(tmp_path):
+    hf_dir = Path("/tmp/t5lite_lmeval_hf")
+    for d in (hf_dir, Path("/tmp/t5lite_lmeval_llama")):
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(_hf_model(tmp_path, "llama"), hf_dir)
+    _run_commands(block("docs/lm-eval.md", "import-and-eval"))
+    (mc,) = _records("/tmp/t5lite_lmeval_llama", "t5lite_mc")
+    (gen,) = _records("/tmp/t5lite_lmeval_llama", "t5lite_gen")
+    assert (mc["step"], gen["step"], set(gen["metrics"])) == (0, 0, {"exact_match"})
+    # lm-eval's own loop over the registered `t5lite` model gives the same accuracy.
+    import gin
+
+    scope: dict = {}
+    try:
+        exec(block("docs/lm-eval.md", "simple-evaluate"), scope)
+    finally:
+        with gin.unlock_config():
+            gin.clear_config()
+    assert scope["results"]["results"]["t5lite_mc"]["acc,none"] == mc["metrics"]["acc"]
+
+
+def test_training_runs_the_tasks_and_eval_writes_the_same_numbers():
+    run = "/tmp/t5lite_lmeval_run"
+    shutil.rmtree(run, ignore_errors=True)
+    _run_commands(block("docs/lm-eval.md", "train-with-harness"))
+    during = _records(run, "t5lite_mc")
+    assert [r["step"] for r in during] == [1, 2]
+    _run_commands(block("docs/lm-eval.md", "eval-run"))
+    after = _records(run, "t5lite_mc")[2:]
+    assert [(r["step"], r["metrics"]) for r in after] == [(1, during[0]["metrics"])]
+    logged = [json.loads(line) for line in Path(run, "metrics.jsonl").read_text().splitlines()]
+    acc = [m for m in logged if "t5lite_mc/acc" in json.dumps(m)]
+    assert len(acc) == 3, acc  # steps 1, 2 in training; step 1 again by eval
+
+
+@pytest.mark.parametrize(
+    "task, yaml, message",
+    [
+        (
+            "hellaswag",
+            None,
+            "harness task 'hellaswag' is not defined in {d}; lm-eval's built-in tasks "
+            "download their data from the Hugging Face hub",
+        ),
+        (
+            "hub_task",
+            "task: hub_task\ndataset_path: Rowan/hellaswag\noutput_type: multiple_choice\n"
+            "doc_to_text: x\ndoc_to_target: 0\ndoc_to_choice: [a]\ntest_split: test\n",
+            "harness task 'hub_task' needs the network: dataset_path 'Rowan/hellaswag' "
+            "({d}/t.yaml) is a Hugging Face hub dataset",
+        ),
+        (
+            "nofile_task",
+            "task: nofile_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            "    test: missing.jsonl\noutput_type: multiple_choice\ndoc_to_text: x\n"
+            "doc_to_target: 0\ndoc_to_choice: [a]\ntest_split: test\n",
+            "harness task 'nofile_task': data file {d}/missing.jsonl does not exist ({d}/t.yaml)",
+        ),
+    ],
+)
+def test_tasks_that_cannot_run_offline_are_one_line_naming_them(
+    tmp_path, capsys, task, yaml, message
+):
+    d = tmp_path / "tasks"
+    d.mkdir()
+    if yaml:
+        (d / "t.yaml").write_text(yaml)
+    rc = run_cli(
+        "eval",
+        "--gin_file=runs/lm_eval.gin",
+        f"--gin.MODEL_DIR='{tmp_path}/none'",
+        "--gin.MODEL=@DecoderOnlyModel()",
+        f"--gin.HARNESS_TASKS=['{task}']",
+        f"--gin.HARNESS_INCLUDE_PATH='{d}'",
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith("t5lite eval: error: " + message.format(d=d)), err

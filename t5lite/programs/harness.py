@@ -129,8 +129,8 @@ def _check_task(manager: Any, name: str, include: str | None, folders: dict[str,
     if cfg.get("custom_dataset") is None and path not in LOCAL_BUILDERS:
         raise HarnessError(
             f"harness task {name!r} needs the network: dataset_path {path!r} ({yaml_path}) is "
-            f"a Hugging Face hub dataset; use dataset_path: json (or {', '.join(LOCAL_BUILDERS)})"
-            " with dataset_kwargs.data_files"
+            f"a Hugging Face hub dataset; use a local one ({', '.join(LOCAL_BUILDERS)}) with "
+            "dataset_kwargs.data_files"
         )
     data_files = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if path in LOCAL_BUILDERS and not data_files:
@@ -140,7 +140,9 @@ def _check_task(manager: Any, name: str, include: str | None, folders: dict[str,
             raise HarnessError(f"harness task {name!r} needs the network: data file {f}")
         full = os.path.join(folders[name], f)
         if not glob.glob(full):
-            raise HarnessError(f"harness task {name!r}: data file {full} does not exist")
+            raise HarnessError(
+                f"harness task {name!r}: data file {full} does not exist ({yaml_path})"
+            )
 
 
 def _paths(data_files: Any) -> list[str]:
