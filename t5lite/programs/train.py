@@ -101,7 +101,7 @@ def train(
         checkpoint is also written at the final step and on SIGTERM).
       evaluation: evaluate during and after training (None: never).
       harness: lm-evaluation-harness tasks to run during and after training (None: never;
-        see `harness.py`, the [eval] extra).
+        see `harness.py`, the [eval] extra); their metrics join the eval metrics.
       log: printed-log period and optional metrics.
       recovery: at a non-finite or spiking step, roll back to a checkpoint known to be good
         and skip the batches around it, a limited number of times; then stop, naming that
@@ -176,21 +176,12 @@ def train(
         evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
         if evaluate is not None:
             loop.add_state_hook(evaluate)
-        lm_eval = None
-        if harness is not None and prepared is not None:
-            lm_eval = harness_lib.train_hook(
-                harness, prepared, model, partitioner, data.task, writer, seed
-            )
-            loop.add_state_hook(lm_eval)
+        lm_eval = _harness_evaluation(loop, harness, prepared, trainer, data.task, writer)
         with _setup_frozen():
             _run(loop, state, _Recovery(trainer, ckpt, dataset, health, stall, writer))
         if start < num_steps:
             writer.info(_done_line(ckpt, time.time() - watchdog.t0))
-        return {
-            "train": log_step.last,
-            "eval": evaluate.last if evaluate else {},
-            **({"harness": lm_eval.last} if lm_eval else {}),
-        }
+        return {"train": log_step.last, "eval": _last_eval(evaluate, lm_eval)}
 
 
 def _checkpoint_manager(
@@ -396,6 +387,29 @@ def _periodic_evaluation(
         )
     decode_len = evaluation.max_decode_length or lengths["targets"]
     return hooks.Evaluate(evaluation, evaluator, eval_trainer, decode_len, writer)
+
+
+def _harness_evaluation(
+    loop: TrainLoop,
+    config: HarnessConfig | None,
+    prepared: harness_lib.PreparedTasks | None,
+    trainer: Trainer,
+    task: str,
+    writer: mw.MetricsWriter,
+) -> harness_lib.HarnessEvaluate | None:
+    """The lm-eval tasks as a state hook of `loop` (None: no harness tasks)."""
+    if config is None or prepared is None:
+        return None
+    hook = harness_lib.train_hook(
+        config, prepared, trainer.model, trainer.partitioner, task, writer, trainer.seed
+    )
+    loop.add_state_hook(hook)
+    return hook
+
+
+def _last_eval(*hooks: Any) -> dict[str, Any]:
+    """The newest metrics of the evaluation hooks that run (seqio tasks, harness tasks)."""
+    return {k: v for h in hooks if h is not None for k, v in h.last.items()}
 
 
 def _throughput(model: BaseModel, batch_size: int) -> mw.Throughput:
