@@ -137,7 +137,8 @@ class T5LiteLM(TemplateLM):
             return _Row(context[-self.max_length :], cont, len(cont))
         whole = (context + continuation)[-(self.max_length + 1) :]
         num_scored = min(len(continuation), len(whole) - 1)
-        return _Row(whole[:-1], whole[1:], num_scored, prompt=len(whole) - 1 - num_scored)
+        # The context fills input positions [0, len(whole) - num_scored): prefix-LM's prompt.
+        return _Row(whole[:-1], whole[1:], num_scored, prompt=len(whole) - num_scored)
 
     def _score_batch(self, rows: list[_Row]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """Right-padded features (`decoder_target_tokens` holds the true targets)."""
