@@ -299,3 +299,55 @@ def test_tasks_that_cannot_run_offline_are_one_line_naming_them(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1, err
     assert err[0].startswith("t5lite eval: error: " + message.format(d=d)), err
+
+
+# --- a t5lite model with its own vocabulary -----------------------------------------------------
+
+
+@pytest.mark.parametrize("converter", ["lm", "prefix_lm"])
+def test_own_vocabulary_scores_equal_the_seqio_score_path(converter):
+    """A t5lite decoder-only model with a byte vocabulary: `loglikelihood` equals `score_batch`
+    on the rows seqio_lite's prefix-LM feature converter builds from (context, continuation)
+    (BOS in front, loss on the continuation; a prefix-LM's context attends bidirectionally)."""
+    from lm_eval.api.instance import Instance
+
+    import seqio_lite
+    from seqio_lite import feature_converters as fc
+    from t5lite.programs.harness_tokens import Tokens
+    from t5lite.trainer import Trainer
+
+    cfg = network.DecoderOnlyConfig(
+        vocab_size=384,
+        emb_dim=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        mlp_dim=32,
+        num_layers=2,
+    )
+    model = models.DecoderOnlyModel(cfg, feature_converter=converter)
+    partitioner = Partitioner(num_partitions=2)
+    lengths = {"inputs": 32, "targets": 16}
+    pairs = [("The sky is", " blue"), ("Two plus two", " is four"), ("A cat", " says meow")]
+    vocab = seqio_lite.ByteVocabulary()
+    conv = fc.PrefixLMFeatureConverter(pack=False, bos_id=model.decoder_start_token_id)
+    rows = [
+        [
+            conv.convert_example(
+                {"inputs": vocab.encode_np(c), "targets": vocab.encode_np(k)}, lengths
+            )
+        ]
+        for c, k in pairs
+    ]
+    batch = conv.make_batch(rows, 4, conv.group_lengths(lengths))
+    ref_lengths = {"targets": 48} if converter == "lm" else lengths
+    trainer = Trainer(model, partitioner, batch_size=4, lengths=ref_lengths, seed=3)
+    params = trainer.init_state().params
+    want = trainer.score_fn(params)(batch)[: len(pairs)]
+
+    tokens = Tokens(vocab, model.eos_id, model.decoder_start_token_id, "bos")
+    config = harness.HarnessConfig(tasks=[], batch_size=4, max_length=64)
+    lm = harness.make_lm(model, partitioner, params, tokens, config)
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    got = [logp for logp, _ in lm.loglikelihood(requests)]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
