@@ -66,6 +66,7 @@ GIN_MODULES = {
     "t5lite/cli/gin_config.py",
     "t5lite/cli/gin_checks.py",
     "t5lite/cli/gin_unused.py",
+    "t5lite/cli/harness_model.py",  # lm-eval's `t5lite` model: builds MODEL from gin files
 }
 
 

@@ -17,7 +17,7 @@ from t5lite.insight import plan as _plan
 from t5lite.insight import report
 from t5lite.model import decoding, lora, network, optimizers
 from t5lite.programs import cache as _cache
-from t5lite.programs import configs
+from t5lite.programs import configs, harness
 from t5lite.programs import evaluate as _evaluate
 from t5lite.programs import infer as _infer
 from t5lite.programs import train as _train
@@ -71,6 +71,7 @@ CheckpointConfig = _register(configs.CheckpointConfig)
 EvalConfig = _register(configs.EvalConfig)
 LogConfig = _register(configs.LogConfig)
 RecoveryConfig = _register(configs.RecoveryConfig)
+HarnessConfig = _register(harness.HarnessConfig)
 train = _register(_train.train)
 evaluate = _register(_evaluate.evaluate)
 infer = _register(_infer.infer)

@@ -15,8 +15,10 @@ from seqio_lite.evaluation import metric_kind
 from t5lite.checkpoint import CheckpointManager
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
+from t5lite.programs import harness as harness_lib
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs.configs import DataConfig, split_of
+from t5lite.programs.harness import HarnessConfig
 from t5lite.trainer import Trainer
 
 
@@ -198,19 +200,54 @@ def evaluate(
     *,
     model_dir: str,
     model: BaseModel,
-    data: DataConfig,
+    data: DataConfig | None = None,
     partitioner: Partitioner | None = None,
     checkpoint_step: int | None = None,
     max_decode_length: int | None = None,
+    harness: HarnessConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluates a checkpoint (latest by default) with the task's metrics; returns them.
 
     Args:
       model_dir, checkpoint_step: the checkpoint (the latest committed one by default).
       model, partitioner: what to run on which mesh.
-      data: the examples (`split` defaults to 'validation'; `num_examples` the first N).
+      data: the examples (`split` defaults to 'validation'; `num_examples` the first N); None:
+        only the `harness` tasks.
       max_decode_length: decode length for predict metrics (default: the targets length).
+      harness: lm-evaluation-harness tasks to run as well (see `harness.py`; the [eval] extra).
     """
+    if data is None and harness is None:
+        raise ValueError(
+            "evaluate needs evaluate.data (a task) or evaluate.harness (lm-eval tasks)"
+        )
+    prepared = harness_lib.prepare(harness) if harness is not None else None  # before the slow
+    out: dict[str, Any] = {}
+    if data is not None:
+        out.update(
+            _evaluate_task(model_dir, model, data, partitioner, checkpoint_step, max_decode_length)
+        )
+    if harness is not None:
+        out.update(
+            harness_lib.evaluate_checkpoint(
+                model_dir=model_dir,
+                model=model,
+                partitioner=partitioner or Partitioner(),
+                config=harness,
+                checkpoint_step=checkpoint_step,
+                prepared=prepared,
+            )
+        )
+    return out
+
+
+def _evaluate_task(
+    model_dir: str,
+    model: BaseModel,
+    data: DataConfig,
+    partitioner: Partitioner | None,
+    checkpoint_step: int | None,
+    max_decode_length: int | None,
+) -> dict[str, Any]:
     check_task_and_model(data.task, model, data.task_feature_lengths)
     trainer, params, step = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
     evaluator = make_evaluator(

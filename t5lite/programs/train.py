@@ -24,6 +24,7 @@ from t5lite.insight.sharding import format_bytes
 from t5lite.model import lora
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner, Placement
+from t5lite.programs import harness as harness_lib
 from t5lite.programs import metrics_writer as mw
 from t5lite.programs import recovery as recovery_lib
 from t5lite.programs import run_dir
@@ -37,6 +38,7 @@ from t5lite.programs.configs import (
     split_of,
 )
 from t5lite.programs.evaluate import check_task_and_model, feature_converter, make_evaluator
+from t5lite.programs.harness import HarnessConfig
 from t5lite.programs.train_loop import Batches, LoopConfig, StepInfo, TrainingError, TrainLoop
 from t5lite.trainer import Trainer, TrainState, inexact_leaf_paths
 
@@ -78,6 +80,7 @@ def train(
     seed: int = 0,
     checkpoint: CheckpointConfig = CheckpointConfig(),  # noqa: B008 (frozen)
     evaluation: EvalConfig | None = None,
+    harness: HarnessConfig | None = None,
     log: LogConfig = LogConfig(),  # noqa: B008 (frozen)
     recovery: RecoveryConfig = RecoveryConfig(),  # noqa: B008 (frozen)
     stop_after_steps: int | None = None,
@@ -97,6 +100,8 @@ def train(
       checkpoint: save period and retention, and an optional checkpoint to start from (a
         checkpoint is also written at the final step and on SIGTERM).
       evaluation: evaluate during and after training (None: never).
+      harness: lm-evaluation-harness tasks to run during and after training (None: never;
+        see `harness.py`, the [eval] extra); their metrics join the eval metrics.
       log: printed-log period and optional metrics.
       recovery: at a non-finite or spiking step, roll back to a checkpoint known to be good
         and skip the batches around it, a limited number of times; then stop, naming that
@@ -121,6 +126,7 @@ def train(
         partitioner = partitioner or Partitioner()
         # An unknown task, lengths or vocabulary that do not suit the model: before any write.
         check_task_and_model(data.task, model, data.task_feature_lengths)
+        prepared = harness_lib.prepare(harness) if harness is not None else None
         run_dir.acquire_lock(model_dir, stack)  # before anything slow: one run per directory
         trainer = Trainer(
             model,
@@ -170,11 +176,12 @@ def train(
         evaluate = _periodic_evaluation(trainer, data, evaluation, writer)
         if evaluate is not None:
             loop.add_state_hook(evaluate)
+        lm_eval = _harness_evaluation(loop, harness, prepared, trainer, data.task, writer)
         with _setup_frozen():
             _run(loop, state, _Recovery(trainer, ckpt, dataset, health, stall, writer))
         if start < num_steps:
             writer.info(_done_line(ckpt, time.time() - watchdog.t0))
-        return {"train": log_step.last, "eval": evaluate.last if evaluate else {}}
+        return {"train": log_step.last, "eval": _last_eval(evaluate, lm_eval)}
 
 
 def _checkpoint_manager(
@@ -380,6 +387,29 @@ def _periodic_evaluation(
         )
     decode_len = evaluation.max_decode_length or lengths["targets"]
     return hooks.Evaluate(evaluation, evaluator, eval_trainer, decode_len, writer)
+
+
+def _harness_evaluation(
+    loop: TrainLoop,
+    config: HarnessConfig | None,
+    prepared: harness_lib.PreparedTasks | None,
+    trainer: Trainer,
+    task: str,
+    writer: mw.MetricsWriter,
+) -> harness_lib.HarnessEvaluate | None:
+    """The lm-eval tasks as a state hook of `loop` (None: no harness tasks)."""
+    if config is None or prepared is None:
+        return None
+    hook = harness_lib.train_hook(
+        config, prepared, trainer.model, trainer.partitioner, task, writer, trainer.seed
+    )
+    loop.add_state_hook(hook)
+    return hook
+
+
+def _last_eval(*hooks: Any) -> dict[str, Any]:
+    """The newest metrics of the evaluation hooks that run (seqio tasks, harness tasks)."""
+    return {k: v for h in hooks if h is not None for k, v in h.last.items()}
 
 
 def _throughput(model: BaseModel, batch_size: int) -> mw.Throughput:
