@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from t5lite.insight.experts import ExpertAllToAll, expert_all_to_all
 from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
 from t5lite.insight.sharding import ShardingReport
@@ -106,6 +107,7 @@ class AnalyticCommunication:
     choices: tuple[CompilerChoice, ...] = ()
     layer_formulas: tuple[str, ...] = ()  # 2D tensor parallelism: one MLP layer vs the papers
     zero3: Zero3Figures | None = None  # FSDP: the kernels' gradient reduce-scatters
+    experts: ExpertAllToAll | None = None  # mixture of experts: GShard's all-to-alls
 
     def link_bytes_over(self, axes: Sequence[str]) -> float:
         return sum(e.link_bytes for e in self.expected if set(e.axes) == set(axes))
@@ -118,6 +120,7 @@ class AnalyticCommunication:
             "expected": [dataclasses.asdict(e) for e in self.expected],
             "compiler_choices": [dataclasses.asdict(c) for c in self.choices],
             "zero3": dataclasses.asdict(self.zero3) if self.zero3 else None,
+            "experts": dataclasses.asdict(self.experts) if self.experts else None,
         }
 
 
@@ -452,6 +455,14 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     if model_axes:
         more, more_choices = _activation_collectives(trainer, mesh_shape, model_axes)
         expected, choices = expected + more, choices + more_choices
+    experts = expert_all_to_all(trainer, batch_axes)
+    if experts is not None:
+        why = "GShard: each MoE layer's dispatch and combine, forward and backward, and the "
+        why += "router's combine-weight gradient"
+        a2a = ExpectedCollective(
+            "all-to-all", experts.axes, experts.count, experts.bytes, experts.group_size, why
+        )
+        expected.append(a2a)
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)
@@ -463,4 +474,5 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
         tuple(choices),
         tuple(format_tensor_2d(figures)) if figures else (),
         zero3_figures(report, mesh_shape, batch_axes),
+        experts,
     )
