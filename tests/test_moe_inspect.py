@@ -4,12 +4,14 @@ GShard's dispatch and combine volume (t5lite/insight/experts.py), on 8 fake devi
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import pytest
 from conftest import require_devices
 
 from t5lite import partitioning
 from t5lite.insight import experts
+from t5lite.insight import plan as plan_lib
 from t5lite.insight.communication import collective_rows
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.report import step_report
@@ -105,3 +107,60 @@ def test_no_all_to_all_expected_without_expert_parallelism():
         experts.expert_all_to_all(_trainer(dataclasses.replace(LM, num_experts=0)), ("data",))
         is None
     )
+
+
+def test_plan_searches_and_ranks_the_expert_layouts():
+    require_devices(8)
+    out, progress = io.StringIO(), io.StringIO()
+    ranked = plan_lib.plan(
+        model=DecoderOnlyModel(network_config=LM),
+        task_feature_lengths={"targets": 8},
+        batch_size=8,
+        num_devices=8,
+        remat_policies=["none"],
+        model_sizes=[1, 2],
+        top_k=1,
+        stream=out,
+        progress=progress,
+    )
+    by_name = {(c.layout.preset, c.layout.data): c for c in ranked}
+    # Every preset of presets_for(4), expert_parallel included, on every mesh it can take.
+    assert {p for p, _ in by_name} == set(partitioning.presets_for(4))
+    assert "expert_parallel" in partitioning.presets_for(4)
+    assert "expert_parallel" not in partitioning.presets_for(0)
+    # 4 experts over data=8 cannot be split: screened out in one line naming the setting.
+    assert by_name[("data_parallel", 8)].status.startswith(
+        "invalid: num_experts=4 is not divisible by mesh axes 'data' of size 8"
+    )
+    # The screen prices GShard's all-to-alls of the expert layout.
+    ep = by_name[("expert_parallel", 4)]
+    want = experts.expert_all_to_all(_trainer(LM), ("data",))
+    got = [e for e in ep.analytic.communication.expected if e.kind == "all-to-all"]
+    assert [(e.axes, e.count, e.bytes) for e in got] == [(("data",), want.count, want.bytes)]
+    # Compiled candidates that fit come first, by compiled step time.
+    fits = [c for c in ranked if c.fits]
+    assert fits and ranked[: len(fits)] == fits
+    assert [c.step_seconds for c in fits] == sorted(c.step_seconds for c in fits)
+    assert f"best: {ranked[0].layout.name}" in out.getvalue()
+
+
+def test_plan_compiles_and_ranks_expert_parallel_against_megatron():
+    require_devices(8)
+    ranked = plan_lib.plan(
+        model=DecoderOnlyModel(network_config=LM),
+        task_feature_lengths={"targets": 8},
+        batch_size=8,
+        num_devices=8,
+        presets=["megatron", "expert_parallel"],
+        remat_policies=["none"],
+        model_sizes=[2],
+        top_k=2,
+        stream=io.StringIO(),
+        progress=io.StringIO(),
+    )
+    assert [c.status for c in ranked] == ["fits", "fits"]
+    assert ranked[0].step_seconds <= ranked[1].step_seconds
+    ep = next(c for c in ranked if c.layout.preset == "expert_parallel")
+    want = experts.expert_all_to_all(_trainer(LM), ("data",))
+    assert ep.step.count("all-to-all", ("data",)) == want.count
+    assert ep.step.bytes_over(("data",), "all-to-all") == want.bytes
