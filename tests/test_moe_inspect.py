@@ -8,6 +8,7 @@ import io
 
 import pytest
 from conftest import require_devices
+from readme_blocks import block, run
 
 from t5lite import partitioning
 from t5lite.insight import experts
@@ -164,3 +165,11 @@ def test_plan_compiles_and_ranks_expert_parallel_against_megatron():
     want = experts.expert_all_to_all(_trainer(LM), ("data",))
     assert ep.step.count("all-to-all", ("data",)) == want.count
     assert ep.step.bytes_over(("data",), "all-to-all") == want.bytes
+
+
+def test_the_inspect_and_plan_commands_of_the_moe_page():
+    out = run(block("docs/moe.md", "moe-inspect-plan"), timeout=1200)
+    assert "mixture of experts: GShard's all-to-alls over data (4 devices):" in out.stdout
+    assert "  compiled: 10 all-to-alls, 876.00 KiB: agrees" in out.stdout
+    assert "expert_parallel data=4 model=2" in out.stderr  # plan screened the expert layout
+    assert "best: " in out.stdout

@@ -152,6 +152,14 @@ def _parameter_collectives(
         used = [t for e in p.spec for t in mesh_axes_of(e) if mesh_shape.get(t, 1) > 1]
         gathered = p.bytes_total // _split(mesh_shape, [t for t in used if t not in batch_axes])
         split_over = tuple(t for t in batch_axes if t in used)
+        names = tuple(p.logical_axes or ())
+        if "expert" in names and "expert_mlp" in names:
+            # An expert kernel split over batch axes (expert parallelism, GShard): the tokens
+            # come to it by all-to-all (`experts.py`), nothing is gathered, and its gradient
+            # is whole on the devices that hold it: no collective over those axes.
+            mine = mesh_axes_of(p.spec[names.index("expert")])
+            split_over = tuple(t for t in split_over if t not in mine)
+            gathered //= _split(mesh_shape, [t for t in mine if t in batch_axes])
         rest = tuple(t for t in batch_axes if t not in used)
         if relative and "relpos_bias" in p.path.split("/"):
             continue  # its gradient is reduced at the bias's size: `_relpos_collectives`
