@@ -8,8 +8,9 @@ per round, so a host's load drifts over all of them alike):
     model FLOPs per token (`t5lite.insight.flops`, the router's D x E aside);
   * dropless (`jax.lax.ragged_dot`; on CPU a masked dense matmul over every expert) vs capacity;
   * expert parallelism (`expert_parallel`: experts over data, the dispatch and combine as
-    all-to-alls) vs replicated experts (`megatron` with `expert` -> replicated: every device
-    holds every expert, split like Megatron over model; no all-to-all).
+    all-to-alls) vs replicated experts (`megatron` with `expert` -> replicated and
+    `expert_group` -> data: every device holds every expert, split like Megatron over model,
+    and routes its own sequences; no all-to-all).
 
 No goal: the figures say what each choice costs on the machine at hand (docs/moe.md quotes
 them). Prints a table and writes one JSON record.
@@ -64,8 +65,10 @@ SMOKE = dataclasses.replace(MOE, emb_dim=32, head_dim=8, mlp_dim=64, vocab_size=
 
 
 def _rules(name: str) -> list:
-    if name == "replicated_experts":  # Megatron inside every expert, the experts on every device
-        return [("expert", None), *partitioning.preset_rules("megatron")]
+    if name == "replicated_experts":
+        # Every device holds every expert (Megatron inside each, over model) and dispatches its
+        # own sequences locally: the groups of the dispatched activations stay on data.
+        return [("expert", None), ("expert_group", "data"), *partitioning.preset_rules("megatron")]
     return partitioning.preset_rules(name)
 
 
