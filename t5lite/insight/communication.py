@@ -20,6 +20,7 @@ from t5lite.insight.memory import rule_of
 from t5lite.insight.sharding import ShardingReport
 from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
 from t5lite.insight.zero3 import Zero3Figures, zero3_figures
+from t5lite.model.moe import DISPATCHED_AXES
 from t5lite.partitioning import mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
@@ -128,6 +129,25 @@ def _split(mesh_shape: dict[str, int], axes: Sequence[str]) -> int:
     return math.prod(mesh_shape[t] for t in axes)
 
 
+def _expert_kernel_axes(
+    p: Any,
+    mesh_shape: dict[str, int],
+    batch_axes: tuple[str, ...],
+    used: list[str],
+    dispatched_spec: Any,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An expert kernel's (batch axes its experts are split on, axes its gradient is reduced
+    over). Over the first (expert parallelism, GShard) the tokens come to the kernel by
+    all-to-all (`experts.py`): nothing is gathered and its gradient is whole where it lives.
+    The second are the other axes its tokens' groups and slots are split on (`expert_parallel`:
+    capacity over model), where the gradient's partial sums are all-reduced."""
+    names = tuple(p.logical_axes)
+    mine = tuple(t for t in mesh_axes_of(p.spec[names.index("expert")]) if t in batch_axes)
+    tokens = [t for e in dispatched_spec[1:3] for t in mesh_axes_of(e)]
+    over = tuple(t for t in tokens if mesh_shape.get(t, 1) > 1 and t not in [*used, *batch_axes])
+    return mine, over
+
+
 def _parameter_collectives(
     trainer: Trainer,
     report: ShardingReport,
@@ -147,6 +167,8 @@ def _parameter_collectives(
     # The lookup's all-to-all needs full-width activations: with 2D activations (embed split
     # too) the partitioner gathers the table instead (as the other 2D parameters).
     act_spec, _ = resolve_logical_axes(("batch", "length", "embed"), trainer.partitioner.rules)
+    dispatched_spec, _ = resolve_logical_axes(DISPATCHED_AXES, trainer.partitioner.rules)
+    expert_reduce: dict[tuple[str, ...], list[int]] = collections.defaultdict(lambda: [0, 0])
     wide = not [t for t in mesh_axes_of(act_spec[2]) if mesh_shape.get(t, 1) > 1]
     for p in report.placements:
         used = [t for e in p.spec for t in mesh_axes_of(e) if mesh_shape.get(t, 1) > 1]
@@ -154,12 +176,12 @@ def _parameter_collectives(
         split_over = tuple(t for t in batch_axes if t in used)
         names = tuple(p.logical_axes or ())
         if "expert" in names and "expert_mlp" in names:
-            # An expert kernel split over batch axes (expert parallelism, GShard): the tokens
-            # come to it by all-to-all (`experts.py`), nothing is gathered, and its gradient
-            # is whole on the devices that hold it: no collective over those axes.
-            mine = mesh_axes_of(p.spec[names.index("expert")])
+            mine, over = _expert_kernel_axes(p, mesh_shape, batch_axes, used, dispatched_spec)
             split_over = tuple(t for t in split_over if t not in mine)
-            gathered //= _split(mesh_shape, [t for t in mine if t in batch_axes])
+            gathered //= _split(mesh_shape, mine)
+            if over:
+                expert_reduce[over][0] += p.shape[names.index("layers")] if "layers" in names else 1
+                expert_reduce[over][1] += gathered // _split(mesh_shape, split_over)
         rest = tuple(t for t in batch_axes if t not in used)
         if relative and "relpos_bias" in p.path.split("/"):
             continue  # its gradient is reduced at the bias's size: `_relpos_collectives`
@@ -193,6 +215,9 @@ def _parameter_collectives(
                 "gradients summed over the batch",
             )
         )
+    for axes, (n, b) in expert_reduce.items():
+        why = "expert kernels' gradients summed over the axes their tokens are split on"
+        out.append(ExpectedCollective("all-reduce", axes, n, b, _split(mesh_shape, axes), why))
     choices += _per_microbatch_choices(trainer.num_microbatches, mesh_shape, fsdp, reduce)
     if relative:
         out += _relpos_collectives(trainer, mesh_shape, batch_axes)
@@ -471,6 +496,17 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
             "all-to-all", experts.axes, experts.count, experts.bytes, experts.group_size, why
         )
         expected.append(a2a)
+        n, gathered = experts.gathers
+        size = experts.group_size
+        choices.append(
+            CompilerChoice(
+                "each MoE layer's tokens [G, S, D] and routing weights [G, S, E] all-gathered "
+                "beside GShard's all-to-alls",
+                experts.axes,
+                (size - 1) / size * gathered,
+                (("all-gather", n, gathered),),
+            )
+        )
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)

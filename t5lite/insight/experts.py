@@ -47,6 +47,7 @@ class MoeStack:
     capacity: int  # C, slots per expert and group
     dispatched_bytes: int  # one device's [E, G, C, D] after the dispatch
     weights_grad_bytes: int  # one device's combine-weight gradient [G, S, E, C]
+    gathered_bytes: int = 0  # GSPMD's extra all-gathers: tokens [G, S, D] + routing [G, S, E]
 
     @property
     def layer_bytes(self) -> int:
@@ -72,6 +73,14 @@ class ExpertAllToAll:
     @property
     def bytes(self) -> int:
         return self.microbatches * sum(s.layers * s.layer_bytes for s in self.stacks)
+
+    @property
+    def gathers(self) -> tuple[int, int]:
+        """(count, result bytes) of the all-gathers GSPMD adds over `axes`: per MoE layer, the
+        whole batch's tokens [G, S, D] and routing weights [G, S, E] (not GShard's schedule;
+        `communication.py` names them as a compiler choice)."""
+        layers = self.microbatches * sum(s.layers for s in self.stacks)
+        return 2 * layers, self.microbatches * sum(s.layers * s.gathered_bytes for s in self.stacks)
 
 
 def _per_device(shape: Sequence[int], axes: Sequence[str], trainer: Trainer) -> int:
@@ -116,7 +125,8 @@ def expert_all_to_all(trainer: Trainer, batch_axes: Sequence[str]) -> ExpertAllT
         c = expert_capacity(s, e, k, cfg.moe_capacity_factor)
         dispatched = _per_device((e, g, c, d), DISPATCHED_AXES, trainer)
         without_d = _per_device((e, g, c), DISPATCHED_AXES[:3], trainer)
-        out.append(MoeStack(name, layers, s, c, dispatched * item, without_d * s * item))
+        gathered = g * s * d * item + g * s * e * 4  # the routing weights stay fp32
+        out.append(MoeStack(name, layers, s, c, dispatched * item, without_d * s * item, gathered))
     return ExpertAllToAll(axes, math.prod(mesh_shape[t] for t in axes), tuple(out), micro)
 
 
