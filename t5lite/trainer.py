@@ -380,4 +380,12 @@ def summarize(metrics: Mapping[str, Any]) -> dict[str, float]:
     for k in ("grad_norm", "learning_rate"):
         if k in m:
             out[k] = m[k]
+    # Mixture-of-experts statistics (model/moe.py), summed times weight_sum like loss_sum.
+    out.update(
+        {
+            k[: -len("_sum")]: v / w
+            for k, v in m.items()
+            if k.startswith("moe") and k.endswith("_sum")
+        }
+    )
     return out

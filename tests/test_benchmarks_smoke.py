@@ -117,3 +117,32 @@ def test_long_context_smoke_chunked_attention_needs_less_memory(tmp_path):
         assert set(fig) >= FIGURE_KEYS, fig
     longest = record["rows"][-1]
     assert longest["chunked_mib"] < longest["xla_mib"], longest
+
+
+def test_moe_smoke(tmp_path):
+    out = tmp_path / "moe.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record) >= RECORD_KEYS and record["benchmark"] == "moe"
+    names = [f["name"] for f in record["figures"]]
+    assert names == [
+        "moe_vs_dense_same_active_step_time",
+        "dropless_vs_capacity_step_time",
+        "expert_parallel_vs_replicated_experts_step_time",
+    ]
+    for fig in record["figures"]:
+        assert set(fig) >= FIGURE_KEYS and fig["value"] > 0 and fig["reference"] > 0
+        assert fig["ratio"] == pytest.approx(fig["value"] / fig["reference"], rel=1e-2)
+    # The dense reference has the MoE's active parameters: the same model FLOPs per token but
+    # the router's 6 * D * E per MoE layer (smoke: 1 layer, D = 32, E = 8).
+    flops = record["settings"]["train_flops_per_token"]
+    assert flops["moe_capacity"] - flops["dense_same_active"] == 6 * 32 * 8
+    assert "data=4 x model=2" in record["machine"]

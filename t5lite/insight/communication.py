@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from t5lite.insight.experts import ExpertAllToAll, expert_all_to_all
 from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
 from t5lite.insight.sharding import ShardingReport
 from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
 from t5lite.insight.zero3 import Zero3Figures, zero3_figures
+from t5lite.model.moe import DISPATCHED_AXES
 from t5lite.partitioning import mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
@@ -106,6 +108,7 @@ class AnalyticCommunication:
     choices: tuple[CompilerChoice, ...] = ()
     layer_formulas: tuple[str, ...] = ()  # 2D tensor parallelism: one MLP layer vs the papers
     zero3: Zero3Figures | None = None  # FSDP: the kernels' gradient reduce-scatters
+    experts: ExpertAllToAll | None = None  # mixture of experts: GShard's all-to-alls
 
     def link_bytes_over(self, axes: Sequence[str]) -> float:
         return sum(e.link_bytes for e in self.expected if set(e.axes) == set(axes))
@@ -118,11 +121,31 @@ class AnalyticCommunication:
             "expected": [dataclasses.asdict(e) for e in self.expected],
             "compiler_choices": [dataclasses.asdict(c) for c in self.choices],
             "zero3": dataclasses.asdict(self.zero3) if self.zero3 else None,
+            "experts": dataclasses.asdict(self.experts) if self.experts else None,
         }
 
 
 def _split(mesh_shape: dict[str, int], axes: Sequence[str]) -> int:
     return math.prod(mesh_shape[t] for t in axes)
+
+
+def _expert_kernel_axes(
+    p: Any,
+    mesh_shape: dict[str, int],
+    batch_axes: tuple[str, ...],
+    used: list[str],
+    dispatched_spec: Any,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An expert kernel's (batch axes its experts are split on, axes its gradient is reduced
+    over). Over the first (expert parallelism, GShard) the tokens come to the kernel by
+    all-to-all (`experts.py`): nothing is gathered and its gradient is whole where it lives.
+    The second are the other axes its tokens' groups and slots are split on (`expert_parallel`:
+    capacity over model), where the gradient's partial sums are all-reduced."""
+    names = tuple(p.logical_axes)
+    mine = tuple(t for t in mesh_axes_of(p.spec[names.index("expert")]) if t in batch_axes)
+    tokens = [t for e in dispatched_spec[1:3] for t in mesh_axes_of(e)]
+    over = tuple(t for t in tokens if mesh_shape.get(t, 1) > 1 and t not in [*used, *batch_axes])
+    return mine, over
 
 
 def _parameter_collectives(
@@ -144,11 +167,21 @@ def _parameter_collectives(
     # The lookup's all-to-all needs full-width activations: with 2D activations (embed split
     # too) the partitioner gathers the table instead (as the other 2D parameters).
     act_spec, _ = resolve_logical_axes(("batch", "length", "embed"), trainer.partitioner.rules)
+    dispatched_spec, _ = resolve_logical_axes(DISPATCHED_AXES, trainer.partitioner.rules)
+    expert_reduce: dict[tuple[str, ...], list[int]] = collections.defaultdict(lambda: [0, 0])
     wide = not [t for t in mesh_axes_of(act_spec[2]) if mesh_shape.get(t, 1) > 1]
     for p in report.placements:
         used = [t for e in p.spec for t in mesh_axes_of(e) if mesh_shape.get(t, 1) > 1]
         gathered = p.bytes_total // _split(mesh_shape, [t for t in used if t not in batch_axes])
         split_over = tuple(t for t in batch_axes if t in used)
+        names = tuple(p.logical_axes or ())
+        if "expert" in names and "expert_mlp" in names:
+            mine, over = _expert_kernel_axes(p, mesh_shape, batch_axes, used, dispatched_spec)
+            split_over = tuple(t for t in split_over if t not in mine)
+            gathered //= _split(mesh_shape, mine)
+            if over:
+                expert_reduce[over][0] += p.shape[names.index("layers")] if "layers" in names else 1
+                expert_reduce[over][1] += gathered // _split(mesh_shape, split_over)
         rest = tuple(t for t in batch_axes if t not in used)
         if relative and "relpos_bias" in p.path.split("/"):
             continue  # its gradient is reduced at the bias's size: `_relpos_collectives`
@@ -182,6 +215,9 @@ def _parameter_collectives(
                 "gradients summed over the batch",
             )
         )
+    for axes, (n, b) in expert_reduce.items():
+        why = "expert kernels' gradients summed over the axes their tokens are split on"
+        out.append(ExpectedCollective("all-reduce", axes, n, b, _split(mesh_shape, axes), why))
     choices += _per_microbatch_choices(trainer.num_microbatches, mesh_shape, fsdp, reduce)
     if relative:
         out += _relpos_collectives(trainer, mesh_shape, batch_axes)
@@ -452,6 +488,25 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     if model_axes:
         more, more_choices = _activation_collectives(trainer, mesh_shape, model_axes)
         expected, choices = expected + more, choices + more_choices
+    experts = expert_all_to_all(trainer, batch_axes)
+    if experts is not None:
+        why = "GShard: each MoE layer's dispatch and combine, forward and backward, and the "
+        why += "router's combine-weight gradient"
+        a2a = ExpectedCollective(
+            "all-to-all", experts.axes, experts.count, experts.bytes, experts.group_size, why
+        )
+        expected.append(a2a)
+        n, gathered = experts.gathers
+        size = experts.group_size
+        choices.append(
+            CompilerChoice(
+                "each MoE layer's tokens [G, S, D] and routing weights [G, S, E] all-gathered "
+                "beside GShard's all-to-alls",
+                experts.axes,
+                (size - 1) / size * gathered,
+                (("all-gather", n, gathered),),
+            )
+        )
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)
@@ -463,4 +518,5 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
         tuple(choices),
         tuple(format_tensor_2d(figures)) if figures else (),
         zero3_figures(report, mesh_shape, batch_axes),
+        experts,
     )

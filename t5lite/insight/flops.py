@@ -24,6 +24,10 @@ Encoder-decoder (T5): an encoder token costs the encoder layers, full attention 
 S encoder positions, and the decoder's cross-attention key/value projections (which read encoder
 positions); a decoder token costs the decoder layers without those, causal self-attention over
 the T decoder positions, full cross-attention over S, and the logits.
+
+A mixture-of-experts layer (model/moe.py) counts its *active* parameters only: the router
+(D·E), the k experts a token goes through and the shared experts, so its MLP term is
+(k + n_shared) · (n·D·F + F·D) + D·E instead of n·D·F + F·D (the E - k idle experts earn no MFU).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from t5lite.model.config import is_moe_layer
 
 _ENCODER_TOKENS = "encoder_input_tokens"
 _DECODER_TOKENS = "decoder_target_tokens"
@@ -44,6 +50,16 @@ def _layer_weights(config: Any) -> tuple[int, int, int]:
     attn = d * h * k + 2 * d * g * k + h * k * d
     mlp = len(config.mlp_activations) * d * f + f * d
     return attn, 2 * d * h * k, mlp
+
+
+def _moe_extra(config: Any, num_layers: int, mlp: int) -> int:
+    """Matmul weights a token uses in a stack's MoE layers beyond one dense MLP per layer."""
+    experts = getattr(config, "num_experts", 0)
+    if not experts:
+        return 0
+    moe_layers = sum(is_moe_layer(config, i) for i in range(num_layers))
+    per_layer = (config.moe_top_k + config.moe_shared_experts - 1) * mlp
+    return moe_layers * (per_layer + config.emb_dim * experts)
 
 
 def flops_per_token(config: Any, lengths: Mapping[str, int]) -> dict[str, float]:
@@ -66,10 +82,13 @@ def flops_per_token(config: Any, lengths: Mapping[str, int]) -> dict[str, float]
         s = lengths["encoder"]
         n_enc, n_dec = config.num_encoder_layers, config.num_decoder_layers
         encoder = n_enc * (6 * (attn + mlp) + 12 * hk * s) + n_dec * 6 * cross_kv
+        encoder += 6 * _moe_extra(config, n_enc, mlp)
         cross_q_o = 2 * config.emb_dim * hk
         decoder = n_dec * (6 * (attn + cross_q_o + mlp) + 12 * hk * t / 2 + 12 * hk * s) + logits
+        decoder += 6 * _moe_extra(config, n_dec, mlp)
         return {"encoder": float(encoder), "decoder": float(decoder)}
     decoder = config.num_layers * (6 * (attn + mlp) + 12 * hk * t / 2) + logits
+    decoder += 6 * _moe_extra(config, config.num_layers, mlp)
     return {"decoder": float(decoder)}
 
 

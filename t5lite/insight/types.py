@@ -15,6 +15,7 @@ from t5lite.insight.communication import (
 )
 from t5lite.insight.comparison import compare_communication, format_comparison
 from t5lite.insight.estimate import StepEstimate
+from t5lite.insight.experts import format_expert_all_to_all
 from t5lite.insight.hardware import DeviceSpec
 from t5lite.insight.hlo import KINDS, CollectiveRow
 from t5lite.insight.memory import MemoryReport, PredictedMemory
@@ -143,6 +144,9 @@ class StepReport:
             lines += format_comparison(compare_communication(self.collectives, a), width)
         if a.zero3 is not None:
             lines += ["", *format_zero3(a.zero3, self.collectives if self.memory else None)]
+        if a.experts is not None:
+            compiled = self.collectives if self.memory else None
+            lines += ["", *format_expert_all_to_all(a.experts, compiled)]
         if self.flops is not None:
             est = f"{self.flops / 1e9:,.4g} GFLOP per device"
             if self.step_seconds is not None:

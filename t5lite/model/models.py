@@ -164,9 +164,11 @@ class BaseModel(abc.ABC):
 
         With mixture-of-experts layers the weighted load-balancing and router z-losses (means
         over the MoE layers, per batch) are added as `coef * loss * max(loss_denominator, 1)`,
-        so they reach the normalised loss unscaled; the metrics `moe_aux_loss_sum`,
-        `moe_z_loss_sum`, `moe_dropped_sum` and `moe_load_imbalance_sum` carry them with the
-        same factor.
+        so they reach the normalised loss unscaled. The metrics `moe_aux_loss_sum`,
+        `moe_z_loss_sum`, `moe_dropped_sum`, `moe_load_imbalance_sum` and, per MoE layer,
+        `moe/<layer>/load_e<i>_sum` and `moe/<layer>/load_max_over_mean_sum` carry them times
+        `weight_sum`, so that they add up over microbatches and batches like `loss_sum`
+        (`trainer.summarize` divides by `weight_sum`).
         """
         cfg = self.network_config
         if not getattr(cfg, "num_experts", 0):
@@ -185,13 +187,15 @@ class BaseModel(abc.ABC):
             return numerator, metrics
         scale = jax.lax.stop_gradient(jnp.maximum(metrics["loss_denominator"], 1.0))
         aux = cfg.moe_aux_loss_coef * stats.aux_loss + cfg.moe_z_loss_coef * stats.z_loss
-        metrics = {
-            **metrics,
-            "moe_aux_loss_sum": stats.aux_loss * scale,
-            "moe_z_loss_sum": stats.z_loss * scale,
-            "moe_dropped_sum": stats.dropped_fraction * scale,
-            "moe_load_imbalance_sum": stats.load_imbalance * scale,
+        moe_metrics = {
+            "moe_aux_loss": stats.aux_loss,
+            "moe_z_loss": stats.z_loss,
+            "moe_dropped": stats.dropped_fraction,
+            "moe_load_imbalance": stats.load_imbalance,
+            **moe.layer_metrics(stats),
         }
+        weight = jax.lax.stop_gradient(metrics["weight_sum"])
+        metrics = {**metrics, **{f"{k}_sum": v * weight for k, v in moe_metrics.items()}}
         return numerator + aux * scale, metrics
 
     def _token_loss_terms(self, logits: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:

@@ -127,21 +127,37 @@ def route(
     return Routing(logits_TE, probs_TE, experts_TK.astype(jnp.int32), weights_TK)
 
 
-def load_balancing_loss(routing: Routing, num_experts: int) -> Array:
-    """Switch/GShard auxiliary loss `E * sum_e f_e * P_e` over all tokens of the call.
+def _token_mean(x_T: Array, valid_T: Array | None) -> Array:
+    """Mean over the real tokens (leading axis) of `x_T`; all tokens when `valid_T` is None."""
+    if valid_T is None:
+        return jnp.mean(x_T, axis=0)
+    w_T = valid_T.astype(jnp.float32).reshape((-1,) + (1,) * (x_T.ndim - 1))
+    return jnp.sum(x_T * w_T, axis=0) / jnp.maximum(jnp.sum(valid_T.astype(jnp.float32)), 1.0)
+
+
+def expert_load(experts_TK: Array, num_experts: int, valid_T: Array | None = None) -> Array:
+    """[E] fraction of the real tokens' (token, choice) pairs routed to each expert (sums to 1),
+    counted before capacity."""
+    k = experts_TK.shape[-1]
+    return _token_mean(jnp.sum(jax.nn.one_hot(experts_TK, num_experts), axis=1), valid_T) / k
+
+
+def load_balancing_loss(routing: Routing, num_experts: int, valid_T: Array | None = None) -> Array:
+    """Switch/GShard auxiliary loss `E * sum_e f_e * P_e` over the real tokens of the call.
 
     f_e is the fraction of tokens whose top-k choices include e (counted before capacity, as
     Switch does; for k > 1 the fractions of the k choices are summed, as HF Mixtral does), P_e
     the mean router probability of e. Uniform routing gives k; only P_e carries a gradient.
+    `valid_T` (bool [T]) excludes padding from both means, as HF Mixtral's attention mask does.
     """
-    f_E = jnp.mean(jnp.sum(jax.nn.one_hot(routing.experts_TK, num_experts), axis=1), axis=0)
-    p_E = jnp.mean(routing.probs_TE, axis=0)
+    f_E = expert_load(routing.experts_TK, num_experts, valid_T) * routing.experts_TK.shape[-1]
+    p_E = _token_mean(routing.probs_TE, valid_T)
     return num_experts * jnp.sum(f_E * p_E)
 
 
-def router_z_loss(logits_TE: Array) -> Array:
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+def router_z_loss(logits_TE: Array, valid_T: Array | None = None) -> Array:
+    """ST-MoE's router z-loss: mean over the real tokens of logsumexp(logits)^2."""
+    return _token_mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)), valid_T)
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, factor: float) -> int:
@@ -212,8 +228,15 @@ class MoeBlock(nn.Module):
     kernel_init: Initializer = default_kernel_init
 
     @nn.compact
-    def __call__(self, x_BLD: Array, deterministic: bool = True) -> Array:
-        """[B, L, D] -> [B, L, D]; sows the losses and loads into 'intermediates'."""
+    def __call__(
+        self, x_BLD: Array, deterministic: bool = True, valid_BL: Array | None = None
+    ) -> Array:
+        """[B, L, D] -> [B, L, D]; sows the losses and loads into 'intermediates'.
+
+        `valid_BL` (bool, None: every token real) marks the real tokens: padding still goes
+        through the router and the experts (the output is unchanged), but the losses, the expert
+        load and the dropped fraction are means over the real tokens only.
+        """
         for act in self.activations:
             if act not in _ACTIVATIONS:
                 raise ValueError(f"unknown activation {act!r}; known: {sorted(_ACTIVATIONS)}")
@@ -238,9 +261,11 @@ class MoeBlock(nn.Module):
         wi_EDF = [self._kernel(n, (e, d, f), ("expert", "embed", "expert_mlp")) for n in names]
         wo_EFD = self._kernel("wo", (e, f, d), ("expert", "expert_mlp", "embed"))
         experts = functools.partial(self._experts, wi_EDF, wo_EFD, deterministic=deterministic)
+        valid_T = None if valid_BL is None else valid_BL.reshape(b * length)
         if self.dispatch == "capacity":
             factor = self.eval_capacity_factor if deterministic else self.capacity_factor
-            y_BLD, dropped = self._capacity(x_BLD, routing, experts, factor)
+            y_BLD, kept_GSK = self._capacity(x_BLD, routing, experts, factor)
+            dropped = 1.0 - jnp.mean(_token_mean(kept_GSK.reshape(b * length, -1), valid_T))
         elif self.dispatch == "dropless":
             y_BLD, dropped = self._dropless(x_BLD, routing, wi_EDF, wo_EFD, deterministic)
         else:
@@ -255,10 +280,9 @@ class MoeBlock(nn.Module):
                 self.kernel_init,
                 name="shared_experts",
             )(x_BLD, deterministic=deterministic)
-        load_E = jnp.mean(jnp.sum(jax.nn.one_hot(routing.experts_TK, e), axis=1), axis=0)
-        self.sow("intermediates", AUX_LOSS, load_balancing_loss(routing, e))
-        self.sow("intermediates", Z_LOSS, router_z_loss(routing.logits_TE))
-        self.sow("intermediates", EXPERT_LOAD, load_E / self.top_k)
+        self.sow("intermediates", AUX_LOSS, load_balancing_loss(routing, e, valid_T))
+        self.sow("intermediates", Z_LOSS, router_z_loss(routing.logits_TE, valid_T))
+        self.sow("intermediates", EXPERT_LOAD, expert_load(routing.experts_TK, e, valid_T))
         self.sow("intermediates", DROPPED, dropped)
         return constraints.constrain(y_BLD.astype(self.dtype), ("batch", "length", "embed"))
 
@@ -291,7 +315,7 @@ class MoeBlock(nn.Module):
         return constraints.constrain(y_EGCD, DISPATCHED_AXES)
 
     def _capacity(self, x_BLD: Array, routing: Routing, experts: Any, factor: float):
-        """GShard/Switch dispatch with one group per sequence; returns (y, dropped fraction)."""
+        """GShard/Switch dispatch with one group per sequence; returns (y, kept [G, S, K])."""
         b, length, _ = x_BLD.shape
         k, e = self.top_k, self.num_experts
         if self.expert_capacity > 0:
@@ -310,7 +334,7 @@ class MoeBlock(nn.Module):
         )
         y_EGCD = experts(x_EGCD)
         y_BLD = constraints.einsum("gsec,egcd->gsd", combine_GSEC.astype(self.dtype), y_EGCD)
-        return y_BLD, 1.0 - jnp.mean(kept_GSK.astype(jnp.float32))
+        return y_BLD, kept_GSK.astype(jnp.float32)
 
     def _dropless(
         self,
@@ -368,38 +392,55 @@ class MoeStats:
 
     aux_loss: Array  # Switch load-balancing loss
     z_loss: Array  # router z-loss
-    dropped_fraction: Array  # (token, choice) pairs over capacity ('dropless': 0)
+    dropped_fraction: Array  # real (token, choice) pairs over capacity ('dropless': 0)
     load_imbalance: Array  # max over experts of the expert load / its mean (1: balanced)
+    layer_loads: dict[str, Array]  # per MoE layer ('decoder/layers_1'): its expert load [E]
+
+
+def _sown(intermediates: Any, name: str) -> dict[str, Array]:
+    """Each MoE layer's value of `name`, keyed by the layer's path; a scanned stack's stacked
+    values are split into `layers_{i}`; several calls of a layer are averaged."""
+    found: dict[str, Array] = {}
+
+    def visit(tree: Any, path: tuple[str, ...]) -> None:
+        if not isinstance(tree, dict):
+            return
+        for key, sub in tree.items():
+            if key != name:
+                visit(sub, (*path, key))
+                continue
+            value = jnp.mean(jnp.stack([jnp.asarray(v) for v in sub]), axis=0)
+            layer = "/".join(p for p in path if p != "mlp")
+            if path and "layers" in path:  # scanned: one value per layer on the leading axis
+                for i in range(value.shape[0]):
+                    found[layer.replace("layers", f"layers_{i}", 1)] = value[i]
+            else:
+                found[layer] = value
+
+    visit(intermediates, ())
+    return found
 
 
 def collect_stats(intermediates: Any) -> MoeStats | None:
-    """The `MoeStats` of a forward pass's 'intermediates' collection (None: no MoE layer).
-
-    Scanned layers sow one stacked value per name; unscanned layers one each.
-    """
-
-    def values(name: str) -> list[Array]:
-        found: list[Array] = []
-
-        def visit(tree: Any) -> None:
-            if isinstance(tree, dict):
-                for key, sub in tree.items():
-                    if key == name:
-                        found.extend(jnp.asarray(v) for v in sub)
-                    else:
-                        visit(sub)
-
-        visit(intermediates)
-        return found
-
-    def mean(name: str) -> Array:
-        return jnp.mean(jnp.concatenate([v.reshape(-1) for v in values(name)]))
-
-    loads = values(EXPERT_LOAD)
+    """The `MoeStats` of a forward pass's 'intermediates' collection (None: no MoE layer)."""
+    loads = _sown(intermediates, EXPERT_LOAD)
     if not loads:
         return None
-    # Each load sums to 1 over its last axis (experts): max / mean = E * max.
-    imbalance = jnp.mean(
-        jnp.concatenate([(v.shape[-1] * jnp.max(v, axis=-1)).reshape(-1) for v in loads])
-    )
-    return MoeStats(mean(AUX_LOSS), mean(Z_LOSS), mean(DROPPED), imbalance)
+
+    def mean(name: str) -> Array:
+        return jnp.mean(jnp.stack(list(_sown(intermediates, name).values())))
+
+    # Each load sums to 1 over the experts: max / mean = E * max.
+    imbalance = jnp.mean(jnp.stack([v.shape[-1] * jnp.max(v) for v in loads.values()]))
+    return MoeStats(mean(AUX_LOSS), mean(Z_LOSS), mean(DROPPED), imbalance, loads)
+
+
+def layer_metrics(stats: MoeStats) -> dict[str, Array]:
+    """Per-layer metrics: `moe/<layer>/load_e<i>` (fraction of the choices that went to expert
+    i) and `moe/<layer>/load_max_over_mean`."""
+    out: dict[str, Array] = {}
+    for layer, load_E in stats.layer_loads.items():
+        for i in range(load_E.shape[-1]):
+            out[f"moe/{layer}/load_e{i}"] = load_E[i]
+        out[f"moe/{layer}/load_max_over_mean"] = load_E.shape[-1] * jnp.max(load_E)
+    return out

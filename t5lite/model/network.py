@@ -86,6 +86,16 @@ def _constrain(x_BLD: Array) -> Array:
     return constraints.constrain(x_BLD, ("batch", "length", "embed"))
 
 
+def _mlp(cfg: AnyConfig, sparse: bool, y_BLD: Array, mask: Mask, det: bool) -> Array:
+    """The layer's feed-forward block; an MoE block gets the real tokens of `mask` (its
+    losses and loads leave padding out)."""
+    block = moe.mlp_block(cfg, sparse)
+    if not sparse:
+        return block(y_BLD, deterministic=det)
+    valid_BL = mask.valid_q if isinstance(mask, MaskParts) else None
+    return block(y_BLD, deterministic=det, valid_BL=valid_BL)
+
+
 class EncoderLayer(nn.Module):
     """Pre-norm self-attention + MLP block; returns (x, None) so it can be scanned."""
 
@@ -102,7 +112,7 @@ class EncoderLayer(nn.Module):
         y = _attention(cfg, "attention")(y, y, mask, bias_1HLS, deterministic=det)
         x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
-        y = moe.mlp_block(cfg, self.sparse)(y, deterministic=det)
+        y = _mlp(cfg, self.sparse, y, mask, det)
         return _constrain(x_BLD + _dropout(cfg, y, det)), None
 
 
@@ -157,7 +167,7 @@ class DecoderLayer(nn.Module):
             )(y, encoded_BSD, cross_mask, deterministic=det, decode=self.decode, fixed_kv=True)
             x_BLD = _constrain(x_BLD + _dropout(cfg, y, det))
         y = _norm(cfg, "pre_mlp_layer_norm")(x_BLD)
-        y = moe.mlp_block(cfg, self.sparse)(y, deterministic=det)
+        y = _mlp(cfg, self.sparse, y, self_mask, det)
         return _constrain(x_BLD + _dropout(cfg, y, det)), None
 
 
