@@ -58,6 +58,11 @@ class T5Config:
     """Embed via one-hot matmul (vocab-parallel lookup when the table is vocab-sharded)."""
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
+    pipeline_microbatches: int = 0
+    """Microbatches per step when the rules split `layers` into pipeline stages (0: as many as
+    stages); more shrink the bubble `(p - 1) / (m + p - 1)`; divides the batch."""
+    pipeline_schedule: str = "gpipe"
+    """The pipeline's schedule (model/pipeline.py): 'gpipe' (all forward, then all backward)."""
     tie_logits: bool | None = None
     """Logits via the input embedding; None: the variant's choice (tied for 't5.1.0', a separate
     `logits_dense` for 't5.1.1'). transformers 5.x saves T5.1.1 with a tied head."""
@@ -186,6 +191,11 @@ class DecoderOnlyConfig:
     one_hot_embedding: bool = False
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
+    pipeline_microbatches: int = 0
+    """Microbatches per step when the rules split `layers` into pipeline stages (0: as many as
+    stages); more shrink the bubble `(p - 1) / (m + p - 1)`; divides the batch."""
+    pipeline_schedule: str = "gpipe"
+    """The pipeline's schedule (model/pipeline.py): 'gpipe' (all forward, then all backward)."""
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""

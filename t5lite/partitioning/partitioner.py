@@ -99,6 +99,7 @@ class Partitioner:
         strict: bool = False,
         shard_if_divisible: Sequence[str] = ("kv_heads",),
         shard_mode: str = "auto",
+        num_stages: int = 1,
     ):
         """Builds the partitioner.
 
@@ -112,6 +113,8 @@ class Partitioner:
           shard_mode: `'auto'` or `'explicit'` (see the class docstring). A given mesh's axis
             types must match it (a mesh from `jax.make_mesh` is Explicit unless told
             otherwise), except that an all-Auto mesh is made Explicit for `'explicit'`.
+          num_stages: pipeline stages: a leading `stage` axis of this size (see `create_mesh`);
+            the `pipeline` presets split the scanned `layers` over it.
         """
         if mesh is None:
             mesh = create_mesh(
@@ -119,6 +122,7 @@ class Partitioner:
                 model_parallel_submesh=model_parallel_submesh,
                 ici_mesh_shape=ici_mesh_shape,
                 dcn_mesh_shape=dcn_mesh_shape,
+                num_stages=num_stages,
             )
         check_mesh_size(tuple(mesh.devices.shape), tuple(mesh.axis_names), mesh.devices.size)
         self.mesh = mesh_for_mode(mesh, shard_mode)

@@ -23,7 +23,7 @@ import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, PartitionSpec
 
-from t5lite.partitioning.mesh import DATA, MODEL, PartitioningError, mesh_str
+from t5lite.partitioning.mesh import DATA, MODEL, STAGE, PartitioningError, mesh_str
 
 MeshAxis = str | tuple[str, ...] | None
 LogicalRules = Sequence[tuple[str, MeshAxis]]
@@ -162,6 +162,10 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     # rules: experts over `data` too, with Megatron (`expert_mlp` -> model) inside every expert,
     # or, with 2D parameters, experts unsplit and `embed` over `data` (ZeRO-3).
     "expert_parallel": (1, 1),
+    # Pipeline parallelism (GPipe; t5lite/model/pipeline.py): the scanned `layers` over `stage`
+    # (`Partitioner.num_stages`), Megatron's or FSDP's table on the other axes.
+    "pipeline": (1, 1),
+    "pipeline_fsdp": (1, 2),
 }
 
 
@@ -207,10 +211,18 @@ def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshA
     return [(n, moved.get(n, a)) for n, a in rules]
 
 
+def _pipeline(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
+    """`layers` -> stage: each stage holds `1/stages` of the scanned layers (and of their
+    optimizer state); nothing else names `stage`, so the rest is the base table's."""
+    return [(n, STAGE if n == "layers" else a) for n, a in rules]
+
+
 _TABLE_EDITS = {
     "sequence_parallel": _sequence_parallel,
     "context_parallel": _context_parallel,
     "expert_parallel": _expert_parallel,
+    "pipeline": _pipeline,
+    "pipeline_fsdp": _pipeline,
 }
 
 
