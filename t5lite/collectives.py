@@ -575,6 +575,14 @@ def context_parallel_attention(
 # --- pipeline parallelism: a layer stack split into stages ---------------------------------------
 
 
+def split_size(name: str) -> int:
+    """How many devices the rules in force split a dimension named `name` over (1: whole)."""
+    mesh, dims = _mesh(), _resolve((name,))
+    if mesh.empty or dims is None or not _known(dims):
+        return 1
+    return math.prod(mesh.shape[a] for a in dims[0])
+
+
 def stage_axes() -> tuple[str, ...]:
     """The mesh axes (together of size > 1) the rules in force split a stack's `layers` over."""
     mesh, dims = _mesh(), _resolve(("layers",))

@@ -95,3 +95,57 @@ def test_stack_strategy_is_pipeline():
         collectives.Strategy.PIPELINE, collectives.PipelinePlan(("stage",), 2)
     )
     assert ("layers", "stage") in partitioning.preset_rules("pipeline_fsdp")
+
+
+def _lower(preset: str = "pipeline", stages: int = 2, **overrides) -> None:
+    """Builds a trainer and traces (never compiles) its train step."""
+    require_devices(8)
+    cfg = network.DecoderOnlyConfig(**{**LM, **overrides})
+    part = partitioning.Partitioner(
+        num_partitions=1, num_stages=stages, logical_axis_rules=partitioning.preset_rules(preset)
+    )
+    model = DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    tr = Trainer(model, part, batch_size=BATCH, lengths=LENGTHS)
+    tr.train_step.lower(tr.abstract_state(), tr.batch_abstract)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, text",
+    [
+        (
+            dict(num_layers=3),
+            partitioning.PartitioningError,
+            "parameter 'params/decoder/layers/mlp/wi_0/kernel', shape (3, 16, 32), logical axes "
+            "('layers', 'embed', 'mlp'), mesh {stage: 2, data: 4, model: 1}: dimension 0 of size "
+            "3 is not divisible by mesh axes 'stage' of size 2",
+        ),
+        (
+            dict(scan_layers=False),
+            ValueError,
+            "DecoderOnlyConfig.scan_layers=False, but the rules split 'layers' over mesh axes "
+            "('stage',) (pipeline stages): set scan_layers=True",
+        ),
+        (
+            dict(pipeline_microbatches=3),
+            ValueError,
+            "DecoderOnlyConfig.pipeline_microbatches=3: a batch of 16 rows does not cut into 3 "
+            "microbatches that divide over the 4 devices splitting the batch (needs a multiple "
+            "of 12 rows)",
+        ),
+        (
+            dict(pipeline_schedule="interleaved"),
+            ValueError,
+            "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe',), got 'interleaved'",
+        ),
+        (
+            dict(preset="fsdp"),
+            partitioning.PartitioningError,
+            "mesh {stage: 2, data: 4, model: 1} has a 'stage' axis that no rule names, so its 2 "
+            "stages would hold copies: use preset_rules.name = 'pipeline' or 'pipeline_fsdp'",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(overrides, error, text):
+    with pytest.raises(error) as e:
+        _lower(**overrides)
+    assert str(e.value) == text

@@ -144,6 +144,7 @@ class T5Config:
             # NOTE: HF scales only in front of its tied head; an untied scaled head is not T5.
             raise ValueError("T5Config: scale_logits=True needs tied logits (tie_logits=True)")
         _check_remat(self.remat_policy)
+        _check_pipeline(self)
         _check_attention(self, relative_bias=True)
         _check_moe(self, max(self.num_encoder_layers, self.num_decoder_layers))
 
@@ -254,6 +255,7 @@ class DecoderOnlyConfig:
                 f"rope_low_freq_factor ({self.rope_low_freq_factor})"
             )
         _check_remat(self.remat_policy)
+        _check_pipeline(self)
         _check_attention(self, relative_bias=self.position_embedding == "relative")
         _check_moe(self, self.num_layers)
 
@@ -267,6 +269,24 @@ class DecoderOnlyConfig:
 
 
 AnyConfig = T5Config | DecoderOnlyConfig
+
+
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe",)
+"""What `pipeline_schedule` accepts (see model/pipeline.py)."""
+
+
+def _check_pipeline(cfg: AnyConfig) -> None:
+    name = type(cfg).__name__
+    if cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"{name}.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
+            f"{cfg.pipeline_schedule!r}"
+        )
+    if cfg.pipeline_microbatches < 0:
+        raise ValueError(
+            f"{name}.pipeline_microbatches must be >= 0 (0: one per stage), got "
+            f"{cfg.pipeline_microbatches}"
+        )
 
 
 def _check_remat(policy: str) -> None:

@@ -242,8 +242,7 @@ def _pipelined(
     if cfg.num_experts:
         raise ValueError(f"{name}.num_experts={cfg.num_experts}: pipeline stages need dense MLPs")
     m = pipeline.microbatches(cfg.pipeline_microbatches, plan.num_stages)
-    num_layers = jax.tree_util.tree_leaves(parent.variables["params"]["layers"])[0].shape[0]
-    pipeline.check(num_layers, plan.num_stages, m, x_BLD.shape[0], cfg.pipeline_schedule, name)
+    pipeline.check(m, x_BLD.shape[0], collectives.split_size("batch"), name)
     layer = layer_cls(parent=None, sparse=False, **layer_kwargs)
 
     def layer_fn(params: Any, x: Array, layer_args: tuple, key: Array | None) -> Array:

@@ -44,9 +44,6 @@ PyTree = Any
 LayerFn = Callable[[PyTree, Array, tuple, Array | None], Array]
 """`(one layer's params, x [b, L, D], the stack's other args, dropout key or None) -> x`."""
 
-SCHEDULES: tuple[str, ...] = ("gpipe",)
-"""What `pipeline_schedule` accepts."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -72,22 +69,13 @@ class Schedule:
         return self.num_microbatches
 
 
-def check(
-    num_layers: int, num_stages: int, num_microbatches: int, batch: int, schedule: str, where: str
-) -> None:
-    """One line naming the culprit for a stack that cannot be pipelined so (before any trace)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"{where}.pipeline_schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if num_layers % num_stages:
+def check(num_microbatches: int, batch: int, data_size: int, where: str) -> None:
+    """One line naming the culprit when the batch cannot be cut into the microbatches."""
+    if batch % num_microbatches or (batch // num_microbatches) % data_size:
         raise ValueError(
-            f"{where}: {num_layers} layers do not divide into {num_stages} pipeline stages"
-        )
-    if num_microbatches < 1:
-        raise ValueError(f"{where}.pipeline_microbatches must be >= 1, got {num_microbatches}")
-    if batch % num_microbatches:
-        raise ValueError(
-            f"{where}.pipeline_microbatches={num_microbatches} does not divide the batch of "
-            f"{batch} rows"
+            f"{where}.pipeline_microbatches={num_microbatches}: a batch of {batch} rows does not "
+            f"cut into {num_microbatches} microbatches that divide over the {data_size} devices "
+            f"splitting the batch (needs a multiple of {num_microbatches * data_size} rows)"
         )
 
 

@@ -28,7 +28,13 @@ from t5lite.partitioning.explicit import (
     explain_untypable,
     mesh_for_mode,
 )
-from t5lite.partitioning.mesh import PartitioningError, check_mesh_size, create_mesh, mesh_str
+from t5lite.partitioning.mesh import (
+    STAGE,
+    PartitioningError,
+    check_mesh_size,
+    create_mesh,
+    mesh_str,
+)
 from t5lite.partitioning.rules import (
     ExplicitSpec,
     LogicalRules,
@@ -138,6 +144,12 @@ class Partitioner:
                         f"rule ({name!r}, {axis!r}) names mesh axis {t!r}, which mesh "
                         f"{mesh_str(mesh)} does not have"
                     )
+        stages = mesh.shape.get(STAGE, 1)
+        if stages > 1 and not any(STAGE in mesh_axes_of(a) for _, a in self.rules):
+            raise PartitioningError(
+                f"mesh {mesh_str(mesh)} has a '{STAGE}' axis that no rule names, so its {stages} "
+                "stages would hold copies: use preset_rules.name = 'pipeline' or 'pipeline_fsdp'"
+            )
         self.strict = strict
         self.shard_if_divisible = tuple(shard_if_divisible)
         self._layout = None
