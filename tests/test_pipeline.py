@@ -9,6 +9,7 @@ import pytest
 from conftest import require_devices
 
 from t5lite import collectives, partitioning
+from t5lite.insight import pipeline as insight_pipeline
 from t5lite.model import network, optimizers
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.trainer import Trainer, summarize
@@ -177,3 +178,19 @@ def test_checkpoints_restore_across_pipelined_and_unpipelined_meshes(tmp_path):
     for r, s in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(saved)):
         np.testing.assert_array_equal(np.asarray(r), s)
     assert back.params["decoder"]["layers"]["mlp"]["wo"]["kernel"].sharding.spec[0] == "stage"
+
+
+def test_compiled_permutes_and_bubble_equal_the_analytic_schedule():
+    """stage=2, m=4: 5 ticks a pass, one collective-permute of a microbatch's activations per
+    tick each way (16 rows / 4 microbatches / data=2 = 2 rows x 8 positions x 16 x 4 bytes)."""
+    tr = _trainer("pipeline", 2, 2)
+    with tr.partitioner.context():
+        hlo = tr.train_step.lower(tr.abstract_state(), tr.batch_abstract).compile().as_text()
+    f = insight_pipeline.pipeline_figures(tr, hlo)
+    assert (f.stages, f.microbatches, f.ticks) == (2, 4, 5)
+    assert f.bubble == pytest.approx(1 / 5)
+    assert f.permute_bytes == (2 * 8 * 16 * 4,)
+    assert (f.compiled_ticks, f.compiled_bubble) == (5, pytest.approx(1 / 5))
+    assert f.compiled_permutes == f.permutes == 10
+    assert f.compiled_permute_bytes == f.permute_bytes_total == 10 * 1024
+    assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in f.format()
