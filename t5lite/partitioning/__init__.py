@@ -21,6 +21,7 @@ from t5lite.partitioning.partitioner import (
     Partitioner,
 )
 from t5lite.partitioning.rules import (
+    PIPELINE_PRESETS,
     PRESETS,
     ExplicitSpec,
     LogicalRules,
@@ -40,6 +41,7 @@ from t5lite.pytree import path_str
 __all__ = [
     "DATA",
     "MODEL",
+    "PIPELINE_PRESETS",
     "PRESETS",
     "REPLICA",
     "STAGE",

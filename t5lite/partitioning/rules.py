@@ -173,9 +173,19 @@ EXPERT_PRESETS = ("expert_parallel",)
 """Presets that only differ from another for a model with experts (`num_experts > 0`)."""
 
 
+PIPELINE_PRESETS = ("pipeline", "pipeline_fsdp")
+"""Presets that split `layers` over a `stage` mesh axis (`Partitioner.num_stages`): only for
+meshes that have one, and never for a model with experts (model/pipeline.py refuses them)."""
+
+
 def presets_for(num_experts: int) -> tuple[str, ...]:
-    """The presets worth searching for a model: the expert layouts only when it has experts."""
-    return tuple(p for p in PRESETS if num_experts > 0 or p not in EXPERT_PRESETS)
+    """The presets worth searching for a model on a `(data, model)` mesh: the expert layouts
+    only when it has experts; the pipeline layouts never (they need a `stage` axis)."""
+    return tuple(
+        p
+        for p in PRESETS
+        if (num_experts > 0 or p not in EXPERT_PRESETS) and p not in PIPELINE_PRESETS
+    )
 
 
 def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
