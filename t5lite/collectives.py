@@ -33,7 +33,7 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
   call): the kernel runs on each device's shard of its operands, laid out by the rules; no
   collective. Only for operations that are independent across the split dimensions (attention
   over batch and heads); `per_shard` refuses a split of any other dimension.
-- `pipeline` (a layer stack, not a contraction; the `pipeline` presets: `layers` -> `stage`):
+- `pipeline` (a layer stack, not a contraction; `pipeline_rules`: `layers` -> `stage`):
   the rules split a scanned stack's `layers` over mesh axes of size > 1. Each device holds its
   stage's layers; the batch is cut into microbatches that flow stage to stage by `ppermute`
   inside a `jax.shard_map` manual over those axes only (t5lite/model/pipeline.py runs the

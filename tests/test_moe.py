@@ -329,8 +329,7 @@ def _iota_groups(groups: list[list[int]]) -> str:
     return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
 
 
-# Pipeline stages refuse mixture-of-experts layers (model/pipeline.py).
-PRESET_NAMES = [p for p in partitioning.PRESETS if p not in partitioning.PIPELINE_PRESETS]
+PRESET_NAMES = list(partitioning.PRESETS)
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,17 @@ def _batch(seed: int = 0) -> dict:
 
 
 @functools.cache
-def _trainer(preset: str, stages: int, num_partitions: int, microbatches: int = 4) -> Trainer:
+def _rules(base: str, stages: int):
+    """`base`'s table, with `layers` -> stage when there are stages."""
+    return partitioning.pipeline_rules(base) if stages > 1 else partitioning.preset_rules(base)
+
+
+@functools.cache
+def _trainer(base: str, stages: int, num_partitions: int, microbatches: int = 4) -> Trainer:
     require_devices(8)
     cfg = network.DecoderOnlyConfig(**LM, pipeline_microbatches=microbatches)
     part = partitioning.Partitioner(
-        num_partitions=num_partitions,
-        num_stages=stages,
-        logical_axis_rules=partitioning.preset_rules(preset),
+        num_partitions=num_partitions, num_stages=stages, logical_axis_rules=_rules(base, stages)
     )
     model = DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2))
     return Trainer(model, part, batch_size=BATCH, lengths=LENGTHS)
@@ -63,15 +67,12 @@ def _run(tr: Trainer, steps: int = 3):
     return losses, grads, state
 
 
-@pytest.mark.parametrize(
-    "pipelined, reference, stages, num_partitions",
-    [("pipeline", "megatron", 2, 2), ("pipeline_fsdp", "fsdp", 4, 1)],
-)
-def test_gpipe_equals_unpipelined(pipelined, reference, stages, num_partitions):
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_gpipe_equals_unpipelined(base, stages, num_partitions):
     """stage=2 x data=2 x model=2 (Megatron) and stage=4 x data=2 (FSDP): three Adam steps give
     the unpipelined losses and parameters, and the first step's gradients, to fp32 rounding."""
-    pp = _trainer(pipelined, stages, num_partitions)
-    ref = _trainer(reference, 1, num_partitions)
+    pp = _trainer(base, stages, num_partitions)
+    ref = _trainer(base, 1, num_partitions)
     assert pp.partitioner.mesh.shape["stage"] == stages
     losses, grads, state = _run(pp)
     ref_losses, ref_grads, ref_state = _run(ref)
@@ -89,21 +90,23 @@ def test_gpipe_equals_unpipelined(pipelined, reference, stages, num_partitions):
 
 
 def test_stack_strategy_is_pipeline():
-    tr = _trainer("pipeline", 2, 2)
+    tr = _trainer("megatron", 2, 2)
     with tr.partitioner.context():
         choice = collectives.select_stack_strategy(4, "DecoderOnlyConfig.num_layers")
     assert choice == collectives.Choice(
         collectives.Strategy.PIPELINE, collectives.PipelinePlan(("stage",), 2)
     )
-    assert ("layers", "stage") in partitioning.preset_rules("pipeline_fsdp")
+    fsdp = partitioning.preset_rules("fsdp")
+    want = tuple((n, "stage" if n == "layers" else a) for n, a in fsdp)
+    assert partitioning.pipeline_rules("fsdp") == want and ("layers", None) in fsdp
 
 
-def _lower(preset: str = "pipeline", stages: int = 2, **overrides) -> None:
+def _lower(base: str = "megatron", stages: int = 2, rules=None, **overrides) -> None:
     """Builds a trainer and traces (never compiles) its train step."""
     require_devices(8)
     cfg = network.DecoderOnlyConfig(**{**LM, **overrides})
     part = partitioning.Partitioner(
-        num_partitions=1, num_stages=stages, logical_axis_rules=partitioning.preset_rules(preset)
+        num_partitions=1, num_stages=stages, logical_axis_rules=rules or _rules(base, stages)
     )
     model = DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2))
     tr = Trainer(model, part, batch_size=BATCH, lengths=LENGTHS)
@@ -139,10 +142,10 @@ def _lower(preset: str = "pipeline", stages: int = 2, **overrides) -> None:
             "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe',), got 'interleaved'",
         ),
         (
-            dict(preset="fsdp"),
+            dict(rules=partitioning.preset_rules("fsdp")),
             partitioning.PartitioningError,
             "mesh {stage: 2, data: 4, model: 1} has a 'stage' axis that no rule names, so its 2 "
-            "stages would hold copies: use preset_rules.name = 'pipeline' or 'pipeline_fsdp'",
+            "stages would hold copies: use Partitioner.logical_axis_rules = @pipeline_rules()",
         ),
     ],
 )
@@ -157,7 +160,7 @@ def test_checkpoints_restore_across_pipelined_and_unpipelined_meshes(tmp_path):
     restores bit for bit without them (and back), laid out by the restoring trainer."""
     from t5lite.checkpoint import CheckpointManager
 
-    pp, ref = _trainer("pipeline", 2, 2), _trainer("megatron", 1, 2)
+    pp, ref = _trainer("megatron", 2, 2), _trainer("megatron", 1, 2)
     state, _ = pp.train_step(pp.init_state(), pp.global_batch(_batch()))
     saved = jax.tree_util.tree_map(np.asarray, state)
     with CheckpointManager(tmp_path / "a", async_save=False) as mgr:
@@ -183,7 +186,7 @@ def test_checkpoints_restore_across_pipelined_and_unpipelined_meshes(tmp_path):
 def test_compiled_permutes_and_bubble_equal_the_analytic_schedule():
     """stage=2, m=4: 5 ticks a pass, one collective-permute of a microbatch's activations per
     tick each way (16 rows / 4 microbatches / data=2 = 2 rows x 8 positions x 16 x 4 bytes)."""
-    tr = _trainer("pipeline", 2, 2)
+    tr = _trainer("megatron", 2, 2)
     with tr.partitioner.context():
         hlo = tr.train_step.lower(tr.abstract_state(), tr.batch_abstract).compile().as_text()
     f = insight_pipeline.pipeline_figures(tr, hlo)
@@ -215,11 +218,9 @@ def test_t5_encoder_and_decoder_are_each_pipelined():
         pipeline_microbatches=4,
     )
     runs = []
-    for preset, stages in (("megatron", 1), ("pipeline", 2)):
+    for stages in (1, 2):
         part = partitioning.Partitioner(
-            num_partitions=2,
-            num_stages=stages,
-            logical_axis_rules=partitioning.preset_rules(preset),
+            num_partitions=2, num_stages=stages, logical_axis_rules=_rules("megatron", stages)
         )
         model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
         tr = Trainer(model, part, batch_size=BATCH, lengths={"inputs": 8, "targets": 8})

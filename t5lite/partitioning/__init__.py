@@ -21,7 +21,6 @@ from t5lite.partitioning.partitioner import (
     Partitioner,
 )
 from t5lite.partitioning.rules import (
-    PIPELINE_PRESETS,
     PRESETS,
     ExplicitSpec,
     LogicalRules,
@@ -30,6 +29,7 @@ from t5lite.partitioning.rules import (
     data_parallel_logical_axis_rules,
     logical_axes_of,
     mesh_axes_of,
+    pipeline_rules,
     preset_rules,
     presets_for,
     resolve_logical_axes,
@@ -41,7 +41,6 @@ from t5lite.pytree import path_str
 __all__ = [
     "DATA",
     "MODEL",
-    "PIPELINE_PRESETS",
     "PRESETS",
     "REPLICA",
     "STAGE",
@@ -59,6 +58,7 @@ __all__ = [
     "logical_axes_of",
     "mesh_axes_of",
     "path_str",
+    "pipeline_rules",
     "preset_rules",
     "presets_for",
     "resolve_logical_axes",

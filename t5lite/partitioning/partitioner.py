@@ -120,7 +120,7 @@ class Partitioner:
             types must match it (a mesh from `jax.make_mesh` is Explicit unless told
             otherwise), except that an all-Auto mesh is made Explicit for `'explicit'`.
           num_stages: pipeline stages: a leading `stage` axis of this size (see `create_mesh`);
-            the `pipeline` presets split the scanned `layers` over it.
+            `pipeline_rules` split the scanned `layers` over it.
         """
         if mesh is None:
             mesh = create_mesh(
@@ -148,7 +148,7 @@ class Partitioner:
         if stages > 1 and not any(STAGE in mesh_axes_of(a) for _, a in self.rules):
             raise PartitioningError(
                 f"mesh {mesh_str(mesh)} has a '{STAGE}' axis that no rule names, so its {stages} "
-                "stages would hold copies: use preset_rules.name = 'pipeline' or 'pipeline_fsdp'"
+                "stages would hold copies: use Partitioner.logical_axis_rules = @pipeline_rules()"
             )
         self.strict = strict
         self.shard_if_divisible = tuple(shard_if_divisible)

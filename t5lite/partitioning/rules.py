@@ -162,10 +162,6 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     # rules: experts over `data` too, with Megatron (`expert_mlp` -> model) inside every expert,
     # or, with 2D parameters, experts unsplit and `embed` over `data` (ZeRO-3).
     "expert_parallel": (1, 1),
-    # Pipeline parallelism (GPipe; t5lite/model/pipeline.py): the scanned `layers` over `stage`
-    # (`Partitioner.num_stages`), Megatron's or FSDP's table on the other axes.
-    "pipeline": (1, 1),
-    "pipeline_fsdp": (1, 2),
 }
 
 
@@ -173,19 +169,9 @@ EXPERT_PRESETS = ("expert_parallel",)
 """Presets that only differ from another for a model with experts (`num_experts > 0`)."""
 
 
-PIPELINE_PRESETS = ("pipeline", "pipeline_fsdp")
-"""Presets that split `layers` over a `stage` mesh axis (`Partitioner.num_stages`): only for
-meshes that have one, and never for a model with experts (model/pipeline.py refuses them)."""
-
-
 def presets_for(num_experts: int) -> tuple[str, ...]:
-    """The presets worth searching for a model on a `(data, model)` mesh: the expert layouts
-    only when it has experts; the pipeline layouts never (they need a `stage` axis)."""
-    return tuple(
-        p
-        for p in PRESETS
-        if (num_experts > 0 or p not in EXPERT_PRESETS) and p not in PIPELINE_PRESETS
-    )
+    """The presets worth searching for a model: the expert layouts only when it has experts."""
+    return tuple(p for p in PRESETS if num_experts > 0 or p not in EXPERT_PRESETS)
 
 
 def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
@@ -221,18 +207,10 @@ def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshA
     return [(n, moved.get(n, a)) for n, a in rules]
 
 
-def _pipeline(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
-    """`layers` -> stage: each stage holds `1/stages` of the scanned layers (and of their
-    optimizer state); nothing else names `stage`, so the rest is the base table's."""
-    return [(n, STAGE if n == "layers" else a) for n, a in rules]
-
-
 _TABLE_EDITS = {
     "sequence_parallel": _sequence_parallel,
     "context_parallel": _context_parallel,
     "expert_parallel": _expert_parallel,
-    "pipeline": _pipeline,
-    "pipeline_fsdp": _pipeline,
 }
 
 
@@ -260,6 +238,24 @@ def preset_rules(
     if name in _TABLE_EDITS:
         rules = _TABLE_EDITS[name](rules)
     return tuple(rules + list(additional_rules or ()))
+
+
+def pipeline_rules(
+    base: str = "megatron", additional_rules: LogicalRules | None = None, data_axis: MeshAxis = DATA
+) -> tuple[tuple[str, MeshAxis], ...]:
+    """A preset's table with the scanned `layers` split over the `stage` mesh axis: pipeline
+    parallelism (t5lite/model/pipeline.py; `Partitioner.num_stages` adds the axis).
+
+    Each stage holds `1/stages` of the layers and of their optimizer state; nothing else names
+    `stage`, so every other dimension is laid out by `base` on the other axes (data parallel,
+    Megatron, FSDP, multi-slice's `('replica', 'data')` batch).
+
+    Args:
+      base: a key of `PRESETS`.
+      additional_rules, data_axis: as for `preset_rules`.
+    """
+    rules = preset_rules(base, additional_rules, data_axis)
+    return tuple((n, STAGE if n == "layers" else a) for n, a in rules)
 
 
 @dataclasses.dataclass(frozen=True)
