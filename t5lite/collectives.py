@@ -33,12 +33,8 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
   call): the kernel runs on each device's shard of its operands, laid out by the rules; no
   collective. Only for operations that are independent across the split dimensions (attention
   over batch and heads); `per_shard` refuses a split of any other dimension.
-- `pipeline` (a layer stack, not a contraction; `pipeline_rules`: `layers` -> `stage`):
-  the rules split a scanned stack's `layers` over mesh axes of size > 1. Each device holds its
-  stage's layers; the batch is cut into microbatches that flow stage to stage by `ppermute`
-  inside a `jax.shard_map` manual over those axes only (t5lite/model/pipeline.py runs the
-  schedule); the backward pass permutes the activations' gradients the other way. Selected by
-  `select_stack_strategy`; inside a stage, each contraction picks its own strategy above.
+- `pipeline` (a scanned layer stack whose `layers` the rules split: t5lite/model/pipeline.py).
+  Inside a stage's shard_map (its axes Manual) every contraction runs `plain` on its shard.
 
 Why the explicit ones exist: the SPMD partitioner writes every reduce-scatter as an all-reduce
 followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs and weight
@@ -128,15 +124,7 @@ class ContextPlan:
     out_dims: Dims
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelinePlan:
-    """A pipelined layer stack: `axes` (together `num_stages` devices) split its `layers`."""
-
-    axes: tuple[str, ...]
-    num_stages: int
-
-
-Plan = SequencePlan | Zero3Plan | ContextPlan | PipelinePlan | None
+Plan = SequencePlan | Zero3Plan | ContextPlan | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +190,8 @@ def _kernel_dims(dims: Dims, sp: tuple[str, ...]) -> Dims | None:
 
 
 def _one_device() -> bool:
-    mesh = _mesh()
-    return mesh.empty or mesh.size == 1
+    mesh = _mesh()  # a pipeline stage's Manual axes: the partitioner lays out the others
+    return mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Manual in mesh.axis_types
 
 
 def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int) -> Choice:
@@ -218,7 +206,7 @@ def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract:
         return Choice(Strategy.EXPLICIT)
     if _one_device():
         return Choice(Strategy.PLAIN)
-    if x_axes is None or _resolve(x_axes) is None or _in_stage():
+    if x_axes is None or _resolve(x_axes) is None:
         return Choice(Strategy.PARTITIONER)
     plans = (
         (Strategy.SEQUENCE_PARALLEL_GATHER, _gather_plan),
@@ -265,31 +253,8 @@ def _dot(x: Array, kernel: Array, n_contract: int) -> Array:
 def _shard_map(body, in_dims: Sequence[Dims], out_specs):
     """`body` manual over every mesh axis, input specs from the rules' dims."""
     return jax.shard_map(
-        body,
-        mesh=_mesh(),
-        in_specs=tuple(_spec(d) for d in in_dims),
-        out_specs=out_specs,
-        **_free_axes(),
+        body, mesh=_mesh(), in_specs=tuple(_spec(d) for d in in_dims), out_specs=out_specs
     )
-
-
-def _in_stage() -> bool:
-    """Inside a pipeline stage's shard_map (its stage axes manual): Shardy rejects the nested
-    shard_maps of the strategies below on a kernel sliced from the stage's stacked layers, so
-    the partitioner lays out FSDP's gathers (and the rest) there."""
-    return jax.sharding.AxisType.Manual in _mesh().axis_types
-
-
-def _free_axes() -> dict[str, frozenset[str]]:
-    """Inside a pipeline stage (`stage` already manual) a strategy's shard_map takes the other
-    axes only; elsewhere every axis (shard_map's default)."""
-    mesh = _mesh()
-    manual = jax.sharding.AxisType.Manual
-    if manual not in mesh.axis_types:
-        return {}
-    return {
-        "axis_names": frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != manual)
-    }
 
 
 def _gather_kernel(kernel: Array, dims: Dims, sp: tuple[str, ...]) -> Array:
@@ -506,8 +471,6 @@ def select_attention_strategy(
         return Choice(Strategy.EXPLICIT)
     if _one_device():
         return Choice(Strategy.PLAIN)
-    if _in_stage():
-        return Choice(Strategy.PARTITIONER)
     plan = _context_plan(q, k, bias, mask, kv_axis)
     if plan is None:
         return Choice(Strategy.PARTITIONER)
@@ -572,49 +535,6 @@ def context_parallel_attention(
     return _shard_map(body, plan.dims, _spec(plan.out_dims))(*args)
 
 
-# --- pipeline parallelism: a layer stack split into stages ---------------------------------------
-
-
-def split_size(name: str) -> int:
-    """How many devices the rules in force split a dimension named `name` over (1: whole)."""
-    mesh, dims = _mesh(), _resolve((name,))
-    if mesh.empty or dims is None or not _known(dims):
-        return 1
-    return math.prod(mesh.shape[a] for a in dims[0])
-
-
-def stage_axes() -> tuple[str, ...]:
-    """The mesh axes (together of size > 1) the rules in force split a stack's `layers` over."""
-    mesh, dims = _mesh(), _resolve(("layers",))
-    if mesh.empty or dims is None or not _known(dims):
-        return ()
-    return dims[0] if math.prod(mesh.shape[a] for a in dims[0]) > 1 else ()
-
-
-def select_stack_strategy(num_layers: int, where: str) -> Choice:
-    """`pipeline` when the rules split a scanned stack's `layers` over a mesh axis of size > 1,
-    else `partitioner` (the stack is scanned; GSPMD lays out each layer).
-
-    Args:
-      num_layers: the stack's layers; they must divide over the stages.
-      where: the stack's name for messages (e.g. 'DecoderOnlyConfig.num_layers').
-    """
-    axes = stage_axes()
-    if not axes:
-        return Choice(Strategy.PARTITIONER)
-    stages = math.prod(_mesh().shape[a] for a in axes)
-    if constraints.layout_installed():
-        raise ValueError(
-            f"pipeline stages ({'x'.join(axes)}={stages}) need Partitioner.shard_mode='auto'"
-        )
-    if num_layers % stages:
-        raise ValueError(
-            f"{where}={num_layers} layers do not divide into {stages} pipeline stages (mesh "
-            f"axes {axes} from the rule for 'layers')"
-        )
-    return Choice(Strategy.PIPELINE, PipelinePlan(axes, stages))
-
-
 # --- kernels the partitioner cannot split: run on each device's shard ---------------------------
 
 
@@ -676,7 +596,5 @@ def per_shard(
     # NOTE: check_vma=False: a Pallas call's outputs do not say how they vary over mesh axes.
     specs = tuple(_spec(d) for d in dims)
     out_spec = _spec(_resolve(out_axes))
-    out = jax.shard_map(
-        body, mesh=_mesh(), in_specs=specs, out_specs=out_spec, check_vma=False, **_free_axes()
-    )
+    out = jax.shard_map(body, mesh=_mesh(), in_specs=specs, out_specs=out_spec, check_vma=False)
     return out(*(a for a, _ in present))

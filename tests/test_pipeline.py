@@ -10,7 +10,7 @@ from conftest import require_devices
 
 from t5lite import collectives, partitioning
 from t5lite.insight import pipeline as insight_pipeline
-from t5lite.model import network, optimizers
+from t5lite.model import network, optimizers, pipeline
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.trainer import Trainer, summarize
 
@@ -92,9 +92,10 @@ def test_gpipe_equals_unpipelined(base, stages, num_partitions):
 def test_stack_strategy_is_pipeline():
     tr = _trainer("megatron", 2, 2)
     with tr.partitioner.context():
-        choice = collectives.select_stack_strategy(4, "DecoderOnlyConfig.num_layers")
+        choice = pipeline.select(4, "DecoderOnlyConfig.num_layers")
+        assert pipeline.split_size("batch") == 2 and pipeline.stage_axes() == ("stage",)
     assert choice == collectives.Choice(
-        collectives.Strategy.PIPELINE, collectives.PipelinePlan(("stage",), 2)
+        collectives.Strategy.PIPELINE, pipeline.PipelinePlan(("stage",), 2)
     )
     fsdp = partitioning.preset_rules("fsdp")
     want = tuple((n, "stage" if n == "layers" else a) for n, a in fsdp)
@@ -233,3 +234,17 @@ def test_t5_encoder_and_decoder_are_each_pipelined():
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for p, r in zip(params, ref_params):
         np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
+
+
+def test_docs_pipeline_commands(tmp_path):
+    """docs/pipeline.md's commands as written: gin alone trains a pipelined run and inspects it
+    (the bubble and the permutes, analytic beside compiled)."""
+    import shutil
+
+    from readme_blocks import block, run
+
+    shutil.rmtree("/tmp/t5lite_pipeline_doc", ignore_errors=True)
+    out = run(block("docs/pipeline.md", "pipeline-train"), timeout=900)
+    assert "done: step 2, /tmp/t5lite_pipeline_doc/checkpoint_2" in out.stdout + out.stderr
+    assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in out.stdout
+    assert "stage-to-stage permutes per step: analytic 10 x" in out.stdout

@@ -178,20 +178,14 @@ def _layer_stack(
     """Applies `num_layers` layers, scanned over a 'layers' axis and/or rematerialized, or as
     pipeline stages when the rules split `layers` over a mesh axis (model/pipeline.py)."""
     cfg = layer_kwargs["config"]
-    where = _layers_field(cfg, parent.name)
-    if not cfg.scan_layers and collectives.stage_axes():
-        raise ValueError(
-            f"{type(cfg).__name__}.scan_layers=False, but the rules split 'layers' over mesh "
-            f"axes {collectives.stage_axes()} (pipeline stages): set scan_layers=True"
+    choice = pipeline.select_stack(cfg, parent.name, num_layers)
+    if choice.strategy == collectives.Strategy.PIPELINE and not (
+        parent.is_initializing() or layer_kwargs.get("decode")
+    ):
+        policy = _REMAT_POLICIES.get(cfg.remat_policy)
+        return pipeline.apply_stack(
+            parent, layer_cls, choice.plan, x_BLD, args, layer_kwargs, policy
         )
-    if cfg.scan_layers:
-        choice = collectives.select_stack_strategy(num_layers, where)
-        if (
-            choice.strategy == collectives.Strategy.PIPELINE
-            and not parent.is_initializing()
-            and not layer_kwargs.get("decode")
-        ):
-            return _pipelined(parent, layer_cls, choice.plan, x_BLD, args, where, layer_kwargs)
     if cfg.remat_policy != "none":
         layer_cls = nn.remat(
             layer_cls,
@@ -217,44 +211,6 @@ def _layer_stack(
         sparse = is_moe_layer(cfg, i)
         x_BLD, _ = layer_cls(name=f"layers_{i}", sparse=sparse, **layer_kwargs)(x_BLD, *args)
     return x_BLD
-
-
-def _layers_field(cfg: AnyConfig, stack: str) -> str:
-    """The config field that counts a stack's layers, for messages."""
-    if isinstance(cfg, DecoderOnlyConfig):
-        return "DecoderOnlyConfig.num_layers"
-    return f"T5Config.num_{stack}_layers"
-
-
-def _pipelined(
-    parent: nn.Module,
-    layer_cls: type[nn.Module],
-    plan: collectives.PipelinePlan,
-    x_BLD: Array,
-    args: tuple,
-    where: str,
-    layer_kwargs: dict[str, Any],
-) -> Array:
-    """The scanned stack `parent.layers` run as pipeline stages: its stacked parameters (as
-    `nn.scan` created them, so checkpoints do not change) applied layer by layer per stage."""
-    cfg = layer_kwargs["config"]
-    name = type(cfg).__name__
-    if cfg.num_experts:
-        raise ValueError(f"{name}.num_experts={cfg.num_experts}: pipeline stages need dense MLPs")
-    m = pipeline.microbatches(cfg.pipeline_microbatches, plan.num_stages)
-    pipeline.check(m, x_BLD.shape[0], collectives.split_size("batch"), name)
-    layer = layer_cls(parent=None, sparse=False, **layer_kwargs)
-
-    def layer_fn(params: Any, x: Array, layer_args: tuple, key: Array | None) -> Array:
-        rngs = {} if key is None else {"dropout": key}
-        return layer.apply({"params": params}, x, *layer_args, rngs=rngs)[0]
-
-    if cfg.remat_policy != "none":
-        layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[cfg.remat_policy])
-    dropout = not layer_kwargs["deterministic"] and cfg.dropout_rate > 0
-    rng = parent.make_rng("dropout") if dropout else None
-    stacked = parent.variables["params"]["layers"]
-    return pipeline.run(layer_fn, stacked, x_BLD, args, plan, m, rng)
 
 
 def _relpos_bias(

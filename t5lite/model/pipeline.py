@@ -30,19 +30,122 @@ stage to all).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.linen import spmd
 from jax.sharding import PartitionSpec as P
 
-from t5lite.collectives import PipelinePlan
+from t5lite import constraints
+from t5lite.collectives import Choice, Strategy
 
 Array = jax.Array
 PyTree = Any
 LayerFn = Callable[[PyTree, Array, tuple, Array | None], Array]
 """`(one layer's params, x [b, L, D], the stack's other args, dropout key or None) -> x`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """A pipelined layer stack: `axes` (together `num_stages` devices) split its `layers`."""
+
+    axes: tuple[str, ...]
+    num_stages: int
+
+
+def _split_over(name: str) -> tuple[tuple[str, ...], int]:
+    """The mesh axes the rules in force split a dimension named `name` over, and their size."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), spmd.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return (), 1
+    spec = spmd.logical_to_mesh_axes((name,), rules)
+    entry = spec[0] if spec is not None and len(spec) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    if any(a not in mesh.shape for a in axes):
+        return (), 1
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def split_size(name: str) -> int:
+    """How many devices the rules in force split a dimension named `name` over (1: whole)."""
+    return _split_over(name)[1]
+
+
+def stage_axes() -> tuple[str, ...]:
+    """The mesh axes (together of size > 1) the rules in force split a stack's `layers` over."""
+    axes, size = _split_over("layers")
+    return axes if size > 1 else ()
+
+
+def select(num_layers: int, where: str) -> Choice:
+    """`pipeline` (collectives.Strategy) when the rules split a scanned stack's `layers` over
+    devices, else `partitioner` (the stack is scanned; GSPMD lays out each layer).
+
+    Args:
+      num_layers: the stack's layers; they must divide over the stages.
+      where: the config field that counts them, for messages.
+    """
+    axes, stages = _split_over("layers")
+    if stages <= 1:
+        return Choice(Strategy.PARTITIONER)
+    if constraints.layout_installed():
+        raise ValueError(f"pipeline stages ({axes}) need Partitioner.shard_mode='auto'")
+    if num_layers % stages:
+        raise ValueError(
+            f"{where}={num_layers} layers do not divide into {stages} pipeline stages (mesh "
+            f"axes {axes} from the rule for 'layers')"
+        )
+    return Choice(Strategy.PIPELINE, PipelinePlan(axes, stages))  # type: ignore[arg-type]
+
+
+def select_stack(cfg: Any, stack: str, num_layers: int) -> Choice:
+    """`select` for a network's stack `stack` ('encoder' or 'decoder') of `cfg`; an unscanned
+    stack with the rules splitting `layers` is refused (its layers carry no `layers` axis)."""
+    name = type(cfg).__name__
+    if not cfg.scan_layers:
+        if stage_axes():
+            raise ValueError(
+                f"{name}.scan_layers=False, but the rules split 'layers' over mesh axes "
+                f"{stage_axes()} (pipeline stages): set scan_layers=True"
+            )
+        return Choice(Strategy.PARTITIONER)
+    field = "num_layers" if name == "DecoderOnlyConfig" else f"num_{stack}_layers"
+    return select(num_layers, f"{name}.{field}")
+
+
+def apply_stack(
+    parent: Any,
+    layer_cls: type,
+    plan: PipelinePlan,
+    x_BLD: Array,
+    args: tuple,
+    layer_kwargs: dict[str, Any],
+    remat_policy: Any,
+) -> Array:
+    """The scanned stack `parent.layers` (a Flax module's) run as pipeline stages: its stacked
+    parameters, as `nn.scan` created them (so checkpoints do not change), applied layer by
+    layer in each stage; `remat_policy` (a `jax.checkpoint` policy, None: save nothing) unless
+    the config's remat policy is 'none'."""
+    cfg = layer_kwargs["config"]
+    name = type(cfg).__name__
+    if cfg.num_experts:
+        raise ValueError(f"{name}.num_experts={cfg.num_experts}: pipeline stages need dense MLPs")
+    m = microbatches(cfg.pipeline_microbatches, plan.num_stages)
+    check(m, x_BLD.shape[0], split_size("batch"), name)
+    layer = layer_cls(parent=None, sparse=False, **layer_kwargs)
+
+    def layer_fn(params: PyTree, x: Array, layer_args: tuple, key: Array | None) -> Array:
+        rngs = {} if key is None else {"dropout": key}
+        return layer.apply({"params": params}, x, *layer_args, rngs=rngs)[0]
+
+    if cfg.remat_policy != "none":
+        layer_fn = jax.checkpoint(layer_fn, policy=remat_policy)
+    dropout = not layer_kwargs["deterministic"] and cfg.dropout_rate > 0
+    rng = parent.make_rng("dropout") if dropout else None
+    return run(layer_fn, parent.variables["params"]["layers"], x_BLD, args, plan, m, rng)
 
 
 @dataclasses.dataclass(frozen=True)
