@@ -41,11 +41,11 @@ from t5lite.model.models import DecoderOnlyModel
 from t5lite.trainer import Trainer
 
 CONFIG = network.DecoderOnlyConfig(
-    vocab_size=512,
-    emb_dim=256,
+    vocab_size=256,
+    emb_dim=128,
     num_heads=4,
-    head_dim=64,
-    mlp_dim=1024,
+    head_dim=32,
+    mlp_dim=512,
     num_layers=8,
     scan_layers=True,
 )
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="benchmarks/results/pipeline.json")
     args = ap.parse_args(argv)
     reps = 2 if args.smoke else max(3, args.reps)
-    batch, length = 32, 128
-    layouts = [(2, 4)] if args.smoke else [(2, 4), (2, 8), (4, 4), (4, 8)]
+    batch, length = 32, 64
+    layouts = [(2, 4)] if args.smoke else [(2, 4), (2, 8), (4, 8)]
 
     base = _step_seconds(_trainer(1, 1, batch, length), reps, batch, length)
     figures, rows = [], []
