@@ -156,6 +156,15 @@ def test_bad_input_is_one_line(overrides, error, text):
     assert str(e.value) == text
 
 
+def test_explicit_axes_refuse_stages():
+    require_devices(8)
+    with pytest.raises(partitioning.PartitioningError) as e:
+        partitioning.Partitioner(
+            num_stages=2, shard_mode="explicit", logical_axis_rules=_rules("megatron", 2)
+        )
+    assert str(e.value) == "Partitioner.num_stages=2: pipeline stages need shard_mode='auto'"
+
+
 def test_checkpoints_restore_across_pipelined_and_unpipelined_meshes(tmp_path):
     """The on-disk layout is the scanned tree whatever the mesh: a state saved with stages
     restores bit for bit without them (and back), laid out by the restoring trainer."""

@@ -150,6 +150,10 @@ class Partitioner:
                 f"mesh {mesh_str(mesh)} has a '{STAGE}' axis that no rule names, so its {stages} "
                 "stages would hold copies: use Partitioner.logical_axis_rules = @pipeline_rules()"
             )
+        if stages > 1 and shard_mode != "auto":
+            raise PartitioningError(
+                f"Partitioner.num_stages={stages}: pipeline stages need shard_mode='auto'"
+            )
         self.strict = strict
         self.shard_if_divisible = tuple(shard_if_divisible)
         self._layout = None
