@@ -245,15 +245,11 @@ def test_t5_encoder_and_decoder_are_each_pipelined():
         np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
 
 
-def test_docs_pipeline_commands(tmp_path):
-    """docs/pipeline.md's commands as written: gin alone trains a pipelined run and inspects it
-    (the bubble and the permutes, analytic beside compiled)."""
-    import shutil
-
+def test_docs_pipeline_inspect():
+    """docs/pipeline.md's inspect command as written: gin alone shows the bubble and the
+    permutes, analytic beside compiled."""
     from readme_blocks import block, run
 
-    shutil.rmtree("/tmp/t5lite_pipeline_doc", ignore_errors=True)
-    out = run(block("docs/pipeline.md", "pipeline-train"), timeout=900)
-    assert "done: step 2, /tmp/t5lite_pipeline_doc/checkpoint_2" in out.stdout + out.stderr
+    out = run(block("docs/pipeline.md", "pipeline-inspect"), timeout=600)
     assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in out.stdout
     assert "stage-to-stage permutes per step: analytic 10 x" in out.stdout
