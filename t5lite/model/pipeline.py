@@ -1,13 +1,13 @@
 """Pipeline parallelism: a scanned layer stack run as stages over a `stage` mesh axis (GPipe).
 
 The rules split the stacked parameters' `layers` dimension over the stage axes
-(`collectives.select_stack_strategy` picks the `pipeline` strategy), so stage `s` of `p` holds
+(`select` picks `collectives.Strategy.PIPELINE`), so stage `s` of `p` holds
 layers `[s * L/p, (s + 1) * L/p)`. The batch is cut into `m` microbatches; at clock tick `t`
 stage `s` runs its layers on microbatch `t - s` and hands the result to stage `s + 1` by
 `jax.lax.ppermute`, inside a `jax.shard_map` manual over the stage axes only (data, FSDP and
-Megatron splits on the other axes stay with the partitioner, and each contraction inside a stage
-picks its own strategy). `m + p - 1` ticks fill and drain the pipe: GPipe's schedule, whose idle
-share is `(p - 1) / (m + p - 1)` of each device's time.
+Megatron splits on the other axes stay with the partitioner: inside a stage every contraction
+runs `plain` and GSPMD lays it out). `m + p - 1` ticks fill and drain the pipe: GPipe's
+schedule, whose idle share is `(p - 1) / (m + p - 1)` of each device's time.
 
 The backward pass is the forward's transpose: the scan over ticks runs in reverse and each
 `ppermute` becomes one from stage `s + 1` to stage `s` (all forward, then all backward), so every
