@@ -33,6 +33,8 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
   call): the kernel runs on each device's shard of its operands, laid out by the rules; no
   collective. Only for operations that are independent across the split dimensions (attention
   over batch and heads); `per_shard` refuses a split of any other dimension.
+- `pipeline` (a scanned layer stack whose `layers` the rules split: t5lite/model/pipeline.py).
+  Inside a stage's shard_map (its axes Manual) every contraction runs `plain` on its shard.
 
 Why the explicit ones exist: the SPMD partitioner writes every reduce-scatter as an all-reduce
 followed by a slice, and XLA:CPU and XLA:TPU both keep it that way for block outputs and weight
@@ -79,6 +81,7 @@ class Strategy(enum.StrEnum):
     ZERO3 = "zero3"
     CONTEXT_PARALLEL = "context_parallel"
     PER_SHARD = "per_shard"
+    PIPELINE = "pipeline"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +190,8 @@ def _kernel_dims(dims: Dims, sp: tuple[str, ...]) -> Dims | None:
 
 
 def _one_device() -> bool:
-    mesh = _mesh()
-    return mesh.empty or mesh.size == 1
+    mesh = _mesh()  # a pipeline stage's Manual axes: the partitioner lays out the others
+    return mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Manual in mesh.axis_types
 
 
 def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int) -> Choice:

@@ -37,6 +37,7 @@ def _register(obj, module: str = "t5lite", name: str | None = None):
 standard_logical_axis_rules = _register(partitioning.standard_logical_axis_rules)
 data_parallel_logical_axis_rules = _register(partitioning.data_parallel_logical_axis_rules)
 preset_rules = _register(partitioning.preset_rules)
+pipeline_rules = _register(partitioning.pipeline_rules)
 create_mesh = _register(partitioning.create_mesh)
 Partitioner = _register(partitioning.Partitioner)
 
@@ -106,7 +107,12 @@ PROGRAMS = {
 ALTERNATIVES = tuple(
     frozenset(SELECTORS[fn] for fn in group)
     for group in (
-        (preset_rules, standard_logical_axis_rules, data_parallel_logical_axis_rules),
+        (
+            preset_rules,
+            pipeline_rules,
+            standard_logical_axis_rules,
+            data_parallel_logical_axis_rules,
+        ),
         (AdamW, Adafactor),
         (rsqrt_schedule, warmup_cosine_schedule, constant_schedule),
     )

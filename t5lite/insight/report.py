@@ -36,6 +36,7 @@ from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_na
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.memory import memory_report, predict_memory
 from t5lite.insight.meshes import partitioner_on
+from t5lite.insight.pipeline import pipeline_figures
 from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
 from t5lite.insight.summary import format_summary, memory_verdict
@@ -243,7 +244,10 @@ def inspect(
     state = trainer.abstract_state()
     report = sharding_report(partitioner, state.params, trainer.params_axes)
     opt = sharding_report(partitioner, state.opt_state, trainer.state_axes.opt_state)
-    step = step_report(trainer, device=spec, compile=compile, report=report, progress=say)
+    compiled = compile_train_step(trainer, say) if compile else None
+    step = step_report(
+        trainer, device=spec, compiled=compiled, compile=compile, report=report, progress=say
+    )
     stream.write(format_summary(step, width) + "\n\ndetail:\n")
     rules = "rules: " + ", ".join(f"{n}->{a}" for n, a in partitioner.rules)
     rules_lines = textwrap.wrap(rules, width, subsequent_indent="  ") if width else [rules]
@@ -255,6 +259,9 @@ def inspect(
         f"on {partitioner.mesh.devices.size} devices\n\n"
     )
     stream.write(step.format(width) + "\n")
+    stages = pipeline_figures(trainer, compiled.as_text() if compiled else None)
+    if stages is not None:
+        stream.write("\n" + stages.format() + "\n")
     if memory_verdict(step)[0] is False:
         stream.write("\n" + explain_oom(trainer, step, report, opt, width) + "\n")
     if plot:

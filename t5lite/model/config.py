@@ -58,6 +58,11 @@ class T5Config:
     """Embed via one-hot matmul (vocab-parallel lookup when the table is vocab-sharded)."""
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
+    pipeline_microbatches: int = 0
+    """Microbatches per step when the rules split `layers` into pipeline stages (0: as many as
+    stages); more shrink the bubble `(p - 1) / (m + p - 1)`; divides the batch."""
+    pipeline_schedule: str = "gpipe"
+    """The pipeline's schedule (model/pipeline.py): 'gpipe' (all forward, then all backward)."""
     tie_logits: bool | None = None
     """Logits via the input embedding; None: the variant's choice (tied for 't5.1.0', a separate
     `logits_dense` for 't5.1.1'). transformers 5.x saves T5.1.1 with a tied head."""
@@ -142,6 +147,7 @@ class T5Config:
             # NOTE: HF scales only in front of its tied head; an untied scaled head is not T5.
             raise ValueError("T5Config: scale_logits=True needs tied logits (tie_logits=True)")
         _check_remat(self.remat_policy)
+        _check_pipeline(self)
         _check_attention(self, relative_bias=True)
         _check_moe(self, max(self.num_encoder_layers, self.num_decoder_layers))
 
@@ -189,6 +195,11 @@ class DecoderOnlyConfig:
     one_hot_embedding: bool = False
     scan_layers: bool = False
     remat_policy: RematPolicy = "none"
+    pipeline_microbatches: int = 0
+    """Microbatches per step when the rules split `layers` into pipeline stages (0: as many as
+    stages); more shrink the bubble `(p - 1) / (m + p - 1)`; divides the batch."""
+    pipeline_schedule: str = "gpipe"
+    """The pipeline's schedule (model/pipeline.py): 'gpipe' (all forward, then all backward)."""
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""
@@ -250,6 +261,7 @@ class DecoderOnlyConfig:
                 f"rope_low_freq_factor ({self.rope_low_freq_factor})"
             )
         _check_remat(self.remat_policy)
+        _check_pipeline(self)
         _check_attention(self, relative_bias=self.position_embedding == "relative")
         _check_moe(self, self.num_layers)
 
@@ -263,6 +275,24 @@ class DecoderOnlyConfig:
 
 
 AnyConfig = T5Config | DecoderOnlyConfig
+
+
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe",)
+"""What `pipeline_schedule` accepts (see model/pipeline.py)."""
+
+
+def _check_pipeline(cfg: AnyConfig) -> None:
+    name = type(cfg).__name__
+    if cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"{name}.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
+            f"{cfg.pipeline_schedule!r}"
+        )
+    if cfg.pipeline_microbatches < 0:
+        raise ValueError(
+            f"{name}.pipeline_microbatches must be >= 0 (0: one per stage), got "
+            f"{cfg.pipeline_microbatches}"
+        )
 
 
 def _check_remat(policy: str) -> None:

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import constraints
-from t5lite.model import layers, moe, positions
+from t5lite import collectives, constraints
+from t5lite.model import layers, moe, pipeline, positions
 from t5lite.model.attention import Mask
 
 # The configs are importable from here too: gin names them `network.T5Config` etc.
@@ -178,14 +178,24 @@ _REMAT_POLICIES = {
 
 
 def _layer_stack(
+    parent: nn.Module,
     layer_cls: type[nn.Module],
     num_layers: int,
     x_BLD: Array,
     *args: Any,
     **layer_kwargs: Any,
 ) -> Array:
-    """Applies `num_layers` layers, scanned over a 'layers' axis and/or rematerialized."""
+    """Applies `num_layers` layers, scanned over a 'layers' axis and/or rematerialized, or as
+    pipeline stages when the rules split `layers` over a mesh axis (model/pipeline.py)."""
     cfg = layer_kwargs["config"]
+    choice = pipeline.select_stack(cfg, parent.name, num_layers)
+    if choice.strategy == collectives.Strategy.PIPELINE and not (
+        parent.is_initializing() or layer_kwargs.get("decode")
+    ):
+        policy = _REMAT_POLICIES.get(cfg.remat_policy)
+        return pipeline.apply_stack(
+            parent, layer_cls, choice.plan, x_BLD, args, layer_kwargs, policy
+        )
     if cfg.remat_policy != "none":
         layer_cls = nn.remat(
             layer_cls,
@@ -256,6 +266,7 @@ class Encoder(nn.Module):
         length = tokens_BL.shape[1]
         bias_1HLL = _relpos_bias(cfg, True, length, length)
         x_BLD = _layer_stack(
+            self,
             EncoderLayer,
             cfg.num_encoder_layers,
             x_BLD,
@@ -331,6 +342,7 @@ class Decoder(nn.Module):
         if cfg.use_rope and positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(length), tokens_BL.shape)
         x_BLD = _layer_stack(
+            self,
             DecoderLayer,
             self.num_layers,
             x_BLD,

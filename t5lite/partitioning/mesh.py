@@ -1,4 +1,5 @@
-"""Device meshes: `('data', 'model')`, hybrid `('replica', 'data', 'model')` and TPU submeshes.
+"""Device meshes: `('data', 'model')`, hybrid `('replica', 'data', 'model')` and TPU submeshes,
+each with a leading `stage` axis for pipeline parallelism when `num_stages > 1`.
 
 The mesh axis names live here and in the rules tables only; model code never sees them.
 """
@@ -14,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 DATA, MODEL, REPLICA = "data", "model", "replica"
+STAGE = "stage"  # pipeline stages (t5lite/model/pipeline.py): the scanned `layers` split
 
 
 class PartitioningError(ValueError):
@@ -27,6 +29,7 @@ def create_mesh(
     ici_mesh_shape: Sequence[int] | None = None,
     dcn_mesh_shape: Sequence[int] | None = None,
     devices: Sequence[Any] | None = None,
+    num_stages: int = 1,
 ) -> Mesh:
     """Builds the device mesh with axes `('data', 'model')`, or `('replica', 'data', 'model')`.
 
@@ -41,10 +44,24 @@ def create_mesh(
         `dcn_mesh_shape` (same length) the mesh is hybrid: axis i has `dcn[i] * ici[i]` devices,
         the slow DCN links outermost.
 
+      num_stages: pipeline stages; above 1 a `stage` axis of that size leads the mesh and the
+        axes above are built, as described, from each stage's `1/num_stages` of the devices
+        (consecutive device blocks, so on a multi-slice or multi-host machine whole slices or
+        hosts form a stage and only stage-to-stage activations cross the slow links).
+
     Unlike t5x, `num_partitions` is honoured on CPU too, so fake-device tests see real meshes.
     Device order is topology-aware (`mesh_utils`) on TPU and GPU.
     """
     devices = list(jax.devices() if devices is None else devices)
+    if num_stages != 1:
+        return _staged_mesh(
+            num_stages,
+            devices,
+            num_partitions=num_partitions,
+            model_parallel_submesh=model_parallel_submesh,
+            ici_mesh_shape=ici_mesh_shape,
+            dcn_mesh_shape=dcn_mesh_shape,
+        )
     given = [
         n
         for n, v in (
@@ -100,6 +117,22 @@ def create_mesh(
         )
     shape = (len(devices) // num_partitions, num_partitions)
     return Mesh(_device_array(shape, devices), (DATA, MODEL))
+
+
+def _staged_mesh(num_stages: int, devices: list[Any], **shapes: Any) -> Mesh:
+    """`('stage', *axes)`: each stage's block of devices is the mesh `create_mesh` would build."""
+    if num_stages < 1 or len(devices) % num_stages:
+        raise PartitioningError(
+            f"create_mesh: num_stages={num_stages} does not divide the {len(devices)} devices "
+            "present"
+        )
+    per_stage = len(devices) // num_stages
+    inner = [
+        create_mesh(devices=devices[i * per_stage : (i + 1) * per_stage], **shapes)
+        for i in range(num_stages)
+    ]
+    arr = np.stack([m.devices for m in inner])
+    return Mesh(arr, (STAGE, *inner[0].axis_names))
 
 
 def _check_model_sizes_agree(

@@ -28,7 +28,13 @@ from t5lite.partitioning.explicit import (
     explain_untypable,
     mesh_for_mode,
 )
-from t5lite.partitioning.mesh import PartitioningError, check_mesh_size, create_mesh, mesh_str
+from t5lite.partitioning.mesh import (
+    STAGE,
+    PartitioningError,
+    check_mesh_size,
+    create_mesh,
+    mesh_str,
+)
 from t5lite.partitioning.rules import (
     ExplicitSpec,
     LogicalRules,
@@ -99,6 +105,7 @@ class Partitioner:
         strict: bool = False,
         shard_if_divisible: Sequence[str] = ("kv_heads",),
         shard_mode: str = "auto",
+        num_stages: int = 1,
     ):
         """Builds the partitioner.
 
@@ -112,6 +119,8 @@ class Partitioner:
           shard_mode: `'auto'` or `'explicit'` (see the class docstring). A given mesh's axis
             types must match it (a mesh from `jax.make_mesh` is Explicit unless told
             otherwise), except that an all-Auto mesh is made Explicit for `'explicit'`.
+          num_stages: pipeline stages: a leading `stage` axis of this size (see `create_mesh`);
+            `pipeline_rules` split the scanned `layers` over it.
         """
         if mesh is None:
             mesh = create_mesh(
@@ -119,6 +128,7 @@ class Partitioner:
                 model_parallel_submesh=model_parallel_submesh,
                 ici_mesh_shape=ici_mesh_shape,
                 dcn_mesh_shape=dcn_mesh_shape,
+                num_stages=num_stages,
             )
         check_mesh_size(tuple(mesh.devices.shape), tuple(mesh.axis_names), mesh.devices.size)
         self.mesh = mesh_for_mode(mesh, shard_mode)
@@ -134,6 +144,16 @@ class Partitioner:
                         f"rule ({name!r}, {axis!r}) names mesh axis {t!r}, which mesh "
                         f"{mesh_str(mesh)} does not have"
                     )
+        stages = mesh.shape.get(STAGE, 1)
+        if stages > 1 and not any(STAGE in mesh_axes_of(a) for _, a in self.rules):
+            raise PartitioningError(
+                f"mesh {mesh_str(mesh)} has a '{STAGE}' axis that no rule names, so its {stages} "
+                "stages would hold copies: use Partitioner.logical_axis_rules = @pipeline_rules()"
+            )
+        if stages > 1 and shard_mode != "auto":
+            raise PartitioningError(
+                f"Partitioner.num_stages={stages}: pipeline stages need shard_mode='auto'"
+            )
         self.strict = strict
         self.shard_if_divisible = tuple(shard_if_divisible)
         self._layout = None

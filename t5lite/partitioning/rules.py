@@ -23,7 +23,7 @@ import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, PartitionSpec
 
-from t5lite.partitioning.mesh import DATA, MODEL, PartitioningError, mesh_str
+from t5lite.partitioning.mesh import DATA, MODEL, STAGE, PartitioningError, mesh_str
 
 MeshAxis = str | tuple[str, ...] | None
 LogicalRules = Sequence[tuple[str, MeshAxis]]
@@ -256,6 +256,24 @@ def _preset_table(
     if name in _TABLE_EDITS:
         rules = _TABLE_EDITS[name](rules)
     return tuple(rules + list(additional_rules or ()))
+
+
+def pipeline_rules(
+    base: str = "megatron", additional_rules: LogicalRules | None = None, data_axis: MeshAxis = DATA
+) -> tuple[tuple[str, MeshAxis], ...]:
+    """A preset's table with the scanned `layers` split over the `stage` mesh axis: pipeline
+    parallelism (t5lite/model/pipeline.py; `Partitioner.num_stages` adds the axis).
+
+    Each stage holds `1/stages` of the layers and of their optimizer state; nothing else names
+    `stage`, so every other dimension is laid out by `base` on the other axes (data parallel,
+    Megatron, FSDP, multi-slice's `('replica', 'data')` batch).
+
+    Args:
+      base: a key of `PRESETS`.
+      additional_rules, data_axis: as for `preset_rules`.
+    """
+    rules = preset_rules(base, additional_rules, data_axis)
+    return tuple((n, STAGE if n == "layers" else a) for n, a in rules)
 
 
 @dataclasses.dataclass(frozen=True)

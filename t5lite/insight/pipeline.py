@@ -1,0 +1,136 @@
+"""A pipelined train step's schedule figures: the bubble, the stage-to-stage permutes and the
+activations in flight, analytic beside what the compiled HLO implies (model/pipeline.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from t5lite.insight.hlo import collective_ops
+from t5lite.insight.sharding import format_bytes
+from t5lite.model.config import T5Config
+from t5lite.partitioning import resolve_logical_axes
+from t5lite.partitioning.rules import mesh_axes_of
+from t5lite.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One pipelined layer stack: its name, the positions of its activations."""
+
+    name: str
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineFigures:
+    """GPipe's figures for one train step (per device; both passes)."""
+
+    stage_axes: tuple[str, ...]
+    stages: int  # p
+    microbatches: int  # m
+    schedule: str
+    stacks: tuple[Stack, ...]
+    permute_bytes: tuple[int, ...]  # one stage-to-stage transfer of each stack, per device
+    in_flight_bytes: int  # stack inputs a stage keeps for its backward pass, all stacks
+    compiled_ticks: int | None = None  # the schedule loop's trip count in the compiled step
+    compiled_permutes: int | None = None  # collective-permutes in the schedule loops
+    compiled_permute_bytes: int | None = None  # their bytes, per device
+
+    @property
+    def ticks(self) -> int:
+        """Clock ticks of one pass: `m + p - 1`."""
+        return self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Each stage's idle share: `(p - 1) / (m + p - 1)`."""
+        return (self.stages - 1) / self.ticks
+
+    @property
+    def compiled_bubble(self) -> float | None:
+        """The idle share the compiled loop implies: its ticks less the `m` that do work."""
+        t = self.compiled_ticks
+        return None if not t else (t - self.microbatches) / t
+
+    @property
+    def permutes(self) -> int:
+        """Stage-to-stage collective-permutes per step: one per tick, forward and backward."""
+        return 2 * self.ticks * len(self.stacks)
+
+    @property
+    def permute_bytes_total(self) -> int:
+        return 2 * self.ticks * sum(self.permute_bytes)
+
+    def format(self) -> str:
+        axes = "x".join(self.stage_axes)
+        lines = [
+            f"pipeline ({self.schedule}): {self.stages} stages over {axes}, {self.microbatches} "
+            f"microbatches, {self.ticks} ticks a pass",
+            f"  bubble: analytic (p-1)/(m+p-1) = {self.bubble:.1%}"
+            + (
+                f"; compiled schedule ({self.compiled_ticks} ticks) {self.compiled_bubble:.1%}"
+                if self.compiled_ticks
+                else ""
+            ),
+            f"  stage-to-stage permutes per step: analytic {self.permutes} x "
+            f"{'/'.join(format_bytes(b) for b in self.permute_bytes)} = "
+            f"{format_bytes(self.permute_bytes_total)}"
+            + (
+                f"; compiled {self.compiled_permutes} = {format_bytes(self.compiled_permute_bytes)}"
+                if self.compiled_permutes is not None
+                else ""
+            ),
+            f"  activations in flight per device: {self.ticks} stack inputs per stack "
+            f"({self.microbatches} microbatches + the bubble) = "
+            f"{format_bytes(self.in_flight_bytes)} before each layer's saved residuals",
+        ]
+        return "\n".join(lines)
+
+
+def _stacks(trainer: Trainer) -> tuple[Stack, ...]:
+    cfg = trainer.model.network_config
+    lengths = trainer.lengths
+    if isinstance(cfg, T5Config):
+        return (Stack("encoder", lengths["inputs"]), Stack("decoder", lengths["targets"]))
+    return (Stack("decoder", sum(lengths.values())),)
+
+
+def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineFigures | None:
+    """The schedule's figures for `trainer` (None when its rules do not split `layers` over
+    devices), with the compiled step's loop and permutes when `hlo_text` is given."""
+    part = trainer.partitioner
+    cfg = getattr(trainer.model, "network_config", None)
+    if cfg is None or not getattr(cfg, "scan_layers", False):
+        return None
+    spec, _ = resolve_logical_axes(("layers",), part.rules, mesh=part.mesh)
+    axes = mesh_axes_of(spec[0]) if len(spec) else ()
+    stages = math.prod(part.mesh.shape[a] for a in axes)
+    if stages <= 1:
+        return None
+    m = cfg.pipeline_microbatches or stages
+    rows = trainer.batch_size // m // part.data_parallel_size
+    itemsize = np.dtype(cfg.policy.compute).itemsize
+    stacks = _stacks(trainer)
+    sizes = tuple(rows * s.length * cfg.emb_dim * itemsize for s in stacks)
+    ticks = m + stages - 1
+    figures = PipelineFigures(
+        tuple(axes), stages, m, cfg.pipeline_schedule, stacks, sizes, ticks * sum(sizes)
+    )
+    if hlo_text is None:
+        return figures
+    loops = [
+        op
+        for op in collective_ops(hlo_text, part.mesh)
+        if op.collective.kind == "collective-permute"
+        and op.collective.axes == tuple(axes)
+        and op.runs > 1
+    ]
+    return dataclasses.replace(
+        figures,
+        compiled_ticks=max((op.runs for op in loops), default=0),
+        compiled_permutes=sum(op.runs for op in loops),
+        compiled_permute_bytes=sum(op.runs * op.collective.bytes for op in loops),
+    )

@@ -1,0 +1,255 @@
+"""Pipeline parallelism (model/pipeline.py): a pipelined step equals the unpipelined one, the
+stage-to-stage permutes match the analytic schedule, and bad input is refused in one line."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from conftest import require_devices
+
+from t5lite import collectives, partitioning
+from t5lite.insight import pipeline as insight_pipeline
+from t5lite.model import network, optimizers, pipeline
+from t5lite.model.models import DecoderOnlyModel
+from t5lite.trainer import Trainer, summarize
+
+LM = dict(
+    vocab_size=32, emb_dim=16, num_heads=2, num_layers=4, head_dim=8, mlp_dim=32, scan_layers=True
+)
+LENGTHS = {"targets": 8}
+BATCH = 16
+
+
+def _batch(seed: int = 0) -> dict:
+    """A packed LM batch: two segments per row, the last positions padding."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 32, (BATCH, 8)).astype(np.int32)
+    segments = np.repeat(np.array([[1, 1, 1, 2, 2, 2, 0, 0]], np.int32), BATCH, 0)
+    positions = np.array([[0, 1, 2, 0, 1, 2, 0, 0]], np.int32).repeat(BATCH, 0)
+    targets = np.where(segments > 0, tokens, 0)
+    inputs = np.where(positions > 0, np.roll(targets, 1, 1), 0)
+    return {
+        "decoder_input_tokens": inputs,
+        "decoder_target_tokens": targets,
+        "decoder_loss_weights": (segments > 0).astype(np.float32),
+        "decoder_segment_ids": segments,
+        "decoder_positions": positions,
+    }
+
+
+@functools.cache
+def _rules(base: str, stages: int):
+    """`base`'s table, with `layers` -> stage when there are stages."""
+    return partitioning.pipeline_rules(base) if stages > 1 else partitioning.preset_rules(base)
+
+
+@functools.cache
+def _trainer(base: str, stages: int, num_partitions: int, microbatches: int = 4) -> Trainer:
+    require_devices(8)
+    cfg = network.DecoderOnlyConfig(**LM, pipeline_microbatches=microbatches)
+    part = partitioning.Partitioner(
+        num_partitions=num_partitions, num_stages=stages, logical_axis_rules=_rules(base, stages)
+    )
+    model = DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    return Trainer(model, part, batch_size=BATCH, lengths=LENGTHS)
+
+
+def _run(tr: Trainer, steps: int = 3):
+    state = tr.init_state()
+    batch = tr.global_batch(_batch())
+    with tr.partitioner.context():
+        grads, _ = jax.jit(tr._grads)(state.params, batch, jax.random.PRNGKey(0))
+    losses = []
+    for _ in range(steps):
+        state, metrics = tr.train_step(state, batch)
+        losses.append(summarize(metrics)["loss"])
+    return losses, grads, state
+
+
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_gpipe_equals_unpipelined(base, stages, num_partitions):
+    """stage=2 x data=2 x model=2 (Megatron) and stage=4 x data=2 (FSDP): three Adam steps give
+    the unpipelined losses and parameters, and the first step's gradients, to fp32 rounding."""
+    pp = _trainer(base, stages, num_partitions)
+    ref = _trainer(base, 1, num_partitions)
+    assert pp.partitioner.mesh.shape["stage"] == stages
+    losses, grads, state = _run(pp)
+    ref_losses, ref_grads, ref_state = _run(ref)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-6)
+    for p, r in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(ref_state.params)
+    ):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
+    # Each stage holds its layers (and their Adam moments): `layers` -> stage.
+    wi = state.params["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    assert wi.sharding.spec[0] == "stage"
+    assert wi.addressable_shards[0].data.shape[0] == LM["num_layers"] // stages
+
+
+def test_stack_strategy_is_pipeline():
+    tr = _trainer("megatron", 2, 2)
+    with tr.partitioner.context():
+        choice = pipeline.select(4, "DecoderOnlyConfig.num_layers")
+        assert pipeline.split_size("batch") == 2 and pipeline.stage_axes() == ("stage",)
+    assert choice == collectives.Choice(
+        collectives.Strategy.PIPELINE, pipeline.PipelinePlan(("stage",), 2)
+    )
+    fsdp = partitioning.preset_rules("fsdp")
+    want = tuple((n, "stage" if n == "layers" else a) for n, a in fsdp)
+    assert partitioning.pipeline_rules("fsdp") == want and ("layers", None) in fsdp
+
+
+def _lower(base: str = "megatron", stages: int = 2, rules=None, **overrides) -> None:
+    """Builds a trainer and traces (never compiles) its train step."""
+    require_devices(8)
+    cfg = network.DecoderOnlyConfig(**{**LM, **overrides})
+    part = partitioning.Partitioner(
+        num_partitions=1, num_stages=stages, logical_axis_rules=rules or _rules(base, stages)
+    )
+    model = DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    tr = Trainer(model, part, batch_size=BATCH, lengths=LENGTHS)
+    tr.train_step.lower(tr.abstract_state(), tr.batch_abstract)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, text",
+    [
+        (
+            dict(num_layers=3),
+            partitioning.PartitioningError,
+            "parameter 'params/decoder/layers/mlp/wi_0/kernel', shape (3, 16, 32), logical axes "
+            "('layers', 'embed', 'mlp'), mesh {stage: 2, data: 4, model: 1}: dimension 0 of size "
+            "3 is not divisible by mesh axes 'stage' of size 2",
+        ),
+        (
+            dict(scan_layers=False),
+            ValueError,
+            "DecoderOnlyConfig.scan_layers=False, but the rules split 'layers' over mesh axes "
+            "('stage',) (pipeline stages): set scan_layers=True",
+        ),
+        (
+            dict(pipeline_microbatches=3),
+            ValueError,
+            "DecoderOnlyConfig.pipeline_microbatches=3: a batch of 16 rows does not cut into 3 "
+            "microbatches that divide over the 4 devices splitting the batch (needs a multiple "
+            "of 12 rows)",
+        ),
+        (
+            dict(pipeline_schedule="interleaved"),
+            ValueError,
+            "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe',), got 'interleaved'",
+        ),
+        (
+            dict(rules=partitioning.preset_rules("fsdp")),
+            partitioning.PartitioningError,
+            "mesh {stage: 2, data: 4, model: 1} has a 'stage' axis that no rule names, so its 2 "
+            "stages would hold copies: use Partitioner.logical_axis_rules = @pipeline_rules()",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(overrides, error, text):
+    with pytest.raises(error) as e:
+        _lower(**overrides)
+    assert str(e.value) == text
+
+
+def test_explicit_axes_refuse_stages():
+    require_devices(8)
+    with pytest.raises(partitioning.PartitioningError) as e:
+        partitioning.Partitioner(
+            num_stages=2, shard_mode="explicit", logical_axis_rules=_rules("megatron", 2)
+        )
+    assert str(e.value) == "Partitioner.num_stages=2: pipeline stages need shard_mode='auto'"
+
+
+def test_checkpoints_restore_across_pipelined_and_unpipelined_meshes(tmp_path):
+    """The on-disk layout is the scanned tree whatever the mesh: a state saved with stages
+    restores bit for bit without them (and back), laid out by the restoring trainer."""
+    from t5lite.checkpoint import CheckpointManager
+
+    pp, ref = _trainer("megatron", 2, 2), _trainer("megatron", 1, 2)
+    state, _ = pp.train_step(pp.init_state(), pp.global_batch(_batch()))
+    saved = jax.tree_util.tree_map(np.asarray, state)
+    with CheckpointManager(tmp_path / "a", async_save=False) as mgr:
+        mgr.save(1, state)
+        restored, _ = mgr.restore(ref.abstract_state())
+    for r, s, want in zip(
+        jax.tree_util.tree_leaves(restored),
+        jax.tree_util.tree_leaves(saved),
+        jax.tree_util.tree_leaves(ref.state_shardings),
+    ):
+        np.testing.assert_array_equal(np.asarray(r), s)
+        assert r.sharding == want
+    state, _ = ref.train_step(restored, ref.global_batch(_batch(1)))
+    saved = jax.tree_util.tree_map(np.asarray, state)
+    with CheckpointManager(tmp_path / "b", async_save=False) as mgr:
+        mgr.save(2, state)
+        back, _ = mgr.restore(pp.abstract_state())
+    for r, s in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(r), s)
+    assert back.params["decoder"]["layers"]["mlp"]["wo"]["kernel"].sharding.spec[0] == "stage"
+
+
+def test_compiled_permutes_and_bubble_equal_the_analytic_schedule():
+    """stage=2, m=4: 5 ticks a pass, one collective-permute of a microbatch's activations per
+    tick each way (16 rows / 4 microbatches / data=2 = 2 rows x 8 positions x 16 x 4 bytes)."""
+    tr = _trainer("megatron", 2, 2)
+    with tr.partitioner.context():
+        hlo = tr.train_step.lower(tr.abstract_state(), tr.batch_abstract).compile().as_text()
+    f = insight_pipeline.pipeline_figures(tr, hlo)
+    assert (f.stages, f.microbatches, f.ticks) == (2, 4, 5)
+    assert f.bubble == pytest.approx(1 / 5)
+    assert f.permute_bytes == (2 * 8 * 16 * 4,)
+    assert (f.compiled_ticks, f.compiled_bubble) == (5, pytest.approx(1 / 5))
+    assert f.compiled_permutes == f.permutes == 10
+    assert f.compiled_permute_bytes == f.permute_bytes_total == 10 * 1024
+    assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in f.format()
+
+
+def test_t5_encoder_and_decoder_are_each_pipelined():
+    """T5's two stacks each run as a pipeline over the same stages (the decoder's microbatches
+    read their rows of the encoder's output): two steps equal the unpipelined ones."""
+    from conftest import reverse_batch
+
+    from t5lite.model.models import EncoderDecoderModel
+
+    cfg = network.T5Config(
+        vocab_size=32,
+        emb_dim=16,
+        num_heads=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        head_dim=8,
+        mlp_dim=32,
+        scan_layers=True,
+        pipeline_microbatches=4,
+    )
+    runs = []
+    for stages in (1, 2):
+        part = partitioning.Partitioner(
+            num_partitions=2, num_stages=stages, logical_axis_rules=_rules("megatron", stages)
+        )
+        model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
+        tr = Trainer(model, part, batch_size=BATCH, lengths={"inputs": 8, "targets": 8})
+        state, losses = tr.init_state(), []
+        for _ in range(2):
+            state, metrics = tr.train_step(state, tr.global_batch(reverse_batch(BATCH)))
+            losses.append(summarize(metrics)["loss"])
+        runs.append((losses, jax.tree_util.tree_leaves(state.params)))
+    (ref_losses, ref_params), (losses, params) = runs
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for p, r in zip(params, ref_params):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
+
+
+def test_docs_pipeline_inspect():
+    """docs/pipeline.md's inspect command as written: gin alone shows the bubble and the
+    permutes, analytic beside compiled."""
+    from readme_blocks import block, run
+
+    out = run(block("docs/pipeline.md", "pipeline-inspect"), timeout=600)
+    assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in out.stdout
+    assert "stage-to-stage permutes per step: analytic 10 x" in out.stdout
