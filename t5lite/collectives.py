@@ -22,6 +22,8 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
   all-gathered where it is used (and again in the backward pass); backward: its gradient
   reduce-scattered. Row-parallel kernels add Megatron's all-reduce (or reduce-scatter) over
   `model`.
+- `summa_2d`, `tensor_3d` (meshes and rules of `partitioning.tensor_mesh`): Optimus's 2D and
+  Colossal-AI's 3D tensor parallelism, written in `t5lite.tensor_nd` (collectives there).
 - `partitioner` (`data_parallel`, `megatron`, `activations_2d`, a split that does not divide):
   any other layout on a mesh. GSPMD lays out the plain contraction from its operands'
   shardings: Megatron's all-reduce after a row-parallel contraction, the gradients' all-reduce
@@ -59,7 +61,7 @@ import jax
 from flax.linen import spmd
 from jax.sharding import PartitionSpec
 
-from t5lite import constraints
+from t5lite import constraints, tensor_nd
 
 Array = jax.Array
 Axes = Sequence[str | None]
@@ -79,6 +81,8 @@ class Strategy(enum.StrEnum):
     ZERO3 = "zero3"
     CONTEXT_PARALLEL = "context_parallel"
     PER_SHARD = "per_shard"
+    SUMMA_2D = tensor_nd.SUMMA_2D
+    TENSOR_3D = tensor_nd.TENSOR_3D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +210,8 @@ def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract:
     if x_axes is None or _resolve(x_axes) is None:
         return Choice(Strategy.PARTITIONER)
     plans = (
+        (Strategy.TENSOR_3D, tensor_nd.cube_plan),
+        (Strategy.SUMMA_2D, tensor_nd.summa_plan),
         (Strategy.SEQUENCE_PARALLEL_GATHER, _gather_plan),
         (Strategy.SEQUENCE_PARALLEL_SCATTER, _scatter_plan),
         (Strategy.ZERO3, _zero3_plan),
@@ -238,6 +244,8 @@ def contract(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int = 
             return sequence_parallel_scatter(x, ks, n_contract, choice.plan)
         case Strategy.ZERO3:
             return zero3(x, ks, n_contract, choice.plan)
+        case Strategy.SUMMA_2D | Strategy.TENSOR_3D:
+            return tensor_nd.contract(x, ks, n_contract, choice.plan)
         case _:  # plain, explicit, partitioner: constraints.dense is each of them
             return [_dot(x, k, n_contract) for k in ks]
 

@@ -38,6 +38,8 @@ standard_logical_axis_rules = _register(partitioning.standard_logical_axis_rules
 data_parallel_logical_axis_rules = _register(partitioning.data_parallel_logical_axis_rules)
 preset_rules = _register(partitioning.preset_rules)
 create_mesh = _register(partitioning.create_mesh)
+tensor_mesh = _register(partitioning.tensor_mesh)
+tensor_nd_rules = _register(partitioning.tensor_nd_rules)
 Partitioner = _register(partitioning.Partitioner)
 
 # --- network configs ---------------------------------------------------
