@@ -11,9 +11,11 @@ that way whose input arrives split over col (q, k, v, wi, logits: SUMMA's C = A 
 the input over col and the kernel over row, then multiplies locally; one stored the other way
 round (`wo`, `out`: [mlp -> col, embed -> row], SUMMA's C = A B^T, which one rule per name
 cannot avoid since `embed` and `mlp` swap places) all-gathers the kernel over row and
-reduce-scatters the partial products over col. The body is rematerialised, as SUMMA keeps no
-gathered block: forward 2 collectives, backward 4 (C = A B) or 3 (C = A B^T: the output
-gradient's all-gather serves both of its matmuls).
+reduce-scatters the partial products over col. NOTE: SUMMA broadcasts its blocks again in the
+backward pass (6 collectives per layer); here the gathered blocks are kept for it, as 3D keeps
+them, so the backward runs 2 (the transposes: reduce-scatters of the input's and kernel's
+gradients, or for C = A B^T an all-gather of the output's gradient and a reduce-scatter of the
+kernel's): 4 per layer, 2 (q-1)/q^2 of the two gathered operands' elements instead of 3.
 
 `tensor_3d` (Bian et al. 2021, arXiv:2105.14450) on a q x q x q mesh (`tensor_i`, `tensor_j`,
 `tensor_l`): processor (i, j, l) holds a 1/q^3 block of the input and of the kernel. The input's
@@ -230,10 +232,6 @@ def contract(x: Array, kernels: Sequence[Array], n: int, plan: TensorPlan) -> li
             outs.append(y)
         return outs
 
-    # SUMMA keeps no gathered block for the backward pass (it broadcasts them again);
-    # Colossal-AI's 3D saves the gathered input and weight.
-    if plan.scheme == SUMMA_2D:
-        body = jax.checkpoint(body)
     in_specs = (_spec(plan.x_dims), *(_spec(kp.dims) for kp in plan.kernels))
     out_specs = [_spec(kp.out_dims) for kp in plan.kernels]
     mesh = jax.sharding.get_abstract_mesh()

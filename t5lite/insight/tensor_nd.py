@@ -1,0 +1,133 @@
+"""2D (SUMMA) and 3D tensor parallelism per dense layer: what the layout compiles to, beside
+the papers' terms and 1D Megatron's.
+
+`layer_collectives` compiles one dense layer's forward and backward (`jax.vjp` of the
+contraction, under a partitioner's mesh and rules) and reads the collectives from the HLO.
+`paper_terms` gives the papers' per-layer collectives, bytes each device sends (ring
+algorithms), and the fractions of parameters and activations each device holds:
+
+- 1D Megatron (P devices): one all-reduce of the layer's [T, N] activation forward and one
+  backward per pair of column/row-parallel layers, so one per layer: 2 (P-1)/P T N sent;
+  parameters 1/P, activations whole.
+- 2D Optimus (q x q, Xu et al. 2021): SUMMA's three matmuls each move two operand blocks:
+  6 collectives, 3 (q-1)/q^2 (T N + N K) sent; parameters and activations 1/q^2.
+- 3D (q x q x q, Bian et al. 2021): forward all-gathers of X and A and a reduce-scatter of Y,
+  backward the mirror: 6 collectives, 2 (q-1)/q^3 (T N + N K + T K) sent; 1/q^3 each.
+
+With T = N = K = n these are the surveys' 2 (P-1)/P, 6 (q-1)/q and 6 (q-1)/q^3 (in n^2 and
+n^2/q units).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from t5lite.insight.communication import collective_rows
+from t5lite.insight.hlo import CollectiveRow, parse_collectives
+from t5lite.model.dense import DenseGeneral
+from t5lite.partitioning import Partitioner, resolve_logical_axes
+
+SCHEME_DIMS = {"megatron": 1, "summa_2d": 2, "tensor_3d": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperTerms:
+    """One dense layer [T, N] x [N, K], forward and backward, per device, as a paper counts."""
+
+    scheme: str
+    devices: int
+    collectives: int
+    link_bytes: float
+    param_fraction: float
+    activation_fraction: float
+
+
+def paper_terms(scheme: str, devices: int, t: int, n: int, k: int, itemsize: int) -> PaperTerms:
+    """The paper's terms for `scheme` ('megatron', 'summa_2d', 'tensor_3d') on `devices`."""
+    dims = SCHEME_DIMS[scheme]
+    q = round(devices ** (1 / dims))
+    if q**dims != devices:
+        raise ValueError(f"{scheme} needs a {'square' if dims == 2 else 'cube'} device count")
+    if dims == 1:
+        sent = 2 * (q - 1) / q * t * n
+        return PaperTerms(scheme, devices, 2, sent * itemsize, 1 / q, 1.0)
+    if dims == 2:
+        sent = 3 * (q - 1) / q**2 * (t * n + n * k)
+        return PaperTerms(scheme, devices, 6, sent * itemsize, 1 / q**2, 1 / q**2)
+    sent = 2 * (q - 1) / q**3 * (t * n + n * k + t * k)
+    return PaperTerms(scheme, devices, 6, sent * itemsize, 1 / q**3, 1 / q**3)
+
+
+def layer_collectives(
+    partitioner: Partitioner,
+    x_shape: Sequence[int],
+    x_axes: Sequence[str],
+    kernel_shape: Sequence[int],
+    kernel_axes: Sequence[str],
+    n_contract: int = 1,
+    dtype: jnp.dtype = jnp.float32,
+) -> list[CollectiveRow]:
+    """The collectives one dense layer's forward and backward compile to under `partitioner`:
+    `DenseGeneral` with `input_axes` contracting x's last `n_contract` dims, the output's
+    gradient given laid out as the rules say."""
+    n = n_contract
+    out_axes = tuple(x_axes[: len(x_axes) - n]) + tuple(kernel_axes[n:])
+    out_shape = tuple(x_shape[: len(x_shape) - n]) + tuple(kernel_shape[n:])
+    layer = DenseGeneral(
+        tuple(kernel_shape[n:]),
+        tuple(kernel_axes),
+        axis=tuple(range(-n, 0)),
+        input_axes=tuple(x_axes),
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+
+    def sharding(axes, shape):
+        spec, _ = resolve_logical_axes(axes, partitioner.rules, shape=shape, mesh=partitioner.mesh)
+        return NamedSharding(partitioner.mesh, spec)
+
+    def step(x, k, dy):
+        y, vjp = jax.vjp(lambda x, k: layer.apply({"params": {"kernel": k}}, x), x, k)
+        return (y, *vjp(dy))
+
+    shapes = [(x_shape, x_axes), (kernel_shape, kernel_axes), (out_shape, out_axes)]
+    args = [jax.ShapeDtypeStruct(tuple(s), dtype, sharding=sharding(a, s)) for s, a in shapes]
+    with partitioner.context():
+        hlo = jax.jit(step).lower(*args).compile().as_text()
+    return collective_rows(parse_collectives(hlo, partitioner.mesh))
+
+
+def tensor_group(mesh_shape: dict[str, int]) -> int:
+    """Devices of the tensor axes (all but `data`)."""
+    return math.prod(s for a, s in mesh_shape.items() if a != "data")
+
+
+def format_layer(
+    name: str, t: int, n: int, k: int, rows: Sequence[CollectiveRow], scheme: str, devices: int,
+    itemsize: int,
+) -> list[str]:
+    """Report lines: the compiled collectives of one layer, the paper's terms and Megatron's."""
+    count, sent = sum(r.count for r in rows), sum(r.link_bytes for r in rows)
+    paper = paper_terms(scheme, devices, t, n, k, itemsize)
+    mega = paper_terms("megatron", devices, t, n, k, itemsize)
+    lines = [f"    {name} [{t}, {n}] x [{n}, {k}], forward + backward, per device:"]
+    for r in rows:
+        lines.append(f"      {r.kind:<16}{r.axes_str:<26}{r.count:>4} x  {r.link_bytes:>12,.0f} B")
+    lines += [
+        f"      {'compiled':<42}{count:>4}    {sent:>12,.0f} B",
+        f"      {scheme + ' (paper)':<42}{paper.collectives:>4}    {paper.link_bytes:>12,.0f} B"
+        f"   ratio {sent / paper.link_bytes if paper.link_bytes else 0:.2f}",
+        f"      {'1D Megatron, same devices':<42}{mega.collectives:>4}    "
+        f"{mega.link_bytes:>12,.0f} B   {scheme}/1D {paper.link_bytes / mega.link_bytes:.2f}",
+        f"      memory per device: params 1/{1 / paper.param_fraction:.0f} "
+        f"(1D 1/{1 / mega.param_fraction:.0f}), activations 1/{1 / paper.activation_fraction:.0f}"
+        f" (1D 1/{1 / mega.activation_fraction:.0f})",
+    ]
+    return lines
+
