@@ -22,8 +22,7 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
   all-gathered where it is used (and again in the backward pass); backward: its gradient
   reduce-scattered. Row-parallel kernels add Megatron's all-reduce (or reduce-scatter) over
   `model`.
-- `summa_2d`, `tensor_3d` (meshes and rules of `partitioning.tensor_mesh`): Optimus's 2D and
-  Colossal-AI's 3D tensor parallelism, written in `t5lite.tensor_nd` (collectives there).
+- `summa_2d`, `tensor_3d`: Optimus's 2D and Colossal-AI's 3D tensor parallelism (`tensor_nd`).
 - `partitioner` (`data_parallel`, `megatron`, `activations_2d`, a split that does not divide):
   any other layout on a mesh. GSPMD lays out the plain contraction from its operands'
   shardings: Megatron's all-reduce after a row-parallel contraction, the gradients' all-reduce

@@ -160,8 +160,9 @@ def _plan(scheme: str, x: Array, x_axes: Axes, kernels, n: int) -> TensorPlan | 
             return None
         out_shape = x.shape[:lead] + kernel.shape[n:]
         _check_divides("a kernel's", k_axes, k_dims, kernel.shape, mesh_shape)
-        _check_divides("an activation's", tuple(x_axes[:lead]) + tuple(k_axes[n:]), want,
-                       out_shape, mesh_shape)
+        _check_divides(
+            "an activation's", tuple(x_axes[:lead]) + tuple(k_axes[n:]), want, out_shape, mesh_shape
+        )
         x_gather = gather
         k_plans.append(k_plan)
     _check_divides("an activation's", x_axes, x_dims, x.shape, mesh_shape)

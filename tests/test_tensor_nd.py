@@ -30,10 +30,18 @@ from t5lite.partitioning import (
 from t5lite.trainer import Trainer, summarize
 
 B, L, D, F, H = 8, 8, 16, 32, 4
-T5 = network.T5Config(vocab_size=32, emb_dim=D, num_heads=H, num_encoder_layers=1,
-                      num_decoder_layers=1, head_dim=4, mlp_dim=F)  # fmt: skip
-LM = network.DecoderOnlyConfig(vocab_size=32, emb_dim=D, num_heads=H, num_layers=2, head_dim=4,
-                               mlp_dim=F)  # fmt: skip
+T5 = network.T5Config(
+    vocab_size=32,
+    emb_dim=D,
+    num_heads=H,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    head_dim=4,
+    mlp_dim=F,
+)
+LM = network.DecoderOnlyConfig(
+    vocab_size=32, emb_dim=D, num_heads=H, num_layers=2, head_dim=4, mlp_dim=F
+)
 BLD, BLF = ("batch", "length", "embed"), ("batch", "length", "mlp")
 TENSOR_AXES = {"tensor_row", "tensor_col", "tensor_i", "tensor_j", "tensor_l"}
 
@@ -57,8 +65,10 @@ def _trainer(family: str, scheme: str, cfg=None) -> Trainer:
 def _losses(family: str, scheme: str, steps: int = 2) -> list[float]:
     tr = _trainer(family, scheme)
     tokens = np.random.default_rng(0).integers(2, 32, size=(B, L)).astype(np.int32)
-    batch = {"decoder_target_tokens": tokens[:, ::-1].copy(),
-             "decoder_input_tokens": np.pad(tokens[:, ::-1], ((0, 0), (1, 0)))[:, :-1]}  # fmt: skip
+    batch = {
+        "decoder_target_tokens": tokens[:, ::-1].copy(),
+        "decoder_input_tokens": np.pad(tokens[:, ::-1], ((0, 0), (1, 0)))[:, :-1],
+    }
     if family == "t5":
         batch["encoder_input_tokens"] = tokens
     batch, state = tr.global_batch(batch), tr.init_state()
@@ -116,9 +126,14 @@ def test_3d_layer_collectives_are_the_papers():
     )
     # The second layer of the block contracts over j and scatters over l's partner: the swap.
     rows = _tensor_rows("tensor_3d", (B, L, F), BLF, (F, D), ("mlp", "embed"))
-    assert set(rows) == {("all-gather", ("tensor_l",)), ("all-gather", ("tensor_i",)),
-                         ("reduce-scatter", ("tensor_j",)), ("reduce-scatter", ("tensor_l",)),
-                         ("all-gather", ("tensor_j",)), ("reduce-scatter", ("tensor_i",))}  # fmt: skip
+    assert set(rows) == {
+        ("all-gather", ("tensor_l",)),
+        ("all-gather", ("tensor_i",)),
+        ("reduce-scatter", ("tensor_j",)),
+        ("reduce-scatter", ("tensor_l",)),
+        ("all-gather", ("tensor_j",)),
+        ("reduce-scatter", ("tensor_i",)),
+    }
     assert sum(b for _, b in rows.values()) == paper.link_bytes
 
 
@@ -158,8 +173,14 @@ def test_parameter_memory_per_device_follows_q(scheme, q, dims):
     require_devices(8)
 
     def argument_bytes(scheme, width):
-        cfg = network.DecoderOnlyConfig(vocab_size=64, emb_dim=width, num_heads=H, num_layers=1,
-                                        head_dim=width // H, mlp_dim=4 * width)  # fmt: skip
+        cfg = network.DecoderOnlyConfig(
+            vocab_size=64,
+            emb_dim=width,
+            num_heads=H,
+            num_layers=1,
+            head_dim=width // H,
+            mlp_dim=4 * width,
+        )
         tr = _trainer("lm", scheme, cfg)
         tokens = np.ones((B, L), np.int32)
         batch = tr.global_batch({"decoder_target_tokens": tokens, "decoder_input_tokens": tokens})
@@ -172,15 +193,17 @@ def test_parameter_memory_per_device_follows_q(scheme, q, dims):
 
 def test_bad_meshes_and_sizes_are_one_line_each():
     require_devices(8)
-    with pytest.raises(PartitioningError, match=r"tensor_3d needs a cubic tensor mesh .*\(2, 2, 4\)"):
+    cubic = r"tensor_3d needs a cubic tensor mesh .*\(2, 2, 4\)"
+    with pytest.raises(PartitioningError, match=cubic):
         tensor_mesh("tensor_3d", tensor_shape=(2, 2, 4))
     with pytest.raises(PartitioningError, match=r"summa_2d needs a square tensor mesh"):
         tensor_mesh("summa_2d", tensor_shape=(2, 4))
     with pytest.raises(PartitioningError, match=r"q=3 needs 27 devices per tensor group"):
         tensor_mesh("tensor_3d", 3)
     # 6 heads do not split over (tensor_j, tensor_l) of size q^2 = 4.
-    cfg = network.DecoderOnlyConfig(vocab_size=32, emb_dim=24, num_heads=6, num_layers=1,
-                                    head_dim=4, mlp_dim=32)  # fmt: skip
+    cfg = network.DecoderOnlyConfig(
+        vocab_size=32, emb_dim=24, num_heads=6, num_layers=1, head_dim=4, mlp_dim=32
+    )
     msg = r"dimension 'heads' of size 6 is not divisible by mesh axes \('tensor_j', 'tensor_l'\)"
     with pytest.raises(ValueError, match=msg):
         tr = _trainer("lm", "tensor_3d", cfg)
@@ -191,11 +214,20 @@ def test_bad_meshes_and_sizes_are_one_line_each():
 
 def test_cli_bad_mesh_is_one_line(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "t5lite.cli.main", "train", "--host_device_count=8",
-         "--gin_file=configs/quickstart.gin", "--gin_file=configs/partitioning/tensor_3d.gin",
-         "--gin.tensor_mesh.tensor_shape=(2, 2, 2, 1)", f"--gin.MODEL_DIR='{tmp_path}'"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "t5lite.cli.main",
+            "train",
+            "--host_device_count=8",
+            "--gin_file=configs/quickstart.gin",
+            "--gin_file=configs/partitioning/tensor_3d.gin",
+            "--gin.tensor_mesh.tensor_shape=(2, 2, 2, 1)",
+            f"--gin.MODEL_DIR='{tmp_path}'",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].endswith("got tensor_shape=(2, 2, 2, 1)")
     assert "Traceback" not in out.stderr

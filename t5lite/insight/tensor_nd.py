@@ -32,6 +32,8 @@ from t5lite.insight.communication import collective_rows
 from t5lite.insight.hlo import CollectiveRow, parse_collectives
 from t5lite.model.dense import DenseGeneral
 from t5lite.partitioning import Partitioner, resolve_logical_axes
+from t5lite.partitioning.tensor_mesh import SCHEMES
+from t5lite.trainer import Trainer
 
 SCHEME_DIMS = {"megatron": 1, "summa_2d": 2, "tensor_3d": 3}
 
@@ -103,13 +105,14 @@ def layer_collectives(
     return collective_rows(parse_collectives(hlo, partitioner.mesh))
 
 
-def tensor_group(mesh_shape: dict[str, int]) -> int:
-    """Devices of the tensor axes (all but `data`)."""
-    return math.prod(s for a, s in mesh_shape.items() if a != "data")
-
-
 def format_layer(
-    name: str, t: int, n: int, k: int, rows: Sequence[CollectiveRow], scheme: str, devices: int,
+    name: str,
+    t: int,
+    n: int,
+    k: int,
+    rows: Sequence[CollectiveRow],
+    scheme: str,
+    devices: int,
     itemsize: int,
 ) -> list[str]:
     """Report lines: the compiled collectives of one layer, the paper's terms and Megatron's."""
@@ -131,3 +134,52 @@ def format_layer(
     ]
     return lines
 
+
+def scheme_of(mesh_shape: dict[str, int]) -> tuple[str, int] | None:
+    """('summa_2d' or 'tensor_3d', q) when the mesh has that scheme's tensor axes."""
+    for scheme, axes in SCHEMES.items():
+        if all(a in mesh_shape for a in axes):
+            return scheme, mesh_shape[axes[0]]
+    return None
+
+
+def tensor_nd_lines(trainer: Trainer) -> list[str]:
+    """Per dense layer of `trainer`'s model on a 2D/3D mesh: the collectives its forward and
+    backward compile to beside the paper's terms and 1D Megatron's ([] on other meshes)."""
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    found = scheme_of(dict(part.mesh.shape))
+    if found is None:
+        return []
+    scheme, q = found
+    dims = SCHEME_DIMS[scheme]
+    length = trainer.lengths.get("targets") or trainer.lengths["inputs"]
+    b, d, f = trainer.batch_size, cfg.emb_dim, cfg.mlp_dim
+    h, k = cfg.num_heads, cfg.head_dim
+    t = b * length // part.mesh.shape["data"]
+    layers = [
+        ("mlp wi", (b, length, d), ("batch", "length", "embed"), (d, f), ("embed", "mlp"), 1),
+        ("mlp wo", (b, length, f), ("batch", "length", "mlp"), (f, d), ("mlp", "embed"), 1),
+        (
+            "attention q",
+            (b, length, d),
+            ("batch", "length", "embed"),
+            (d, h, k),
+            ("embed", "heads", "kv"),
+            1,
+        ),
+        (
+            "attention out",
+            (b, length, h, k),
+            ("batch", "length", "heads", "kv"),
+            (h, k, d),
+            ("heads", "kv", "embed"),
+            2,
+        ),
+    ]
+    lines = [f"{scheme} tensor parallelism, q={q}, per dense layer (T = {t} tokens a replica):"]
+    for name, xs, xa, ks, ka, n in layers:
+        rows = layer_collectives(part, xs, xa, ks, ka, n)
+        rows = [r for r in rows if r.axes and set(r.axes) <= {a for x in SCHEMES.values() for a in x}]
+        n_in, n_out = math.prod(ks[:n]), math.prod(ks[n:])
+        lines += format_layer(name, t, n_in, n_out, rows, scheme, q**dims, 4)
+    return lines

@@ -129,4 +129,3 @@ def tensor_nd_rules(
         for name in features:
             rules += [(name, (TENSOR_J, TENSOR_L)), (name, TENSOR_J)]
     return tuple(rules + [(name, None) for name in _REPLICATED])
-
