@@ -229,5 +229,7 @@ def test_cli_bad_mesh_is_one_line(tmp_path):
         text=True,
     )
     assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1].endswith("got tensor_shape=(2, 2, 2, 1)")
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("t5lite train: error: tensor_mesh: tensor_3d needs a cubic tensor mesh")
+    assert "got tensor_shape=(2, 2, 2, 1)" in last
     assert "Traceback" not in out.stderr

@@ -6,8 +6,8 @@ contraction, under a partitioner's mesh and rules) and reads the collectives fro
 `paper_terms` gives the papers' per-layer collectives, bytes each device sends (ring
 algorithms), and the fractions of parameters and activations each device holds:
 
-- 1D Megatron (P devices): one all-reduce of the layer's [T, N] activation forward and one
-  backward per pair of column/row-parallel layers, so one per layer: 2 (P-1)/P T N sent;
+- 1D Megatron (P devices): one all-reduce of the residual stream forward and one backward per
+  pair of column/row-parallel layers, so one per layer: 2 (P-1)/P T min(N, K) sent;
   parameters 1/P, activations whole.
 - 2D Optimus (q x q, Xu et al. 2021): SUMMA's three matmuls each move two operand blocks:
   6 collectives, 3 (q-1)/q^2 (T N + N K) sent; parameters and activations 1/q^2.
@@ -56,9 +56,9 @@ def paper_terms(scheme: str, devices: int, t: int, n: int, k: int, itemsize: int
     q = round(devices ** (1 / dims))
     if q**dims != devices:
         raise ValueError(f"{scheme} needs a {'square' if dims == 2 else 'cube'} device count")
-    if dims == 1:
-        sent = 2 * (q - 1) / q * t * n
-        return PaperTerms(scheme, devices, 2, sent * itemsize, 1 / q, 1.0)
+    if dims == 1:  # a column-parallel layer all-reduces [T, N] backward, a row-parallel [T, K]
+        sent = 2 * (q - 1) / q * t * min(n, k)
+        return PaperTerms(scheme, devices, 1, sent * itemsize, 1 / q, 1.0)
     if dims == 2:
         sent = 3 * (q - 1) / q**2 * (t * n + n * k)
         return PaperTerms(scheme, devices, 6, sent * itemsize, 1 / q**2, 1 / q**2)
@@ -179,7 +179,9 @@ def tensor_nd_lines(trainer: Trainer) -> list[str]:
     lines = [f"{scheme} tensor parallelism, q={q}, per dense layer (T = {t} tokens a replica):"]
     for name, xs, xa, ks, ka, n in layers:
         rows = layer_collectives(part, xs, xa, ks, ka, n)
-        rows = [r for r in rows if r.axes and set(r.axes) <= {a for x in SCHEMES.values() for a in x}]
+        rows = [
+            r for r in rows if r.axes and set(r.axes) <= {a for x in SCHEMES.values() for a in x}
+        ]
         n_in, n_out = math.prod(ks[:n]), math.prod(ks[n:])
         lines += format_layer(name, t, n_in, n_out, rows, scheme, q**dims, 4)
     return lines
