@@ -185,3 +185,74 @@ def tensor_nd_lines(trainer: Trainer) -> list[str]:
         n_in, n_out = math.prod(ks[:n]), math.prod(ks[n:])
         lines += format_layer(name, t, n_in, n_out, rows, scheme, q**dims, 4)
     return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemeEstimate:
+    """One scheme's analytic train step for a transformer's dense layers on `chips` devices."""
+
+    scheme: str
+    tensor_devices: int  # P (1D), q^2 (2D) or q^3 (3D); `data` takes the rest
+    collectives: int  # per step, the dense layers' (forward + backward)
+    link_bytes: float  # each device sends per step
+    compute_s: float
+    communication_s: float
+    param_fraction: float
+    activation_fraction: float
+
+    @property
+    def step_s(self) -> float:
+        """Compute plus communication, not overlapped (an upper bound)."""
+        return self.compute_s + self.communication_s
+
+
+def _largest_side(chips: int, dims: int) -> int:
+    return max(q for q in range(1, chips + 1) if chips % q**dims == 0)
+
+
+def rank_schemes(
+    emb: int,
+    mlp: int,
+    attention: int,
+    layers: int,
+    tokens: int,
+    chips: int,
+    peak_flops: float,
+    link_bytes_per_s: float,
+    itemsize: int = 2,
+) -> list[SchemeEstimate]:
+    """1D, 2D and 3D for a decoder's dense layers on `chips` devices, fastest first: q, k, v as
+    one [D, 3 H K] layer (their input gathered once), out [H K, D], a gated MLP's two input
+    kernels as one [D, 2 F], wo [F, D]. Each scheme's tensor group is the largest of its shape
+    that divides `chips` (`data` the rest); `tokens` are the global batch's.
+
+    Compute is 6 x parameters x tokens / (chips x peak), the same for every scheme (the blocks
+    divide the matmuls evenly); communication is `paper_terms` at `link_bytes_per_s` (1D:
+    Megatron's two all-reduces of [T, D] per block, forward and backward).
+    """
+    shapes = [(emb, 3 * attention), (attention, emb), (emb, 2 * mlp), (mlp, emb)]
+    params = layers * sum(n * k for n, k in shapes)
+    compute = 6 * params * tokens / (chips * peak_flops)
+    out = []
+    for scheme, dims in SCHEME_DIMS.items():
+        group = _largest_side(chips, dims) ** dims
+        t = tokens // (chips // group)
+        terms = [paper_terms(scheme, group, t, n, k, itemsize) for n, k in shapes]
+        sent = layers * sum(x.link_bytes for x in terms)
+        count = layers * sum(x.collectives for x in terms)
+        if dims == 1:  # 2 blocks x (forward + backward) all-reduces of the residual [T, D]
+            sent = layers * 4 * 2 * (group - 1) / group * t * emb * itemsize
+            count = layers * 4
+        out.append(
+            SchemeEstimate(
+                scheme,
+                group,
+                count,
+                sent,
+                compute,
+                sent / link_bytes_per_s,
+                terms[0].param_fraction,
+                terms[0].activation_fraction,
+            )
+        )
+    return sorted(out, key=lambda e: e.step_s)
