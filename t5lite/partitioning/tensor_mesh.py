@@ -98,7 +98,13 @@ def tensor_mesh(
             f"does not divide the {len(devices)} devices present"
         )
     shape = (len(devices) // group,) + (int(q),) * len(axes)
-    return Mesh(_device_array(shape, devices), (DATA, *axes))
+    try:
+        arr = _device_array(shape, devices)
+    except NotImplementedError:  # e.g. 8 x 8 on a 4x4x4 torus: an axis spans a split one
+        from jax.experimental import mesh_utils
+
+        arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return Mesh(arr, (DATA, *axes))
 
 
 def tensor_nd_rules(
