@@ -8,7 +8,8 @@ Three parts, one record:
   (Llama-7B shapes) decoder on 8 and 64 chips of `--device`;
 - `--topology v5p:4x4x4` (libtpu, the `[tpu]` extra): the 64-chip case compiled by the TPU
   compiler (two layers of the ≈1B decoder), each scheme's collectives per step and the
-  compiled step estimate of `insight.report.step_report`.
+  compiled step estimate of `insight.report.step_report` (64 heads of 32 so that 1D splits
+  them 64 ways).
 
   python benchmarks/tensor_nd.py [--smoke] [--device v5p] [--topology v5p:4x4x4] [--out PATH]
 """
@@ -51,7 +52,7 @@ _TOPOLOGY_SCRIPT = textwrap.dedent(
     from t5lite.trainer import Trainer
 
     topo = get_topology(sys.argv[1])
-    cfg = DecoderOnlyConfig(vocab_size=32768, emb_dim=2048, num_heads=32, head_dim=64,
+    cfg = DecoderOnlyConfig(vocab_size=32768, emb_dim=2048, num_heads=64, head_dim=32,
                             mlp_dim=5632, num_layers=2, precision="bfloat16")
     out = {"devices": len(topo.devices), "kind": topo.spec.device_kind}
     parts = {

@@ -256,3 +256,37 @@ def rank_schemes(
             )
         )
     return sorted(out, key=lambda e: e.step_s)
+
+
+def ranking_lines(
+    network_config, lengths: dict[str, int], batch_size: int, chips: int, spec
+) -> list[str]:
+    """`rank_schemes` for a model's config as report lines. A T5 counts its encoder and decoder
+    layers alike (cross-attention left out) at the mean of its input and target lengths."""
+    cfg = network_config
+    layers = getattr(cfg, "num_layers", None) or cfg.num_encoder_layers + cfg.num_decoder_layers
+    length = sum(lengths.values()) / len(lengths)
+    tokens = int(batch_size * length)
+    ranked = rank_schemes(
+        cfg.emb_dim,
+        cfg.mlp_dim,
+        cfg.num_heads * cfg.head_dim,
+        layers,
+        tokens,
+        chips,
+        spec.peak_flops,
+        spec.link_bytes_per_s,
+    )
+    lines = [
+        f"tensor parallelism 1D / 2D / 3D, dense layers only, analytic ({spec.device_kind}, "
+        f"{chips} chips, {tokens} tokens a step):",
+        f"  {'scheme':<11}{'group':>6}{'step (ms)':>11}{'comm (ms)':>11}{'collectives':>13}"
+        f"{'params':>8}{'acts':>7}",
+    ]
+    for e in ranked:
+        lines.append(
+            f"  {e.scheme:<11}{e.tensor_devices:>6}{e.step_s * 1e3:>11.1f}"
+            f"{e.communication_s * 1e3:>11.1f}{e.collectives:>13}"
+            f"{f'1/{round(1 / e.param_fraction)}':>8}{f'1/{round(1 / e.activation_fraction)}':>7}"
+        )
+    return lines
