@@ -267,3 +267,25 @@ def test_cli_bad_mesh_is_one_line(tmp_path):
     assert last.startswith("t5lite train: error: tensor_mesh: tensor_3d needs a cubic tensor mesh")
     assert "got tensor_shape=(2, 2, 2, 1)" in last
     assert "Traceback" not in out.stderr
+
+
+def test_analytic_ranking_is_the_papers_terms_at_the_link_rate():
+    """64 chips of 1 TB/s: 3D first, 2D, then 1D Megatron; communication is the papers' bytes
+    over the link rate, compute the same for all three."""
+    from t5lite.insight.tensor_nd import rank_schemes
+
+    d, f, att, layers, tokens = 1024, 4096, 1024, 2, 64 * 1024
+    ranked = rank_schemes(d, f, att, layers, tokens, 64, 1e15, 1e12)
+    assert [e.scheme for e in ranked] == ["tensor_3d", "summa_2d", "megatron"]
+    by = {e.scheme: e for e in ranked}
+    shapes = [(d, 3 * att), (att, d), (d, 2 * f), (f, d)]
+    q = 4
+    want_3d = layers * sum(
+        2 * (q - 1) / q**3 * (tokens * n + n * k + tokens * k) * 2 for n, k in shapes
+    )
+    assert by["tensor_3d"].communication_s == pytest.approx(want_3d / 1e12)
+    want_1d = layers * 4 * 2 * 63 / 64 * tokens * d * 2
+    assert by["megatron"].communication_s == pytest.approx(want_1d / 1e12)
+    assert by["megatron"].collectives == 4 * layers and by["tensor_3d"].collectives == 24 * layers
+    assert len({e.compute_s for e in ranked}) == 1
+    assert (by["tensor_3d"].param_fraction, by["megatron"].activation_fraction) == (1 / 64, 1.0)

@@ -278,8 +278,8 @@ def ranking_lines(
         spec.link_bytes_per_s,
     )
     lines = [
-        f"tensor parallelism 1D / 2D / 3D, dense layers only, analytic ({spec.device_kind}, "
-        f"{chips} chips, {tokens} tokens a step):",
+        "1D / 2D / 3D tensor parallelism, the dense layers' step, analytic:",
+        f"  {spec.device_kind[:30]}, {chips} chips, {tokens} tokens a step",
         f"  {'scheme':<11}{'group':>6}{'step (ms)':>11}{'comm (ms)':>11}{'collectives':>13}"
         f"{'params':>8}{'acts':>7}",
     ]
