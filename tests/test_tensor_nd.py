@@ -7,6 +7,7 @@ device against 1/q^2 and 1/q^3, and the one-line errors of a mesh or model that 
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -166,29 +167,31 @@ def test_2d_layer_collectives_are_summas_less_its_backward_regathers():
     }
 
 
+@functools.cache
+def _argument_bytes(scheme: str, width: int) -> int:
+    """Compiled train-step argument bytes per device of a one-layer decoder of this width."""
+    cfg = network.DecoderOnlyConfig(
+        vocab_size=64,
+        emb_dim=width,
+        num_heads=H,
+        num_layers=1,
+        head_dim=width // H,
+        mlp_dim=4 * width,
+    )
+    tr = _trainer("lm", scheme, cfg)
+    tokens = np.ones((B, L), np.int32)
+    batch = tr.global_batch({"decoder_target_tokens": tokens, "decoder_input_tokens": tokens})
+    compiled = tr.train_step.lower(tr.abstract_state(), batch).compile()
+    return compiled.memory_analysis().argument_size_in_bytes
+
+
 @pytest.mark.parametrize("scheme, q, dims", [("summa_2d", 2, 2), ("tensor_3d", 2, 3)])
 def test_parameter_memory_per_device_follows_q(scheme, q, dims):
     """Compiled train-step argument bytes per device, two model widths: the growth of the
     parameters and Adam's two moments is 1/q^dims of data parallelism's (every kernel and the
     embedding split over every tensor axis; the norms' scales over fewer, a rounding here)."""
     require_devices(8)
-
-    def argument_bytes(scheme, width):
-        cfg = network.DecoderOnlyConfig(
-            vocab_size=64,
-            emb_dim=width,
-            num_heads=H,
-            num_layers=1,
-            head_dim=width // H,
-            mlp_dim=4 * width,
-        )
-        tr = _trainer("lm", scheme, cfg)
-        tokens = np.ones((B, L), np.int32)
-        batch = tr.global_batch({"decoder_target_tokens": tokens, "decoder_input_tokens": tokens})
-        compiled = tr.train_step.lower(tr.abstract_state(), batch).compile()
-        return compiled.memory_analysis().argument_size_in_bytes
-
-    grow = {s: argument_bytes(s, 64) - argument_bytes(s, 32) for s in ("data_parallel", scheme)}
+    grow = {s: _argument_bytes(s, 64) - _argument_bytes(s, 32) for s in ("data_parallel", scheme)}
     assert grow[scheme] / grow["data_parallel"] == pytest.approx(1 / q**dims, rel=0.03)
 
 
