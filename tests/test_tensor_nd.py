@@ -292,3 +292,19 @@ def test_analytic_ranking_is_the_papers_terms_at_the_link_rate():
     assert by["megatron"].collectives == 4 * layers and by["tensor_3d"].collectives == 24 * layers
     assert len({e.compute_s for e in ranked}) == 1
     assert (by["tensor_3d"].param_fraction, by["megatron"].activation_fraction) == (1 / 64, 1.0)
+
+
+def test_inspect_lines_show_each_layer_at_the_papers_terms():
+    """What `t5lite inspect` prints on a 3D mesh: per dense layer, the compiled collectives
+    equal the paper's count and bytes (ratio 1.00), beside 1D Megatron's."""
+    require_devices(8)
+    from t5lite.insight.tensor_nd import tensor_nd_lines
+
+    lines = tensor_nd_lines(_trainer("lm", "tensor_3d"))
+    assert lines[0].startswith("tensor_3d tensor parallelism, q=2, per dense layer (T = 64")
+    assert sum("tensor_3d (paper)" in x and x.endswith("ratio 1.00") for x in lines) == 4
+    assert sum(x.split()[:2] == ["compiled", "6"] for x in lines) == 4
+    assert sum("1D Megatron, same devices" in x for x in lines) == 4
+    assert (
+        _trainer("lm", "data_parallel") and tensor_nd_lines(_trainer("lm", "data_parallel")) == []
+    )
