@@ -10,6 +10,7 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
 - `explicit`: `Partitioner(shard_mode='explicit')` installed a layout. The contraction is typed
   by it (`constraints.dense`); weights are gathered by `constraints.weight`.
 - `plain`: no mesh, or a mesh of one device. One local matmul, no collective.
+- `summa_2d`, `tensor_3d`: Optimus's 2D and Colossal-AI's 3D tensor parallelism (`tensor_nd`).
 - `sequence_parallel_gather` (Megatron-SP's `g`; the `sequence_parallel` preset's block inputs
   and logits): the input is split by `length` over the mesh axes that split every kernel's
   output features, and is whole over its contracted dims. Forward: one all-gather of the input
@@ -22,7 +23,6 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
   all-gathered where it is used (and again in the backward pass); backward: its gradient
   reduce-scattered. Row-parallel kernels add Megatron's all-reduce (or reduce-scatter) over
   `model`.
-- `summa_2d`, `tensor_3d`: Optimus's 2D and Colossal-AI's 3D tensor parallelism (`tensor_nd`).
 - `partitioner` (`data_parallel`, `megatron`, `activations_2d`, a split that does not divide):
   any other layout on a mesh. GSPMD lays out the plain contraction from its operands'
   shardings: Megatron's all-reduce after a row-parallel contraction, the gradients' all-reduce
