@@ -58,7 +58,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax.linen import spmd
-from jax.sharding import PartitionSpec
 
 from t5lite import constraints, tensor_nd
 
@@ -125,6 +124,7 @@ class ContextPlan:
 
 
 Plan = SequencePlan | Zero3Plan | ContextPlan | None
+_mesh_axes, _spec = tensor_nd.mesh_axes, tensor_nd.spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +133,6 @@ class Choice:
 
     strategy: Strategy
     plan: Plan = None
-
-
-def _mesh_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _resolve(axes: Axes) -> Dims | None:
@@ -149,10 +145,6 @@ def _resolve(axes: Axes) -> Dims | None:
         return None
     entries = tuple(spec) + (None,) * (len(axes) - len(spec))
     return tuple(_mesh_axes(e) for e in entries)
-
-
-def _spec(dims: Dims) -> PartitionSpec:
-    return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
 def _mesh() -> jax.sharding.AbstractMesh:

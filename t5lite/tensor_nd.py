@@ -75,14 +75,20 @@ class TensorPlan:
     kernels: tuple[KernelPlan, ...]
 
 
-def _resolve(axes: Axes) -> Dims:
-    spec = spmd.logical_to_mesh_axes(tuple(axes), spmd.get_logical_axis_rules())
-    entries = tuple(spec) + (None,) * (len(axes) - len(spec))
-    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+def mesh_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of mesh axes (shared with `collectives`)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _spec(dims: Dims) -> PartitionSpec:
+def spec(dims: Dims) -> PartitionSpec:
+    """The PartitionSpec of dims given as mesh-axis tuples (shared with `collectives`)."""
     return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
+
+
+def _resolve(axes: Axes) -> Dims:
+    entries = spmd.logical_to_mesh_axes(tuple(axes), spmd.get_logical_axis_rules())
+    entries = tuple(entries) + (None,) * (len(axes) - len(entries))
+    return tuple(mesh_axes(e) for e in entries)
 
 
 def _split(dims: Dims) -> list[int]:
@@ -233,7 +239,7 @@ def contract(x: Array, kernels: Sequence[Array], n: int, plan: TensorPlan) -> li
             outs.append(y)
         return outs
 
-    in_specs = (_spec(plan.x_dims), *(_spec(kp.dims) for kp in plan.kernels))
-    out_specs = [_spec(kp.out_dims) for kp in plan.kernels]
+    in_specs = (spec(plan.x_dims), *(spec(kp.dims) for kp in plan.kernels))
+    out_specs = [spec(kp.out_dims) for kp in plan.kernels]
     mesh = jax.sharding.get_abstract_mesh()
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, *kernels)
