@@ -10,6 +10,7 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
 - `explicit`: `Partitioner(shard_mode='explicit')` installed a layout. The contraction is typed
   by it (`constraints.dense`); weights are gathered by `constraints.weight`.
 - `plain`: no mesh, or a mesh of one device. One local matmul, no collective.
+- `summa_2d`, `tensor_3d`: Optimus's 2D and Colossal-AI's 3D tensor parallelism (`tensor_nd`).
 - `sequence_parallel_gather` (Megatron-SP's `g`; the `sequence_parallel` preset's block inputs
   and logits): the input is split by `length` over the mesh axes that split every kernel's
   output features, and is whole over its contracted dims. Forward: one all-gather of the input
@@ -59,9 +60,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax.linen import spmd
-from jax.sharding import PartitionSpec
 
-from t5lite import constraints
+from t5lite import constraints, tensor_nd
 
 Array = jax.Array
 Axes = Sequence[str | None]
@@ -82,6 +82,8 @@ class Strategy(enum.StrEnum):
     CONTEXT_PARALLEL = "context_parallel"
     PER_SHARD = "per_shard"
     PIPELINE = "pipeline"
+    SUMMA_2D = tensor_nd.SUMMA_2D
+    TENSOR_3D = tensor_nd.TENSOR_3D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,7 @@ class ContextPlan:
 
 
 Plan = SequencePlan | Zero3Plan | ContextPlan | None
+_mesh_axes, _spec = tensor_nd.mesh_axes, tensor_nd.spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +136,6 @@ class Choice:
 
     strategy: Strategy
     plan: Plan = None
-
-
-def _mesh_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _resolve(axes: Axes) -> Dims | None:
@@ -149,10 +148,6 @@ def _resolve(axes: Axes) -> Dims | None:
         return None
     entries = tuple(spec) + (None,) * (len(axes) - len(spec))
     return tuple(_mesh_axes(e) for e in entries)
-
-
-def _spec(dims: Dims) -> PartitionSpec:
-    return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
 
 def _mesh() -> jax.sharding.AbstractMesh:
@@ -209,6 +204,8 @@ def select_strategy(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract:
     if x_axes is None or _resolve(x_axes) is None:
         return Choice(Strategy.PARTITIONER)
     plans = (
+        (Strategy.TENSOR_3D, tensor_nd.cube_plan),
+        (Strategy.SUMMA_2D, tensor_nd.summa_plan),
         (Strategy.SEQUENCE_PARALLEL_GATHER, _gather_plan),
         (Strategy.SEQUENCE_PARALLEL_SCATTER, _scatter_plan),
         (Strategy.ZERO3, _zero3_plan),
@@ -241,6 +238,8 @@ def contract(x: Array, x_axes: Axes | None, kernels: Kernels, n_contract: int = 
             return sequence_parallel_scatter(x, ks, n_contract, choice.plan)
         case Strategy.ZERO3:
             return zero3(x, ks, n_contract, choice.plan)
+        case Strategy.SUMMA_2D | Strategy.TENSOR_3D:
+            return tensor_nd.contract(x, ks, n_contract, choice.plan)
         case _:  # plain, explicit, partitioner: constraints.dense is each of them
             return [_dot(x, k, n_contract) for k in ks]
 

@@ -29,11 +29,14 @@ ALLOWED: dict[str, set[str]] = {
     # `collectives.py` writes sequence/context parallelism's block boundaries from the rules in
     # force (jax and flax only), called by model code with logical axes.
     "constraints": set(),
-    "collectives": {"constraints"},
+    # `tensor_nd.py`: 2D/3D tensor parallelism's contractions (called by `collectives.py`) and
+    # its mesh axis names (used by `partitioning/tensor_mesh.py`).
+    "tensor_nd": {"constraints"},
+    "collectives": {"constraints", "tensor_nd"},
     "model": {"constraints", "collectives"},
     "pytree": set(),
     "distributed": set(),
-    "partitioning": {"pytree", "constraints"},
+    "partitioning": {"pytree", "constraints", "tensor_nd"},
     "checkpoint": {"pytree"},
     "trainer": {"model", "partitioning", "pytree"},
     "compat": {"model"},

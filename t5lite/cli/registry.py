@@ -39,6 +39,8 @@ data_parallel_logical_axis_rules = _register(partitioning.data_parallel_logical_
 preset_rules = _register(partitioning.preset_rules)
 pipeline_rules = _register(partitioning.pipeline_rules)
 create_mesh = _register(partitioning.create_mesh)
+tensor_mesh = _register(partitioning.tensor_mesh)
+tensor_nd_rules = _register(partitioning.tensor_nd_rules)
 Partitioner = _register(partitioning.Partitioner)
 
 # --- network configs ---------------------------------------------------

@@ -41,6 +41,7 @@ from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
 from t5lite.insight.summary import format_summary, memory_verdict
 from t5lite.insight.tables import terminal_width
+from t5lite.insight.tensor_nd import tensor_nd_lines
 from t5lite.insight.topology import get_topology
 from t5lite.insight.types import AnalyticFigures, StepReport
 from t5lite.model.models import BaseModel
@@ -262,6 +263,8 @@ def inspect(
     stages = pipeline_figures(trainer, compiled.as_text() if compiled else None)
     if stages is not None:
         stream.write("\n" + stages.format() + "\n")
+    if compile and (nd_lines := tensor_nd_lines(trainer)):
+        stream.write("\n" + "\n".join(nd_lines) + "\n")
     if memory_verdict(step)[0] is False:
         stream.write("\n" + explain_oom(trainer, step, report, opt, width) + "\n")
     if plot:

@@ -2,6 +2,7 @@
 
 - `mesh.py`: mesh construction (`create_mesh`, TPU submeshes, hybrid DCN × ICI meshes).
 - `rules.py`: the rules tables, the `PRESETS` table, resolution and validation of layouts.
+- `tensor_mesh.py`: meshes and rules of 2D (SUMMA) and 3D tensor parallelism.
 - `partitioner.py`: the `Partitioner` (shardings, data layout, jit with explicit shardings).
 """
 
@@ -36,6 +37,7 @@ from t5lite.partitioning.rules import (
     standard_logical_axis_rules,
     validate_spec,
 )
+from t5lite.partitioning.tensor_mesh import tensor_mesh, tensor_nd_rules
 from t5lite.pytree import path_str
 
 __all__ = [
@@ -64,5 +66,7 @@ __all__ = [
     "resolve_logical_axes",
     "standard_logical_axis_rules",
     "submesh_device_array",
+    "tensor_mesh",
+    "tensor_nd_rules",
     "validate_spec",
 ]
