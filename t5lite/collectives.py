@@ -29,6 +29,9 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
 - `context_parallel` (attention only; the `context_parallel` preset): the rules split the
   queries' `length` and keep `kv_length` whole. Keys and values are all-gathered inside
   attention; their gradients reduce-scattered back.
+- `ring_context_parallel` (attention only; the `context_parallel_ring` preset): the rules split
+  both `length` and `kv_length` over the same axes. Keys and values go around the ring
+  (`model/ring_attention.py`): a `ppermute` per step, no gather.
 - `per_shard` (kernels the partitioner cannot split, e.g. the TPU splash attention, a Pallas
   call): the kernel runs on each device's shard of its operands, laid out by the rules; no
   collective. Only for operations that are independent across the split dimensions (attention
@@ -78,6 +81,7 @@ class Strategy(enum.StrEnum):
     SEQUENCE_PARALLEL_SCATTER = "sequence_parallel_scatter"
     ZERO3 = "zero3"
     CONTEXT_PARALLEL = "context_parallel"
+    RING_CONTEXT_PARALLEL = "ring_context_parallel"
     PER_SHARD = "per_shard"
 
 
@@ -469,9 +473,31 @@ def select_attention_strategy(
     if _one_device():
         return Choice(Strategy.PLAIN)
     plan = _context_plan(q, k, bias, mask, kv_axis)
-    if plan is None:
-        return Choice(Strategy.PARTITIONER)
-    return Choice(Strategy.CONTEXT_PARALLEL, plan)
+    if plan is not None:
+        return Choice(Strategy.CONTEXT_PARALLEL, plan)
+    plan = _ring_plan(q, k, bias, kv_axis)
+    if plan is not None:
+        return Choice(Strategy.RING_CONTEXT_PARALLEL, plan)
+    return Choice(Strategy.PARTITIONER)
+
+
+def _ring_plan(q, k, bias, kv_axis) -> ContextPlan | None:
+    """Ring context parallelism: `length` and `kv_length` split over the same axes `cp` (dims of
+    q, k, v[, bias]; the mask is read by its parts inside)."""
+    q_axes = ("batch", LENGTH, "heads", "kv")
+    cp = _sequence_axes(q_axes)
+    if cp is None:
+        return None
+    q_dims, kv_dims = _resolve(q_axes), _resolve(("batch", "kv_length", kv_axis, "kv"))
+    if kv_dims[1] != cp or any(set(d) & set(cp) for d in q_dims[2:] + kv_dims[2:]):
+        return None
+    args, dims = [q, k, k], [q_dims, kv_dims, kv_dims]
+    if bias is not None:
+        args.append(bias)
+        dims.append((q_dims[0] if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
+    if not all(_divides(d, a.shape) for d, a in zip(dims, args)):
+        return None
+    return ContextPlan(cp, tuple(dims), q_dims)
 
 
 def _context_plan(q, k, bias, mask, kv_axis) -> ContextPlan | None:

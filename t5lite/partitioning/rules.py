@@ -150,6 +150,7 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     "fully_sharded": (2, 2),
     "sequence_parallel": (1, 1),
     "context_parallel": (1, 1),
+    "context_parallel_ring": (1, 1),
     # GSPMD's 2D sharding (weights [embed -> data, mlp/heads -> model], activations [batch ->
     # data, embed -> model]) is t5x's 2/2 table: the rules-only form of 2D tensor parallelism
     # (Optimus splits each weight's input dim over rows and its output dim over columns, which
@@ -201,6 +202,14 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
     return front + rest
 
 
+def _context_parallel_ring(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
+    """`context_parallel` with keys and values split by position too (`kv_length` -> model):
+    they go around the ring of `model` inside attention (`model/ring_attention.py`) instead of
+    being all-gathered."""
+    cp = _context_parallel(rules)
+    return cp[:1] + [("kv_length", MODEL)] + [(n, a) for n, a in cp[1:] if n != "kv_length"]
+
+
 def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
     """Experts whole (`expert_mlp` replicated), their capacity slots over `model`."""
     moved = {"expert_mlp": None, "expert_capacity": MODEL}
@@ -210,6 +219,7 @@ def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshA
 _TABLE_EDITS = {
     "sequence_parallel": _sequence_parallel,
     "context_parallel": _context_parallel,
+    "context_parallel_ring": _context_parallel_ring,
     "expert_parallel": _expert_parallel,
 }
 
