@@ -245,9 +245,9 @@ def _unzigzag(x: Array, axis: int, cfg: RingConfig) -> Array:
 # --- the ring ---------------------------------------------------------------------------------
 
 
-def _next(x, cfg: RingConfig):
-    """`x` (a tree) sent to the next device of the ring."""
-    return jax.lax.ppermute(x, cfg.cp, [(i, (i + 1) % cfg.n) for i in range(cfg.n)])
+def _next(x, cfg: RingConfig, step: int = 1):
+    """`x` (a tree) sent to the next device of the ring (the previous one: step=-1)."""
+    return jax.lax.ppermute(x, cfg.cp, [(i, (i + step) % cfg.n) for i in range(cfg.n)])
 
 
 def _chunks(device: Array, size: int, cfg: RingConfig) -> list[tuple[Array, int]]:
@@ -266,7 +266,9 @@ def _columns(bias: Array | None, device: Array, size: int, cfg: RingConfig) -> A
     """The bias's columns [b, H, Lc, Sc] of the keys `device` holds."""
     if bias is None:
         return None
-    parts = [jax.lax.dynamic_slice_in_dim(bias, s, m, axis=3) for s, m in _chunks(device, size, cfg)]
+    parts = [
+        jax.lax.dynamic_slice_in_dim(bias, s, m, axis=3) for s, m in _chunks(device, size, cfg)
+    ]
     return jnp.concatenate(parts, axis=3)
 
 
@@ -356,7 +358,10 @@ def _ring_fwd(q, k, v, bias, fq, fkv, cfg: RingConfig):
             carry = work(carry, early)
         else:  # keys from an earlier device: all queries see their first chunk only
             carry = jax.lax.cond(
-                src < me, lambda c: work(c, early), lambda c: work(c, late), carry
+                src < me,
+                functools.partial(work, block=early),
+                functools.partial(work, block=late),
+                carry,
             )
         if t < cfg.n - 1:
             kv = _next(kv, cfg)
@@ -377,8 +382,11 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
     d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     kv = (k, v, fkv)
     dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    # NOTE: the backward ring runs the other way (chunk me + t at step t): the same sends as
+    # the forward pass's would be merged with them by XLA (common subexpressions), keeping all
+    # n received chunks alive until the backward pass, the all-gather's memory.
     for t in range(cfg.n):
-        src = (me - t) % cfg.n
+        src = (me + t) % cfg.n
         pos_k = _positions(src, sc, cfg)
         bias_src = _columns(bias, src, sc, cfg)
 
@@ -418,12 +426,17 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
         if late is None:
             acc = work(acc, early)
         else:
-            acc = jax.lax.cond(src < me, lambda a: work(a, early), lambda a: work(a, late), acc)
+            acc = jax.lax.cond(
+                src < me,
+                functools.partial(work, block=early),
+                functools.partial(work, block=late),
+                acc,
+            )
         dq, dkv, d_bias = acc
         # The key/value gradients travel with their chunk; after n hops they are home.
-        dkv = _next(dkv, cfg)
+        dkv = _next(dkv, cfg, -1)
         if t < cfg.n - 1:
-            kv = _next(kv, cfg)
+            kv = _next(kv, cfg, -1)
     d_bias = None if bias is None else d_bias.astype(bias.dtype)
     dk, dv = dkv
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias, None, None
