@@ -122,13 +122,13 @@ def test_compiled_permutes_equal_the_analytic_model(kind):
         want["collective-permute"]
     )
     # Independently of the model's code, the per-layer figures for the decoder-only model:
-    # n=4, B'=4, chunk of keys [4, 4, 2, 8] fp32 (1 KiB), of queries [4, 4, 4, 8] (2 KiB).
-    # Forward: 2 x 3 hops (6 KiB); backward the same and 8 fp32 gradient hops (8 KiB); zigzag:
-    # q, k, v, out in and their gradients out, two halves each (16 permutes, 12 KiB).
+    # n=4, B'=4, a chunk of keys [4, 4, 2, 8] fp32 (1 KiB), of queries [4, 4, 4, 8] (2 KiB).
+    # Forward: k, v 3 hops each (6 KiB); backward: k, v stacked 3 hops (6 KiB) and their fp32
+    # gradients stacked 4 hops (8 KiB); zigzag: q, k, v, out in and their gradients out, two
+    # halves each (16 permutes, 12 KiB).
     if kind == "lm":
-        layer = [r for r in rows]
-        assert sum(r.count for r in layer) == 12 + 8 + 16
-        assert sum(r.bytes for r in layer) == (12 + 8) * 1024 + 2 * (2048 + 1024 + 1024 + 2048)
+        assert sum(r.count for r in rows) == 6 + 3 + 4 + 16
+        assert sum(r.bytes for r in rows) == (6 + 6 + 8) * 1024 + 2 * (2048 + 1024 + 1024 + 2048)
 
 
 def test_all_gather_context_parallel_matches_its_model():

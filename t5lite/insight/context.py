@@ -138,20 +138,26 @@ def context_layer_collectives(trainer: Trainer) -> list[LayerCollectives]:
                 ),
             ]
             continue
-        hops = 2 * (n - 1)  # k and v, n - 1 hops each
+        hops = n - 1
+        halves = 2 if n > 2 else 1  # n = 2 keeps its first halves where they are
         out += [
             LayerCollectives(layer, PERMUTE, 2 * hops, 2 * hops * kv * it,
-                             "keys, values around the ring, forward and backward"),
-            LayerCollectives(layer, PERMUTE, 2 * n, 2 * n * kv * 4,
-                             "key/value gradients (fp32) home with their chunk"),
+                             "keys, values around the ring (forward)"),
+            LayerCollectives(layer, PERMUTE, hops, 2 * hops * kv * it,
+                             "keys and values stacked, around the other way (backward)"),
+            LayerCollectives(layer, PERMUTE, n, 2 * n * kv * 4,
+                             "key/value gradients (fp32, stacked) home with their chunk"),
         ]  # fmt: skip
         if layer.balanced:
             q = b * (layer.length_q // n) * h * k
-            moved = 2 * (2 * q + 2 * kv)  # q, k, v, out (and their gradients), two halves
-            bias = 4 * (h * (layer.length_q // n) * layer.length_kv * 4 // 2) if layer.bias else 0
-            count = 4 * 4 + (4 if layer.bias else 0)
+            # q, k, v, out forward; their gradients backward; `halves` halves of each
+            moved = 2 * (2 * q + 2 * kv) * it * halves // 2
+            count = 8 * halves
+            if layer.bias:
+                moved += 2 * h * (layer.length_q // n) * layer.length_kv * 4 * halves // 2
+                count += 2 * halves
             out.append(
-                LayerCollectives(layer, PERMUTE, count, moved * it + bias,
+                LayerCollectives(layer, PERMUTE, count, moved,
                                  "zigzag: queries, keys, values, output (and bias rows) reordered")
             )  # fmt: skip
     return out
@@ -168,9 +174,16 @@ def mask_collectives(trainer: Trainer) -> list[LayerCollectives]:
         if layer.mask in seen:
             continue
         seen.add(layer.mask)
-        count, size = 2 * (n - 1), 2 * (n - 1) * b * (layer.length_kv // n) * 4
+        # Forward and backward; for n = 2 the backward ring's direction is the forward's and
+        # XLA reuses the forward's sends of these (the same values).
+        trips = 2 if n > 2 else 1
+        count, size = trips * (n - 1), trips * (n - 1) * b * (layer.length_kv // n) * 4
         if layer.balanced:
-            count, size = count + 4, size + 4 * b * (layer.length_q // (2 * n)) * 4
+            halves = 2 if n > 2 else 1
+            count, size = (
+                count + 2 * halves,
+                size + 2 * halves * b * (layer.length_q // (2 * n)) * 4,
+            )
         out.append(LayerCollectives(layer, PERMUTE, count, size, "mask features (int32)"))
     return out
 

@@ -215,12 +215,20 @@ def _home(j: int, n: int) -> int:
     return j if j < n else 2 * n - 1 - j
 
 
+def _permute(x: Array, cfg: RingConfig, pairs: list[tuple[int, int]]) -> Array:
+    """`ppermute` over the context axes; none where every device keeps its own (n = 2's first
+    halves)."""
+    if all(a == b for a, b in pairs):
+        return x
+    return jax.lax.ppermute(x, cfg.cp, pairs)
+
+
 def _zigzag(x: Array, axis: int, cfg: RingConfig) -> Array:
     """Device i's contiguous chunks (2i, 2i+1) -> its zigzag chunks (i, 2n-1-i) along `axis`."""
     n = cfg.n
     first, second = jnp.split(x, 2, axis=axis)
-    got_first = jax.lax.ppermute(first, cfg.cp, [(i, _home(2 * i, n)) for i in range(n)])
-    got_second = jax.lax.ppermute(second, cfg.cp, [(i, _home(2 * i + 1, n)) for i in range(n)])
+    got_first = _permute(first, cfg, [(i, _home(2 * i, n)) for i in range(n)])
+    got_second = _permute(second, cfg, [(i, _home(2 * i + 1, n)) for i in range(n)])
     # An even device receives its chunk i among the first halves, an odd one among the second.
     even = jax.lax.axis_index(cfg.cp) % 2 == 0
     lo = jnp.where(even, got_first, got_second)
@@ -237,8 +245,8 @@ def _unzigzag(x: Array, axis: int, cfg: RingConfig) -> Array:
     to_second = jnp.where(even, hi, lo)
     back_first = [(_home(2 * i, n), i) for i in range(n)]
     back_second = [(_home(2 * i + 1, n), i) for i in range(n)]
-    first = jax.lax.ppermute(to_first, cfg.cp, back_first)
-    second = jax.lax.ppermute(to_second, cfg.cp, back_second)
+    first = _permute(to_first, cfg, back_first)
+    second = _permute(to_second, cfg, back_second)
     return jnp.concatenate([first, second], axis=axis)
 
 
@@ -380,19 +388,20 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
     d_out_c = d_out.astype(cfg.dtype)
     dq = jnp.zeros(q.shape, jnp.float32)
     d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    kv = (k, v, fkv)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    # NOTE: the backward ring runs the other way (chunk me + t at step t): the same sends as
-    # the forward pass's would be merged with them by XLA (common subexpressions), keeping all
-    # n received chunks alive until the backward pass, the all-gather's memory.
+    # NOTE: the backward ring sends keys and values stacked, one permute per hop, and runs the
+    # other way (chunk me + t at step t): the forward pass's very sends would be merged with
+    # them by XLA (common subexpressions), keeping all n received chunks alive until the
+    # backward pass, the all-gather's memory. Their gradients travel stacked too.
+    kv = (jnp.stack([k, v]), fkv)
+    dkv = jnp.zeros((2, *k.shape), jnp.float32)
     for t in range(cfg.n):
         src = (me + t) % cfg.n
         pos_k = _positions(src, sc, cfg)
         bias_src = _columns(bias, src, sc, cfg)
 
         def work(acc, block: _Block, kv=kv, pos_k=pos_k, bias_src=bias_src, src=src):
-            dq, (dk, dv), d_bias = acc
-            k_b, v_b, fkv_b = _slice_kv(kv, block)
+            dq, dkv, d_bias = acc
+            k_b, v_b, fkv_b = _slice_kv((kv[0][0], kv[0][1], kv[1]), block)
             r, c = block.row0, block.cols or sc
             b_blk = None if bias_src is None else bias_src[:, :, r:, :c]
             fq_b = None if fq is None else fq[:, r:]
@@ -413,13 +422,13 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
             )
             dq_b, dk_b, dv_b, ds = grads
             dq = dq.at[:, r:].add(dq_b)
-            dk, dv = dk.at[:, :c].add(dk_b), dv.at[:, :c].add(dv_b)
+            dkv = dkv.at[:, :, :c].add(jnp.stack([dk_b, dv_b]))
             if d_bias is not None:
                 d_b = bias_grad(ds, bias.shape[0])
                 if c < sc:  # the first chunk held only: pad to both chunks' columns
                     d_b = jnp.concatenate([d_b, jnp.zeros_like(d_b)], axis=3)
                 d_bias = _add_columns(d_bias, d_b, src, sc, cfg, r)
-            return dq, (dk, dv), d_bias
+            return dq, dkv, d_bias
 
         early, late = _step_blocks(t, cfg, lc, sc)
         acc = (dq, dkv, d_bias)
@@ -438,7 +447,7 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
         if t < cfg.n - 1:
             kv = _next(kv, cfg, -1)
     d_bias = None if bias is None else d_bias.astype(bias.dtype)
-    dk, dv = dkv
+    dk, dv = dkv[0], dkv[1]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias, None, None
 
 
