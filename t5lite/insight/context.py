@@ -7,16 +7,17 @@ B' examples per device, S key positions, G key/value heads of width K in the com
   all-gathered forward (2 all-gathers, results [B', S, G, K]); their gradients reduce-scattered
   backward (2 reduce-scatters, results [B', S/n, G, K]).
 - ring (`context_parallel_ring`, `model/ring_attention.py`): forward, keys and values make
-  n - 1 hops (2(n - 1) permutes of [B', S/n, G, K]); backward, they go around again the other
-  way (2(n - 1)) and their fp32 gradients make n hops home (2n). A load-balanced (zigzag) layer
-  adds two permutes of half a chunk for each reordered tensor: queries, keys, values and the
-  output forward (and the bias's rows [b, H, L/2n, S] where there is one), the output's
-  gradient in and the queries', keys', values' (and bias's) gradients out backward.
+  n - 1 hops each (2(n - 1) permutes of [B', S/n, G, K]); backward, stacked, they go around
+  the other way (n - 1 permutes of [2, B', S/n, G, K]) and their fp32 gradients, stacked, make
+  n hops home (n permutes). A load-balanced (zigzag) layer reorders queries, keys, values and
+  the output forward (and the bias's rows [1, H, L/n, S] where there is one) and their
+  gradients backward, half a chunk per permute: two permutes per tensor, one for n = 2 (whose
+  first halves stay where they are).
 - the ring's mask features (one int32 per position, the same in every layer of a stack): keys'
-  features go around the ring forward and backward (2(n - 1) permutes of [B', S/n]), and a
-  zigzag mask reorders the queries' and keys' features (4 of [B', L/2n]), once per distinct mask
-  (a stack's self-attention, the decoder's cross-attention): XLA computes them once for all
-  layers of a stack.
+  features go around the ring forward and backward (2(n - 1) permutes of [B', S/n]; for n = 2
+  XLA reuses the forward's, the backward ring's direction being the same), and a zigzag mask
+  reorders the queries' and keys' features, once per distinct mask (a stack's self-attention,
+  the decoder's cross-attention): XLA computes them once for all layers of a stack.
 
 The model is for `remat_policy` none (a rematerialised layer sends its forward permutes again).
 """
