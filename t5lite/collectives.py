@@ -29,9 +29,8 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
 - `context_parallel` (attention only; the `context_parallel` preset): the rules split the
   queries' `length` and keep `kv_length` whole. Keys and values are all-gathered inside
   attention; their gradients reduce-scattered back.
-- `ring_context_parallel` (attention only; the `context_parallel_ring` preset): the rules split
-  both `length` and `kv_length` over the same axes. Keys and values go around the ring
-  (`model/ring_attention.py`): a `ppermute` per step, no gather.
+- `ring_context_parallel` (the `context_parallel_ring` preset): `kv_length` split like `length`;
+  keys and values go around the ring, a `ppermute` per step (`model/ring_attention.py`).
 - `per_shard` (kernels the partitioner cannot split, e.g. the TPU splash attention, a Pallas
   call): the kernel runs on each device's shard of its operands, laid out by the rules; no
   collective. Only for operations that are independent across the split dimensions (attention
@@ -462,7 +461,7 @@ def select_attention_strategy(
     q: Array, k: Array, bias: Array | None, mask: Array | None, kv_axis: str
 ) -> Choice:
     """`context_parallel` when the rules split the queries' `length` and keep `kv_length`
-    whole (and every split divides), else the strategy the partitioner lays out.
+    whole, `ring_context_parallel` when they split both alike, else the partitioner's.
 
     Args:
       q: [B, L, H, K] ('batch', 'length', 'heads', 'kv'); k: [B, S, G, K] with `kv_axis`.
@@ -472,50 +471,28 @@ def select_attention_strategy(
         return Choice(Strategy.EXPLICIT)
     if _one_device():
         return Choice(Strategy.PLAIN)
-    plan = _context_plan(q, k, bias, mask, kv_axis)
-    if plan is not None:
-        return Choice(Strategy.CONTEXT_PARALLEL, plan)
-    plan = _ring_plan(q, k, bias, kv_axis)
-    if plan is not None:
-        return Choice(Strategy.RING_CONTEXT_PARALLEL, plan)
-    return Choice(Strategy.PARTITIONER)
-
-
-def _ring_plan(q, k, bias, kv_axis) -> ContextPlan | None:
-    """Ring context parallelism: `length` and `kv_length` split over the same axes `cp` (dims of
-    q, k, v[, bias]; the mask is read by its parts inside)."""
-    q_axes = ("batch", LENGTH, "heads", "kv")
-    cp = _sequence_axes(q_axes)
-    if cp is None:
-        return None
-    q_dims, kv_dims = _resolve(q_axes), _resolve(("batch", "kv_length", kv_axis, "kv"))
-    if kv_dims[1] != cp or any(set(d) & set(cp) for d in q_dims[2:] + kv_dims[2:]):
-        return None
-    args, dims = [q, k, k], [q_dims, kv_dims, kv_dims]
-    if bias is not None:
-        args.append(bias)
-        dims.append((q_dims[0] if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
-    if not all(_divides(d, a.shape) for d, a in zip(dims, args)):
-        return None
-    return ContextPlan(cp, tuple(dims), q_dims)
+    ring = bool((_resolve(("batch", "kv_length", kv_axis, "kv")) or ((), ()))[1])
+    plan = _context_plan(q, k, bias, None if ring else mask, kv_axis)  # the ring reads parts
+    if plan is None:
+        return Choice(Strategy.PARTITIONER)
+    return Choice(Strategy.RING_CONTEXT_PARALLEL if ring else Strategy.CONTEXT_PARALLEL, plan)
 
 
 def _context_plan(q, k, bias, mask, kv_axis) -> ContextPlan | None:
     q_axes = ("batch", LENGTH, "heads", "kv")
     cp = _sequence_axes(q_axes)
-    if cp is None or any(_resolve(("batch", "kv_length", kv_axis, "kv"))[1]):
+    if cp is None or _resolve(("batch", "kv_length", kv_axis, "kv"))[1] not in ((), cp):
         return None
     q_dims, kv_dims = _resolve(q_axes), _resolve(("batch", LENGTH, kv_axis, "kv"))
     if q_dims[1] != cp or kv_dims[1] != cp or any(set(d) & set(cp) for d in q_dims[2:]):
         return None
-    batch = q_dims[0]
     args, dims = [q, k, k], [q_dims, kv_dims, kv_dims]
     if bias is not None:
         args.append(bias)
-        dims.append((batch if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
+        dims.append((q_dims[0] if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
     if mask is not None:
         args.append(mask)
-        dims.append((batch if mask.shape[0] > 1 else (), (), cp, ()))
+        dims.append((q_dims[0] if mask.shape[0] > 1 else (), (), cp, ()))
     if not all(_divides(d, a.shape) for d, a in zip(dims, args)):
         return None
     return ContextPlan(cp, tuple(dims), q_dims)
