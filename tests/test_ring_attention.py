@@ -191,3 +191,33 @@ def test_the_preset_selects_the_ring_and_an_unsplit_kv_length_the_all_gather():
                 choice = collectives.select_attention_strategy(q, k, None, None, "kv_heads")
                 assert choice.strategy is want
                 assert choice.plan.cp == ("model",)
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_a_prefix_lm_mask_runs_the_plain_ring(dtype, atol):
+    """A prefix-LM's bidirectional prefix (per row) with packed segments and padding: not
+    load balanced (keys of later devices are visible to the prefix); output and gradients equal
+    the unsharded layer's (fp32 to 1e-5; bf16 compute to 3e-2 on unit-scale values)."""
+    require_devices(8)
+    mha = _attention(dtype=dtype, scale_logits=True)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, L, 16))
+    segments = jnp.array([[1] * 10 + [2] * 4 + [0] * 2, [1] * 16])
+    prefix = jnp.array([[1] * 5 + [0] * 11, [1] * 9 + [0] * 7]) == 1
+    valid = segments > 0
+    mask = MaskParts(valid, valid, segments, segments, prefix, prefix, causal=True)
+    params = mha.init(jax.random.PRNGKey(1), x, x, mask)
+
+    def loss(p, x):
+        return jnp.sum(mha.apply(p, x, x, mask).astype(jnp.float32) ** 2)
+
+    want = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+    rules = preset_rules("context_parallel_ring")
+    with jax.set_mesh(create_mesh(4)), nn.logical_axis_rules(rules):
+        q = jnp.zeros((2, L, 4, 8))
+        choice = collectives.select_attention_strategy(q, q[:, :, :2], None, None, "kv_heads")
+        assert choice.strategy is collectives.Strategy.RING_CONTEXT_PARALLEL
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(
+            np.float32(g), np.float32(w), atol=atol * max(1, np.abs(w).max())
+        )
