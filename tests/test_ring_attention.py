@@ -193,16 +193,22 @@ def test_the_preset_selects_the_ring_and_an_unsplit_kv_length_the_all_gather():
                 assert choice.plan.cp == ("model",)
 
 
-@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_a_prefix_lm_mask_runs_the_plain_ring(dtype, atol):
-    """A prefix-LM's bidirectional prefix (per row) with packed segments and padding: not
-    load balanced (keys of later devices are visible to the prefix); output and gradients equal
-    the unsharded layer's (fp32 to 1e-5; bf16 compute to 3e-2 on unit-scale values)."""
+@pytest.mark.parametrize(
+    "dtype, atol, with_prefix",
+    [(jnp.float32, 1e-5, True), (jnp.bfloat16, 3e-2, True), (jnp.float32, 1e-5, False)],
+)
+def test_masks_against_the_unsharded_layer(dtype, atol, with_prefix):
+    """A prefix-LM's bidirectional prefix (per row) with packed segments and padding runs the
+    plain ring (keys of later devices are visible to the prefix); without the prefix the
+    balanced one, whose padding rows (no visible key) still average every value as `xla` does.
+    Output and gradients equal the unsharded layer's (fp32 to 1e-5 of the largest; bf16
+    compute to 3e-2)."""
     require_devices(8)
     mha = _attention(dtype=dtype, scale_logits=True)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, L, 16))
     segments = jnp.array([[1] * 10 + [2] * 4 + [0] * 2, [1] * 16])
     prefix = jnp.array([[1] * 5 + [0] * 11, [1] * 9 + [0] * 7]) == 1
+    prefix = prefix if with_prefix else None
     valid = segments > 0
     mask = MaskParts(valid, valid, segments, segments, prefix, prefix, causal=True)
     params = mha.init(jax.random.PRNGKey(1), x, x, mask)

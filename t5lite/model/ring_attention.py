@@ -60,7 +60,7 @@ from t5lite.model.chunked_attention import (
     online_output,
     online_update,
 )
-from t5lite.model.masks import MaskParts
+from t5lite.model.masks import MASK_VALUE, MaskParts
 
 Array = jax.Array
 
@@ -327,6 +327,16 @@ def _slice_kv(kv, block: _Block):
     return tuple(None if x is None else x[:, : block.cols] for x in kv)
 
 
+def _fully_masked_rows(carry, v_sum: Array, length_kv: int):
+    """The state of each fully masked query row (a padding position) set to the mean of all
+    `length_kv` values, as the `xla` path gives it (every logit masked to the same finite
+    value): the balanced ring skipped half of its blocks, which held no visible key."""
+    m, total, acc = carry
+    dead = m <= MASK_VALUE / 2  # no visible key: the maximum is the mask value
+    acc = jnp.where(dead[..., None], v_sum[:, :, None, None, :], acc)
+    return m, jnp.where(dead, float(length_kv), total), acc
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _ring(q, k, v, bias, fq, fkv, cfg):
     return _ring_fwd(q, k, v, bias, fq, fkv, cfg)[0]
@@ -337,6 +347,7 @@ def _ring_fwd(q, k, v, bias, fq, fkv, cfg: RingConfig):
     lc, sc = q.shape[1], k.shape[1]
     pos_q = _positions(me, lc, cfg)
     carry = online_init(q)
+    v_sum = jnp.zeros((v.shape[0], v.shape[2], v.shape[3]), jnp.float32)  # [B, G, K]
     kv = (k, v, fkv)
     for t in range(cfg.n):
         src = (me - t) % cfg.n
@@ -361,6 +372,8 @@ def _ring_fwd(q, k, v, bias, fq, fkv, cfg: RingConfig):
                 for x, y in zip(carry, new)
             )
 
+        if cfg.balanced:
+            v_sum = v_sum + jnp.sum(kv[1].astype(jnp.float32), axis=1)
         early, late = _step_blocks(t, cfg, lc, sc)
         if late is None:
             carry = work(carry, early)
@@ -373,6 +386,8 @@ def _ring_fwd(q, k, v, bias, fq, fkv, cfg: RingConfig):
             )
         if t < cfg.n - 1:
             kv = _next(kv, cfg)
+    if cfg.balanced:
+        carry = _fully_masked_rows(carry, v_sum, cfg.n * sc)
     out = online_output(carry, cfg.dtype)
     m, total, _ = carry
     return out, (q, k, v, bias, fq, fkv, out, m, total)
@@ -386,6 +401,10 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
     d_out = d_out.astype(jnp.float32)
     delta = jnp.einsum("blgrk,blgrk->bgrl", d_out, out.astype(jnp.float32))
     d_out_c = d_out.astype(cfg.dtype)
+    # A fully masked row's output is the mean of all S values (see `_fully_masked_rows`): the
+    # skipped half-blocks' share of its value gradient, d_out / S to each of their keys.
+    dead = jnp.transpose(m_max <= MASK_VALUE / 2, (0, 3, 1, 2))[..., None]  # [B, L, G, R, 1]
+    d_dead = jnp.where(dead, d_out, 0.0) / (cfg.n * sc)
     dq = jnp.zeros(q.shape, jnp.float32)
     d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
     # NOTE: the backward ring sends keys and values stacked, one permute per hop, and runs the
@@ -428,6 +447,11 @@ def _ring_bwd(cfg: RingConfig, residuals, d_out):
                 if c < sc:  # the first chunk held only: pad to both chunks' columns
                     d_b = jnp.concatenate([d_b, jnp.zeros_like(d_b)], axis=3)
                 d_bias = _add_columns(d_bias, d_b, src, sc, cfg, r)
+            if block.cols is not None:  # skipped: every query x the second key chunk
+                share = jnp.sum(d_dead, axis=(1, 3))[:, None]
+                dkv = dkv.at[1, :, block.cols :].add(share)
+            elif block.row0:  # skipped: the first query chunk x every key
+                dkv = dkv.at[1].add(jnp.sum(d_dead[:, : block.row0], axis=(1, 3))[:, None])
             return dq, dkv, d_bias
 
         early, late = _step_blocks(t, cfg, lc, sc)
