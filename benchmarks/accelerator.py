@@ -22,10 +22,10 @@ implementations compute the same function, so their losses agree to bf16 roundin
 
 `--topology` (the `[tpu]` extra) compiles the same step ahead of time for a TPU slice under the
 `fsdp` preset, `--batch` sequences per chip, layers unscanned, and reports an ESTIMATE, not a
-measurement: the step time is the roofline of the compiled step's cost analysis (the larger of its FLOPs over
-the chip's dense bf16 peak and its bytes accessed over the chip's HBM bandwidth, from
-`t5lite.insight.hardware`), the MFU the model FLOPs over that time and the peak; collectives
-and overlap are not counted.
+measurement: the step time is the roofline of the compiled step's cost analysis (the larger of
+its FLOPs over the chip's dense bf16 peak and its bytes accessed over the chip's HBM bandwidth,
+from `t5lite.insight.hardware`), the MFU the model FLOPs over that time and the peak;
+collectives and overlap are not counted.
 
 Goal (issue 38): MFU >= 50% for the ≈1B model on one H100/H200.
 """
