@@ -30,6 +30,8 @@ Strategies, what selects each (in the order `select_strategy` tries them) and wh
 - `context_parallel` (attention only; the `context_parallel` preset): the rules split the
   queries' `length` and keep `kv_length` whole. Keys and values are all-gathered inside
   attention; their gradients reduce-scattered back.
+- `ring_context_parallel` (the `context_parallel_ring` preset): `kv_length` split like `length`;
+  keys and values go around the ring, a `ppermute` per step (`model/ring_attention.py`).
 - `per_shard` (kernels the partitioner cannot split, e.g. the TPU splash attention, a Pallas
   call): the kernel runs on each device's shard of its operands, laid out by the rules; no
   collective. Only for operations that are independent across the split dimensions (attention
@@ -80,6 +82,7 @@ class Strategy(enum.StrEnum):
     SEQUENCE_PARALLEL_SCATTER = "sequence_parallel_scatter"
     ZERO3 = "zero3"
     CONTEXT_PARALLEL = "context_parallel"
+    RING_CONTEXT_PARALLEL = "ring_context_parallel"
     PER_SHARD = "per_shard"
     PIPELINE = "pipeline"
     SUMMA_2D = tensor_nd.SUMMA_2D
@@ -460,7 +463,7 @@ def select_attention_strategy(
     q: Array, k: Array, bias: Array | None, mask: Array | None, kv_axis: str
 ) -> Choice:
     """`context_parallel` when the rules split the queries' `length` and keep `kv_length`
-    whole (and every split divides), else the strategy the partitioner lays out.
+    whole, `ring_context_parallel` when they split both alike, else the partitioner's.
 
     Args:
       q: [B, L, H, K] ('batch', 'length', 'heads', 'kv'); k: [B, S, G, K] with `kv_axis`.
@@ -470,28 +473,28 @@ def select_attention_strategy(
         return Choice(Strategy.EXPLICIT)
     if _one_device():
         return Choice(Strategy.PLAIN)
-    plan = _context_plan(q, k, bias, mask, kv_axis)
+    ring = bool((_resolve(("batch", "kv_length", kv_axis, "kv")) or ((), ()))[1])
+    plan = _context_plan(q, k, bias, None if ring else mask, kv_axis)  # the ring reads parts
     if plan is None:
         return Choice(Strategy.PARTITIONER)
-    return Choice(Strategy.CONTEXT_PARALLEL, plan)
+    return Choice(Strategy.RING_CONTEXT_PARALLEL if ring else Strategy.CONTEXT_PARALLEL, plan)
 
 
 def _context_plan(q, k, bias, mask, kv_axis) -> ContextPlan | None:
     q_axes = ("batch", LENGTH, "heads", "kv")
     cp = _sequence_axes(q_axes)
-    if cp is None or any(_resolve(("batch", "kv_length", kv_axis, "kv"))[1]):
+    if cp is None or _resolve(("batch", "kv_length", kv_axis, "kv"))[1] not in ((), cp):
         return None
     q_dims, kv_dims = _resolve(q_axes), _resolve(("batch", LENGTH, kv_axis, "kv"))
     if q_dims[1] != cp or kv_dims[1] != cp or any(set(d) & set(cp) for d in q_dims[2:]):
         return None
-    batch = q_dims[0]
     args, dims = [q, k, k], [q_dims, kv_dims, kv_dims]
     if bias is not None:
         args.append(bias)
-        dims.append((batch if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
+        dims.append((q_dims[0] if bias.shape[0] > 1 else (), q_dims[2], cp, ()))
     if mask is not None:
         args.append(mask)
-        dims.append((batch if mask.shape[0] > 1 else (), (), cp, ()))
+        dims.append((q_dims[0] if mask.shape[0] > 1 else (), (), cp, ()))
     if not all(_divides(d, a.shape) for d, a in zip(dims, args)):
         return None
     return ContextPlan(cp, tuple(dims), q_dims)
@@ -523,11 +526,8 @@ def context_parallel_attention(
     has_bias, has_mask = bias is not None, mask is not None
 
     def body(q_l: Array, k_l: Array, v_l: Array, *rest: Array) -> Array:
-        k_all = jax.lax.all_gather(k_l, plan.cp, axis=1, tiled=True)
-        v_all = jax.lax.all_gather(v_l, plan.cp, axis=1, tiled=True)
-        rest = list(rest)
-        b = rest.pop(0) if has_bias else None
-        m = rest.pop(0) if has_mask else None
+        k_all, v_all = (jax.lax.all_gather(t, plan.cp, axis=1, tiled=True) for t in (k_l, v_l))
+        b, m = (rest[0] if has_bias else None), (rest[-1] if has_mask else None)
         return attend(q_l, k_all, v_all, b, m)
 
     args = [a for a in (q, k, v, bias, mask) if a is not None]

@@ -146,3 +146,32 @@ def test_moe_smoke(tmp_path):
     flops = record["settings"]["train_flops_per_token"]
     assert flops["moe_capacity"] - flops["dense_same_active"] == 6 * 32 * 8
     assert "data=4 x model=2" in record["machine"]
+
+
+@pytest.mark.skipif(
+    not __import__("t5lite.insight.topology", fromlist=["x"]).libtpu_available(),
+    reason='libtpu not installed (pip install -e ".[tpu]")',
+)
+def test_accelerator_topology_smoke_is_labelled_an_estimate(tmp_path):
+    """`--topology` compiles the step for a TPU slice and reports a roofline estimate: the
+    time is the larger of FLOPs / peak and bytes / HBM bandwidth of v5e (197 TFLOP/s, 819 GB/s
+    in t5lite.insight.hardware), checked here from the record's own compiled figures."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "accelerator.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke",
+           "--topology", "v5e:2x2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ESTIMATE from the compiled cost analysis" in proc.stdout
+    record = json.loads(out.read_text())
+    (r,) = record["results"]
+    assert r["estimate"] is True and r["devices"] == 4 and "estimate" in record["machine"]
+    from t5lite.insight.hardware import TPU_CHIPS
+
+    chip = TPU_CHIPS["v5e"]
+    want_s = max(
+        r["compiled_flops"] / chip.peak_flops, r["compiled_bytes_accessed"] / chip.hbm_bytes_per_s
+    )
+    assert r["estimated_step_ms"] == pytest.approx(1e3 * want_s, rel=1e-9)
+    (fig,) = record["figures"]
+    assert fig["value"] == r["estimated_mfu"] and 0 < fig["value"] < 1

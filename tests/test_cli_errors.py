@@ -51,7 +51,8 @@ CASES = [
      "relpos_buckets, stack, unmodeled, vocab)"),
     (["--gin.preset_rules.name='fsdpp'"],
      "unknown partitioning preset 'fsdpp' (did you mean 'fsdp'?); known: activations_2d, "
-     "context_parallel, data_parallel, expert_parallel, fsdp, fully_sharded, megatron, "
+     "context_parallel, context_parallel_ring, data_parallel, expert_parallel, fsdp, "
+     "fully_sharded, megatron, "
      "sequence_parallel, tensor_2d In call to configurable 'preset_rules'"),
     (["--gin_file=no_such.gin"], None),  # names the file and where it looked (checked below)
 ]  # fmt: skip
@@ -310,7 +311,8 @@ def test_help_describes_gin_presets_and_required_macros(tmp_path):
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     assert "--gin.NAME=VALUE bindings, values as Python literals" in text
-    assert ("partitioning/: activations_2d.gin, context_parallel.gin, data_parallel.gin, "
+    assert ("partitioning/: activations_2d.gin, context_parallel.gin, "
+            "context_parallel_ring.gin, data_parallel.gin, "
             "expert_parallel.gin, fsdp.gin, fully_sharded.gin, megatron.gin, multislice.gin, "
             "sequence_parallel.gin, tensor_2d.gin") in text  # fmt: skip
     assert "runs/pretrain.gin: MODEL_DIR, TASK, TASK_FEATURE_LENGTHS, TRAIN_STEPS" in text

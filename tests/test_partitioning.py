@@ -75,6 +75,7 @@ EXPECTED = {
 # parallelism's; tensor_2d is the 2/2 table under its 2D tensor-parallel name.
 EXPECTED["sequence_parallel"] = EXPECTED["megatron"]
 EXPECTED["context_parallel"] = EXPECTED["data_parallel"]
+EXPECTED["context_parallel_ring"] = EXPECTED["data_parallel"]
 EXPECTED["tensor_2d"] = EXPECTED["fully_sharded"]
 EXPECTED["expert_parallel"] = EXPECTED["megatron"]  # the toy model has no experts
 

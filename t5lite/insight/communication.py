@@ -14,6 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from t5lite.insight.context import (
+    context_layer_collectives,
+    format_context,
+    mask_collectives,
+)
 from t5lite.insight.experts import ExpertAllToAll, expert_all_to_all
 from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
@@ -507,6 +512,8 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
                 (("all-gather", n, gathered),),
             )
         )
+    context_rows, context_masks = context_layer_collectives(trainer), mask_collectives(trainer)
+    expected += _context_collectives(trainer, context_rows + context_masks)
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)
@@ -516,7 +523,24 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
         model_bytes,
         tuple(expected),
         tuple(choices),
-        tuple(format_tensor_2d(figures)) if figures else (),
+        (tuple(format_tensor_2d(figures)) if figures else ())
+        + tuple(format_context(context_rows, context_masks)),
         zero3_figures(report, mesh_shape, batch_axes),
         experts,
     )
+
+
+def _context_collectives(trainer: Trainer, rows: Sequence[Any]) -> list[ExpectedCollective]:
+    """Context parallelism's collectives (`context.py`), summed over layers per reason."""
+    if not rows:
+        return []
+    part = trainer.partitioner
+    shape = dict(part.mesh.shape)
+    cp = tuple(t for t in mesh_axes_of(rule_of(part, "length")) if shape.get(t, 1) > 1)
+    out = []
+    for r in rows:
+        layers = 1 if r.why.startswith("mask") else r.layer.layers
+        why = f"context parallelism, {r.layer.name}: {r.why}"
+        size = _split(shape, cp) if r.kind != "collective-permute" else 2
+        out.append(ExpectedCollective(r.kind, cp, r.count * layers, r.bytes * layers, size, why))
+    return out

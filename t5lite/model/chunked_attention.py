@@ -93,15 +93,66 @@ def _unblocks(x: Array, axis: int) -> Array:
     return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
 
 
-def _logits(q_BLGRK, k_BsGK, bias_blk, mask: MaskParts, start, size, g):
-    """One block's masked fp32 logits [B, G, R, L, s]."""
+def block_logits(q_BLGRK, k_BsGK, bias_blk, mask_B1Ls):
+    """One block's masked fp32 logits [B, G, R, L, s] (bias [b, H, L, s], mask [b, 1, L, s])."""
+    g = k_BsGK.shape[2]
     s = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BsGK, preferred_element_type=jnp.float32)
     if bias_blk is not None:
-        s = s + bias_blk.reshape(bias_blk.shape[0], g, -1, *bias_blk.shape[2:])
-    m = mask.block(start, size, q_BLGRK.shape[1])
-    if m is not None:
-        s = jnp.where(m[:, :, None], s, MASK_VALUE)
+        s = s + bias_blk.astype(jnp.float32).reshape(bias_blk.shape[0], g, -1, *bias_blk.shape[2:])
+    if mask_B1Ls is not None:
+        s = jnp.where(mask_B1Ls[:, :, None], s, MASK_VALUE)
     return s
+
+
+def online_update(carry, s, v_BsGK, dtype):
+    """The running (max, sum, output) [B, G, R, L(, K)] after one more block of logits `s`."""
+    m_prev, l_prev, acc = carry
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    scale = jnp.exp(m_prev - m_new)
+    l_new = l_prev * scale + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bgrls,bsgk->bgrlk", p.astype(dtype), v_BsGK.astype(dtype))
+    return m_new, l_new, acc * scale[..., None] + pv.astype(jnp.float32)
+
+
+def online_init(q_BLGRK):
+    """The online softmax's state before any block: max -inf, sum 0, output 0."""
+    b, length, g, r, kd = q_BLGRK.shape
+    return (
+        jnp.full((b, g, r, length), -jnp.inf, jnp.float32),
+        jnp.zeros((b, g, r, length), jnp.float32),
+        jnp.zeros((b, g, r, length, kd), jnp.float32),
+    )
+
+
+def online_output(carry, dtype):
+    """The attention output [B, L, G, R, K] from the online softmax's final state."""
+    _, total, acc = carry
+    return jnp.transpose(acc / total[..., None], (0, 3, 1, 2, 4)).astype(dtype)
+
+
+def block_grads(q, k_blk, v_blk, s, m_max, l_sum, delta, d_out_c, mask_blk, dtype):
+    """One block's backward: (dQ [B, L, G, R, K], dK, dV [B, s, G, K], dS [B, G, R, L, s]) in
+    fp32, from its logits `s`, the forward's max and sum and `delta` = rowsum(dO ∘ O)."""
+    p = jnp.exp(s - m_max[..., None]) / l_sum[..., None]
+    dv = jnp.einsum(
+        "bgrls,blgrk->bsgk", p.astype(dtype), d_out_c, preferred_element_type=jnp.float32
+    )
+    dp = jnp.einsum(
+        "blgrk,bsgk->bgrls", d_out_c, v_blk.astype(dtype), preferred_element_type=jnp.float32
+    )
+    ds = p * (dp - delta[..., None])
+    if mask_blk is not None:  # masked logits are constants: no gradient reaches q, k or the bias
+        ds = jnp.where(mask_blk[:, :, None], ds, 0.0)
+    dq = jnp.einsum("bgrls,bsgk->blgrk", ds, k_blk.astype(jnp.float32))
+    dk = jnp.einsum("bgrls,blgrk->bsgk", ds, q.astype(jnp.float32))
+    return dq, dk, dv, ds
+
+
+def bias_grad(ds, batch_of_bias: int):
+    """dS [B, G, R, L, s] as the bias's gradient [b, H, L, s] (summed over B when b = 1)."""
+    d_bias = ds.reshape(ds.shape[0], -1, *ds.shape[3:])
+    return jnp.sum(d_bias, axis=0, keepdims=True) if batch_of_bias == 1 else d_bias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -110,31 +161,17 @@ def _flash(q, k, v, bias, mask, size, dtype):
 
 
 def _forward(q, k, v, bias, mask, size, dtype):
-    b, length, g, r, kd = q.shape
     ks, vs = _blocks(k, size, 1), _blocks(v, size, 1)
     biases = None if bias is None else _blocks(bias.astype(jnp.float32), size, 3)
     starts = jnp.arange(ks.shape[0]) * size
 
     def step(carry, xs):
-        m_prev, l_prev, acc = carry
         k_blk, v_blk, start, bias_blk = xs
-        s = _logits(q, k_blk, bias_blk, mask, start, size, g)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        scale = jnp.exp(m_prev - m_new)
-        l_new = l_prev * scale + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bgrls,bsgk->bgrlk", p.astype(dtype), v_blk.astype(dtype))
-        acc = acc * scale[..., None] + pv.astype(jnp.float32)
-        return (m_new, l_new, acc), None
+        s = block_logits(q, k_blk, bias_blk, mask.block(start, size, q.shape[1]))
+        return online_update(carry, s, v_blk, dtype), None
 
-    init = (
-        jnp.full((b, g, r, length), -jnp.inf, jnp.float32),
-        jnp.zeros((b, g, r, length), jnp.float32),
-        jnp.zeros((b, g, r, length, kd), jnp.float32),
-    )
-    (m, total, acc), _ = jax.lax.scan(step, init, (ks, vs, starts, biases))
-    out_BGRLK = acc / total[..., None]
-    out = jnp.transpose(out_BGRLK, (0, 3, 1, 2, 4)).astype(dtype)  # [B, L, G, R, K]
+    (m, total, acc), _ = jax.lax.scan(step, online_init(q), (ks, vs, starts, biases))
+    out = online_output((m, total, acc), dtype)  # [B, L, G, R, K]
     # NOTE: the maximum and the sum are kept apart, not as log-sum-exp `m + log(l)`: next to a
     # fully masked row's maximum (-1e10) the fp32 log-sum-exp loses `log(l)` entirely.
     return out, (q, k, v, bias, mask, out, m, total)
@@ -146,7 +183,6 @@ def _flash_fwd(q, k, v, bias, mask, size, dtype):
 
 def _flash_bwd(size, dtype, residuals, d_out):
     q, k, v, bias, mask, out, m_max, l_sum = residuals
-    g = q.shape[2]
     d_out = d_out.astype(jnp.float32)
     # rowsum(dO ∘ O) per query, [B, G, R, L].
     delta = jnp.einsum("blgrk,blgrk->bgrl", d_out, out.astype(jnp.float32))
@@ -157,26 +193,11 @@ def _flash_bwd(size, dtype, residuals, d_out):
 
     def step(dq, xs):
         k_blk, v_blk, start, bias_blk = xs
-        s = _logits(q, k_blk, bias_blk, mask, start, size, g)
-        p = jnp.exp(s - m_max[..., None]) / l_sum[..., None]
         m = mask.block(start, size, q.shape[1])
-        dv = jnp.einsum(
-            "bgrls,blgrk->bsgk", p.astype(dtype), d_out_c, preferred_element_type=jnp.float32
-        )
-        dp = jnp.einsum(
-            "blgrk,bsgk->bgrls", d_out_c, v_blk.astype(dtype), preferred_element_type=jnp.float32
-        )
-        ds = p * (dp - delta[..., None])
-        if m is not None:  # masked logits are constants: no gradient reaches q, k or the bias
-            ds = jnp.where(m[:, :, None], ds, 0.0)
-        dq = dq + jnp.einsum("bgrls,bsgk->blgrk", ds, k_blk.astype(jnp.float32))
-        dk = jnp.einsum("bgrls,blgrk->bsgk", ds, q.astype(jnp.float32))
-        d_bias = None
-        if bias_blk is not None:
-            d_bias = ds.reshape(ds.shape[0], -1, *ds.shape[3:])  # [B, H, L, s]
-            if bias_blk.shape[0] == 1:
-                d_bias = jnp.sum(d_bias, axis=0, keepdims=True)
-        return dq, (dk, dv, d_bias)
+        s = block_logits(q, k_blk, bias_blk, m)
+        dq_blk, dk, dv, ds = block_grads(q, k_blk, v_blk, s, m_max, l_sum, delta, d_out_c, m, dtype)
+        d_bias = None if bias_blk is None else bias_grad(ds, bias_blk.shape[0])
+        return dq + dq_blk, (dk, dv, d_bias)
 
     dq0 = jnp.zeros(q.shape, jnp.float32)
     dq, (dks, dvs, d_biases) = jax.lax.scan(step, dq0, (ks, vs, starts, biases))

@@ -23,6 +23,7 @@ import numpy as np
 from flax import linen as nn
 
 from t5lite import collectives, constraints
+from t5lite.model import ring_attention
 from t5lite.model.attention import Mask, dot_product_attention
 from t5lite.model.dense import (
     DenseGeneral,
@@ -207,9 +208,20 @@ class MultiHeadAttention(nn.Module):
         # Context parallelism attends each device's queries to gathered keys and values; it runs
         # neither the KV cache nor dropout (whose mask would have to be split per device).
         choice = collectives.Choice(collectives.Strategy.PARTITIONER)
-        if not decode and (deterministic or self.dropout_rate == 0.0):
+        dropout = not deterministic and self.dropout_rate > 0.0
+        if not decode:
             choice = collectives.select_attention_strategy(q, k, bias_bHLS, mask_B1LS, kv_axis)
-        if choice.strategy is collectives.Strategy.CONTEXT_PARALLEL:
+            if dropout and choice.strategy is collectives.Strategy.CONTEXT_PARALLEL:
+                choice = collectives.Choice(collectives.Strategy.PARTITIONER)
+        if choice.strategy is collectives.Strategy.RING_CONTEXT_PARALLEL:
+            why = ring_attention.refusal(self.attention_implementation, dropout, mask)
+            if why is not None:
+                raise ValueError(why)
+            parts = None if mask is None or mask.empty else mask
+            out_BLHK = ring_attention.ring_attention(
+                q, k, v, bias_bHLS, parts, choice.plan, dtype=jnp.dtype(self.dtype)
+            )
+        elif choice.strategy is collectives.Strategy.CONTEXT_PARALLEL:
             attend = functools.partial(
                 dot_product_attention,
                 implementation=self.attention_implementation,

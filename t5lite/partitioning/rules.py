@@ -150,6 +150,7 @@ PRESETS: dict[str, tuple[int, int] | None] = {
     "fully_sharded": (2, 2),
     "sequence_parallel": (1, 1),
     "context_parallel": (1, 1),
+    "context_parallel_ring": (1, 1),
     # GSPMD's 2D sharding (weights [embed -> data, mlp/heads -> model], activations [batch ->
     # data, embed -> model]) is t5x's 2/2 table: the rules-only form of 2D tensor parallelism
     # (Optimus splits each weight's input dim over rows and its output dim over columns, which
@@ -169,9 +170,20 @@ EXPERT_PRESETS = ("expert_parallel",)
 """Presets that only differ from another for a model with experts (`num_experts > 0`)."""
 
 
+VARIANT_PRESETS = ("context_parallel_ring",)
+"""Presets that lay out parameters and activations as another does and differ only in how a
+layer communicates inside (the ring passes keys and values where `context_parallel` gathers
+them); `plan` searches the other one."""
+
+
 def presets_for(num_experts: int) -> tuple[str, ...]:
-    """The presets worth searching for a model: the expert layouts only when it has experts."""
-    return tuple(p for p in PRESETS if num_experts > 0 or p not in EXPERT_PRESETS)
+    """The presets worth searching for a model: the expert layouts only when it has experts,
+    no `VARIANT_PRESETS`."""
+    return tuple(
+        p
+        for p in PRESETS
+        if (num_experts > 0 or p not in EXPERT_PRESETS) and p not in VARIANT_PRESETS
+    )
 
 
 def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
@@ -201,6 +213,14 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
     return front + rest
 
 
+def _context_parallel_ring(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
+    """`context_parallel` with keys and values split by position too (`kv_length` -> model):
+    they go around the ring of `model` inside attention (`model/ring_attention.py`) instead of
+    being all-gathered."""
+    cp = _context_parallel(rules)
+    return cp[:1] + [("kv_length", MODEL)] + [(n, a) for n, a in cp[1:] if n != "kv_length"]
+
+
 def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
     """Experts whole (`expert_mlp` replicated), their capacity slots over `model`."""
     moved = {"expert_mlp": None, "expert_capacity": MODEL}
@@ -210,6 +230,7 @@ def _expert_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshA
 _TABLE_EDITS = {
     "sequence_parallel": _sequence_parallel,
     "context_parallel": _context_parallel,
+    "context_parallel_ring": _context_parallel_ring,
     "expert_parallel": _expert_parallel,
 }
 
