@@ -93,9 +93,27 @@ def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
     return sp, cp
 
 
-def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int]):
-    """Per-device bytes of one layer's activations: {name: bytes} by logical layout."""
-    act = np.dtype(cfg.policy.compute).itemsize
+def activation_itemsize(cfg: Any, platform: str) -> int:
+    """Bytes an activation element takes in the compiled step on `platform`.
+
+    XLA:CPU has no bf16 or fp16 matmul: it converts their operands to fp32, and since excess
+    precision is allowed by default (`--xla_allow_excess_precision`) the algebraic simplifier
+    then drops the round trips back to the compute dtype, so every activation is stored fp32
+    (docs/performance.md, "bf16 on XLA:CPU"). TPUs and GPUs keep the compute dtype.
+    """
+    compute = np.dtype(cfg.policy.compute).itemsize
+    return max(compute, 4) if platform == "cpu" else compute
+
+
+def _platform(trainer: Trainer) -> str:
+    return str(trainer.partitioner.mesh.devices.flat[0].platform)
+
+
+def _layer_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int], act: int
+):
+    """Per-device bytes of one layer's activations (`act` bytes an element): {name: bytes} by
+    logical layout."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -314,10 +332,16 @@ class PredictedMemory:
         return self.state + self.batch + self.gradients + self.update + self.activations
 
 
-def predict_memory(trainer: Trainer) -> PredictedMemory:
-    """Peak memory per device of `trainer.train_step`, from shapes and shardings alone."""
+def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMemory:
+    """Peak memory per device of `trainer.train_step`, from shapes and shardings alone.
+
+    `platform` ("cpu", "tpu", "gpu"; default: that of the trainer's mesh) is the backend whose
+    compiler is modelled: XLA:CPU stores a bf16 policy's activations in fp32
+    (`activation_itemsize`).
+    """
     part = trainer.partitioner
     cfg = trainer.model.network_config
+    act = activation_itemsize(cfg, platform or _platform(trainer))
     b = trainer.batch_size // trainer.num_microbatches
     lt = trainer.lengths["targets"]
     if hasattr(cfg, "num_encoder_layers"):
@@ -326,13 +350,20 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     else:
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
         stacks = [(cfg.num_layers, lt, [lt])]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv)) for n, q, kv in stacks]
+    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = _scanned_backward(layers, cfg.remat_policy, logits)
     else:
         gathered = _gathered_layer_bytes(trainer)
-        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits, gathered)
+        remat = cfg.remat_policy
+        if act > np.dtype(cfg.policy.compute).itemsize:
+            # Upcast by XLA:CPU (activation_itemsize), unscanned layers' recomputation is
+            # hoisted ahead of the loss gradient, all of it, and held there: the compiled
+            # step needs what it needs without remat, whatever the policy (the buffer
+            # assignment names every layer's rematted values at the peak).
+            remat = "none"
+        backward, terms = _unscanned_backward(layers, remat, logits, gathered)
     state = _tree_bytes_per_device(trainer.abstract_state())
     batch = _tree_bytes_per_device(
         jax.tree_util.tree_map(
@@ -521,13 +552,19 @@ ACCURACY_FAMILIES = ("t5", "lm")
 
 
 def accuracy_trainer(
-    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16, layers: int = 2
+    family: str,
+    preset: str,
+    remat: str,
+    scan: bool = True,
+    batch_size: int = 16,
+    layers: int = 2,
+    precision: str = "float32",
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
     fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
     encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
-    model parallelism).
+    model parallelism), under the mixed-precision `precision` policy (precision.py).
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -545,6 +582,7 @@ def accuracy_trainer(
             num_decoder_layers=layers,
             remat_policy=remat,
             scan_layers=scan,
+            precision=precision,
         )
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
@@ -557,6 +595,7 @@ def accuracy_trainer(
             num_layers=layers,
             remat_policy=remat,
             scan_layers=scan,
+            precision=precision,
         )
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
