@@ -223,10 +223,14 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     }
 
 
-def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dict[str, int]:
+def _saved_unscanned(
+    a: dict[str, int], remat: str, hoisted: str = "all", scores_held: bool = False
+) -> dict[str, int]:
     """What one unscanned layer holds at the loss gradient, by kind (see above). Under `full`,
     `hoisted` says how much of the layer's recomputation XLA:CPU's scheduler has moved ahead
-    of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where)."""
+    of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where);
+    under `minimal`, `scores_held` whether the recomputed attention logits and probabilities
+    are among it."""
     n = a["attentions"]
     if remat == "full" and hoisted == "none":
         return {"norms+residual": a["x"]}  # the layer's input, recomputed from after the loss
@@ -238,7 +242,7 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
             "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
             "norms+residual": 4 * a["x"],
         }
-    scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
+    scores = _SCORES_SAVED * a["scores"] if remat == "none" or scores_held else 0
     # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
@@ -446,7 +450,19 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
         encoder = stack < len(layers) - 1
         return "attention" if a["heads_split"] or (encoder and gathered) else "all"
 
-    held = [[_saved_unscanned(a, remat, hoisted(a, i))] * n for i, (n, a) in enumerate(layers)]
+    # `minimal` on megatron (heads split, `embed` whole) and on the fully sharded layouts
+    # (`embed` split, weights gathered over the batch axes): every layer's attention logits and
+    # probabilities are recomputed ahead of the loss gradient and held there (XLA:CPU's buffer
+    # assignment, T5.1.1-small: 24 MiB an encoder layer on megatron); not on 2D activations or
+    # FSDP, whose scheduler leaves them to each layer's backward.
+    def scores_held(a: dict[str, int]) -> bool:
+        split = (a["heads_split"] and not a["embed_split"]) or (a["embed_split"] and gathered)
+        return remat == "minimal" and bool(split)
+
+    held = [
+        [_saved_unscanned(a, remat, hoisted(a, i), scores_held(a))] * n
+        for i, (n, a) in enumerate(layers)
+    ]
     saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
