@@ -224,13 +224,17 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
 
 
 def _saved_unscanned(
-    a: dict[str, int], remat: str, hoisted: str = "all", scores_held: bool = False
+    a: dict[str, int],
+    remat: str,
+    hoisted: str = "all",
+    scores_held: bool = False,
+    hidden: int = _UNSCANNED_HIDDEN,
 ) -> dict[str, int]:
     """What one unscanned layer holds at the loss gradient, by kind (see above). Under `full`,
     `hoisted` says how much of the layer's recomputation XLA:CPU's scheduler has moved ahead
     of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where);
     under `minimal`, `scores_held` whether the recomputed attention logits and probabilities
-    are among it."""
+    are among it; `hidden`: how many [B, L, F] buffers it holds."""
     n = a["attentions"]
     if remat == "full" and hoisted == "none":
         return {"norms+residual": a["x"]}  # the layer's input, recomputed from after the loss
@@ -249,7 +253,7 @@ def _saved_unscanned(
     gathered = a["sp_gathered"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": _UNSCANNED_HIDDEN * a["h"],
+        "mlp": hidden * a["h"],
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
 
@@ -367,7 +371,18 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             # step needs what it needs without remat, whatever the policy (the buffer
             # assignment names every layer's rematted values at the peak).
             remat = "none"
-        backward, terms = _unscanned_backward(layers, remat, logits, gathered)
+        # With every parameter replicated and the logits split over the batch only (data
+        # parallel) XLA:CPU holds two [B, L, V] buffers at the loss gradient, not three: the
+        # output layer's gradient is written straight from the logits' cotangent.
+        params = trainer.abstract_state().params
+        whole = sum(
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            for x in jax.tree_util.tree_leaves(params)
+        )
+        unsplit = _bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
+        replicated = _tree_bytes_per_device(params) == whole and logits == unsplit
+        loss_buffers = _UNSCANNED_LOSS_BUFFERS - replicated
+        backward, terms = _unscanned_backward(layers, remat, logits, gathered, loss_buffers)
     state = _tree_bytes_per_device(trainer.abstract_state())
     batch = _tree_bytes_per_device(
         jax.tree_util.tree_map(
@@ -429,7 +444,13 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     return _add(saved, peak), terms
 
 
-def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0):
+def _unscanned_backward(
+    layers: list,
+    remat: str,
+    logits: int,
+    gathered: int = 0,
+    loss_buffers: int = _UNSCANNED_LOSS_BUFFERS,
+):
     """The backward moment's activations by kind, and its terms, for unscanned layers: the
     larger of the loss gradient (every layer's saved values, the last layer's working set and
     the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
@@ -459,17 +480,28 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
         split = (a["heads_split"] and not a["embed_split"]) or (a["embed_split"] and gathered)
         return remat == "minimal" and bool(split)
 
+    # `minimal` on 2D activations (`embed` split, weights not gathered), a gated GELU's layer
+    # holds four [B, L, F] buffers (the two saved pre-activations, the recomputed tanh and
+    # product) and no stack holds the per-stack GELU buffers (XLA:CPU's buffer assignment).
+    def gelu_2d(a: dict[str, int]) -> bool:
+        return remat == "minimal" and bool(a["embed_split"] and a["gelu"]) and not gathered
+
     held = [
-        [_saved_unscanned(a, remat, hoisted(a, i), scores_held(a))] * n
+        [
+            _saved_unscanned(
+                a, remat, hoisted(a, i), scores_held(a), 4 if gelu_2d(a) else _UNSCANNED_HIDDEN
+            )
+        ]
+        * n
         for i, (n, a) in enumerate(layers)
     ]
     saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
-    gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers)
+    gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers if not gelu_2d(a))
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
-    loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
+    loss = {"logits+loss": loss_buffers * logits}
     at_loss = _add(saved, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
