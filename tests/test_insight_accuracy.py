@@ -238,8 +238,8 @@ BF16_MASTERS = BF16 + ",master=bfloat16"
 )
 def test_bf16_predicted_memory_within_ten_percent(family, preset, precision):
     """Under a bf16 policy XLA:CPU computes and stores activations in fp32 and, unscanned,
-    holds every layer's recomputation: `full` remat compiles to `none`'s memory (the same
-    total), and the prediction, which models both, is within 10% of each."""
+    holds every layer's recomputation: `full` remat compiles to `none`'s memory (within
+    0.1%), and the prediction, which models both, is within 10% of each."""
     require_devices(8)
     _check_memory(family, preset, "none", scan=False, precision=precision)
     _check_memory(family, preset, "full", scan=False, precision=precision)
@@ -247,7 +247,7 @@ def test_bf16_predicted_memory_within_ten_percent(family, preset, precision):
         _COMPILED[(family, preset_rules(preset), False, r, False, 2, precision)].total
         for r in ("none", "full")
     )
-    assert none == full
+    assert abs(none - full) <= none // 1000
 
 
 def test_bf16_activations_are_fp32_on_cpu_only():
