@@ -474,8 +474,8 @@ def _unscanned_backward(
     # `minimal` on megatron (heads split, `embed` whole) and on the fully sharded layouts
     # (`embed` split, weights gathered over the batch axes): every layer's attention logits and
     # probabilities are recomputed ahead of the loss gradient and held there (XLA:CPU's buffer
-    # assignment, T5.1.1-small: 24 MiB an encoder layer on megatron); not on 2D activations or
-    # FSDP, whose scheduler leaves them to each layer's backward.
+    # assignment); not on 2D activations or FSDP, whose scheduler leaves them to each
+    # layer's backward.
     def scores_held(a: dict[str, int]) -> bool:
         split = (a["heads_split"] and not a["embed_split"]) or (a["embed_split"] and gathered)
         return remat == "minimal" and bool(split)
@@ -486,15 +486,11 @@ def _unscanned_backward(
     def gelu_2d(a: dict[str, int]) -> bool:
         return remat == "minimal" and bool(a["embed_split"] and a["gelu"]) and not gathered
 
-    held = [
-        [
-            _saved_unscanned(
-                a, remat, hoisted(a, i), scores_held(a), 4 if gelu_2d(a) else _UNSCANNED_HIDDEN
-            )
-        ]
-        * n
-        for i, (n, a) in enumerate(layers)
-    ]
+    def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
+        hidden = 4 if gelu_2d(a) else _UNSCANNED_HIDDEN
+        return _saved_unscanned(a, remat, hoisted(a, stack), scores_held(a), hidden)
+
+    held = [[held_by(a, i)] * n for i, (n, a) in enumerate(layers)]
     saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
