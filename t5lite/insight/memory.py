@@ -350,6 +350,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     part = trainer.partitioner
     cfg = trainer.model.network_config
     act = activation_itemsize(cfg, platform or _platform(trainer))
+    compute = np.dtype(cfg.policy.compute).itemsize
     b = trainer.batch_size // trainer.num_microbatches
     lt = trainer.lengths["targets"]
     if hasattr(cfg, "num_encoder_layers"):
@@ -365,7 +366,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     else:
         gathered = _gathered_layer_bytes(trainer)
         remat = cfg.remat_policy
-        if act > np.dtype(cfg.policy.compute).itemsize:
+        if act > compute:
             # Upcast by XLA:CPU (activation_itemsize), unscanned layers' recomputation is
             # hoisted ahead of the loss gradient, all of it, and held there: the compiled
             # step needs what it needs without remat, whatever the policy (the buffer
@@ -391,7 +392,9 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             trainer.batch_shardings,
         )
     )
-    grads = _unreduced_gradient_bytes(trainer)
+    # XLA:CPU computes a bf16 master's gradient in fp32 too (activation_itemsize's upcast)
+    # and holds it so until the update.
+    grads = _unreduced_gradient_bytes(trainer, act if act > compute else 0)
     # The gradient reduction and the update: beside the gradients, their reduced copies (the
     # optimizer's parameter-sized update).
     update = _tree_bytes_per_device(trainer.abstract_state().params)
@@ -574,8 +577,9 @@ def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
     return 0, 0
 
 
-def _unreduced_gradient_bytes(trainer: Trainer) -> int:
-    """Gradient bytes per device before the reduction over the batch's mesh axes."""
+def _unreduced_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> int:
+    """Gradient bytes per device before the reduction over the batch's mesh axes, each
+    element at least `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in fp32)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
@@ -586,7 +590,7 @@ def _unreduced_gradient_bytes(trainer: Trainer) -> int:
         split = math.prod(
             part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e) if t not in batch_axes
         )
-        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
+        total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize) // split
     return total
 
 
