@@ -52,12 +52,12 @@ def memory_report(compiled: CompiledFunction, device_memory: int | None = None) 
     )
 
 
-def _tree_bytes_per_device(tree: Any) -> int:
+def _tree_bytes_per_device(tree: Any, min_itemsize: int = 0) -> int:
     """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
     total = 0
     for x in jax.tree_util.tree_leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+        total += math.prod(shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
     return total
 
 
@@ -392,19 +392,20 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             trainer.batch_shardings,
         )
     )
-    # XLA:CPU computes a bf16 master's gradient in fp32 too (activation_itemsize's upcast)
-    # and holds it so until the update.
-    grads = _unreduced_gradient_bytes(trainer, act if act > compute else 0)
+    # XLA:CPU computes a bf16 master's gradient and its update in fp32 too
+    # (activation_itemsize's upcast) and holds them so until the new state is written.
+    upcast = act if act > compute else 0
+    grads = _unreduced_gradient_bytes(trainer, upcast)
     # The gradient reduction and the update: beside the gradients, their reduced copies (the
     # optimizer's parameter-sized update).
-    update = _tree_bytes_per_device(trainer.abstract_state().params)
+    update = _tree_bytes_per_device(trainer.abstract_state().params, upcast)
     if not cfg.scan_layers:
         # Unscanned, each lookup of the token embedding keeps its own scatter-add gradient up
         # to the reduction (an encoder-decoder's shared table is looked up by both stacks, and
         # each lookup's gradient is reduced as its own operand of the combined all-reduce
         # before they are summed), beside the scatter's zero-initialised table (XLA:CPU's
         # buffer assignment, T5 on data parallel). The scanned program sums them first.
-        table = _embedding_gradient_bytes(trainer)
+        table = _embedding_gradient_bytes(trainer, upcast)
         lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
         update += (lookups - 1) * (table[0] + table[1]) + table[0]
     terms = (*terms, ("optimizer update", update))
@@ -560,7 +561,7 @@ def _gathered_layer_bytes(trainer: Trainer) -> int:
     return total
 
 
-def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
+def _embedding_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> tuple[int, int]:
     """(unreduced, reduced) bytes per device of the token embedding's gradient."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
@@ -569,7 +570,7 @@ def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
     ):
         if "token_embedder" in jax.tree_util.keystr(path):
-            whole = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            whole = math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
             axes = [t for e in s.spec for t in mesh_axes_of(e)]
             unreduced = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
             reduced = math.prod(part.mesh.shape[t] for t in axes)
