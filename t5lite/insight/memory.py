@@ -52,12 +52,12 @@ def memory_report(compiled: CompiledFunction, device_memory: int | None = None) 
     )
 
 
-def _tree_bytes_per_device(tree: Any) -> int:
+def _tree_bytes_per_device(tree: Any, min_itemsize: int = 0) -> int:
     """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
     total = 0
     for x in jax.tree_util.tree_leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+        total += math.prod(shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
     return total
 
 
@@ -93,9 +93,27 @@ def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
     return sp, cp
 
 
-def _layer_bytes(partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int]):
-    """Per-device bytes of one layer's activations: {name: bytes} by logical layout."""
-    act = np.dtype(cfg.policy.compute).itemsize
+def activation_itemsize(cfg: Any, platform: str) -> int:
+    """Bytes an activation element takes in the compiled step on `platform`.
+
+    XLA:CPU has no bf16 or fp16 matmul: it converts their operands to fp32, and since excess
+    precision is allowed by default (`--xla_allow_excess_precision`) the algebraic simplifier
+    then drops the round trips back to the compute dtype, so every activation is stored fp32
+    (docs/performance.md, "bf16 on XLA:CPU"). TPUs and GPUs keep the compute dtype.
+    """
+    compute = np.dtype(cfg.policy.compute).itemsize
+    return max(compute, 4) if platform == "cpu" else compute
+
+
+def _platform(trainer: Trainer) -> str:
+    return str(trainer.partitioner.mesh.devices.flat[0].platform)
+
+
+def _layer_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int], act: int
+):
+    """Per-device bytes of one layer's activations (`act` bytes an element): {name: bytes} by
+    logical layout."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -205,10 +223,18 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     }
 
 
-def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dict[str, int]:
+def _saved_unscanned(
+    a: dict[str, int],
+    remat: str,
+    hoisted: str = "all",
+    scores_held: bool = False,
+    hidden: int = _UNSCANNED_HIDDEN,
+) -> dict[str, int]:
     """What one unscanned layer holds at the loss gradient, by kind (see above). Under `full`,
     `hoisted` says how much of the layer's recomputation XLA:CPU's scheduler has moved ahead
-    of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where)."""
+    of the loss gradient: "all", "attention" or "none" (_unscanned_backward says where);
+    under `minimal`, `scores_held` whether the recomputed attention logits and probabilities
+    are among it; `hidden`: how many [B, L, F] buffers it holds."""
     n = a["attentions"]
     if remat == "full" and hoisted == "none":
         return {"norms+residual": a["x"]}  # the layer's input, recomputed from after the loss
@@ -220,14 +246,14 @@ def _saved_unscanned(a: dict[str, int], remat: str, hoisted: str = "all") -> dic
             "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
             "norms+residual": 4 * a["x"],
         }
-    scores = _SCORES_SAVED * a["scores"] if remat == "none" else 0
+    scores = _SCORES_SAVED * a["scores"] if remat == "none" or scores_held else 0
     # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
     gathered = a["sp_gathered"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": _UNSCANNED_HIDDEN * a["h"],
+        "mlp": hidden * a["h"],
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
 
@@ -314,10 +340,17 @@ class PredictedMemory:
         return self.state + self.batch + self.gradients + self.update + self.activations
 
 
-def predict_memory(trainer: Trainer) -> PredictedMemory:
-    """Peak memory per device of `trainer.train_step`, from shapes and shardings alone."""
+def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMemory:
+    """Peak memory per device of `trainer.train_step`, from shapes and shardings alone.
+
+    `platform` ("cpu", "tpu", "gpu"; default: that of the trainer's mesh) is the backend whose
+    compiler is modelled: XLA:CPU stores a bf16 policy's activations in fp32
+    (`activation_itemsize`).
+    """
     part = trainer.partitioner
     cfg = trainer.model.network_config
+    act = activation_itemsize(cfg, platform or _platform(trainer))
+    compute = np.dtype(cfg.policy.compute).itemsize
     b = trainer.batch_size // trainer.num_microbatches
     lt = trainer.lengths["targets"]
     if hasattr(cfg, "num_encoder_layers"):
@@ -326,13 +359,31 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
     else:
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
         stacks = [(cfg.num_layers, lt, [lt])]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv)) for n, q, kv in stacks]
+    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = _scanned_backward(layers, cfg.remat_policy, logits)
     else:
         gathered = _gathered_layer_bytes(trainer)
-        backward, terms = _unscanned_backward(layers, cfg.remat_policy, logits, gathered)
+        remat = cfg.remat_policy
+        if act > compute:
+            # Upcast by XLA:CPU (activation_itemsize), unscanned layers' recomputation is
+            # hoisted ahead of the loss gradient, all of it, and held there: the compiled
+            # step needs what it needs without remat, whatever the policy (the buffer
+            # assignment names every layer's rematted values at the peak).
+            remat = "none"
+        # With every parameter replicated and the logits split over the batch only (data
+        # parallel) XLA:CPU holds two [B, L, V] buffers at the loss gradient, not three: the
+        # output layer's gradient is written straight from the logits' cotangent.
+        params = trainer.abstract_state().params
+        whole = sum(
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            for x in jax.tree_util.tree_leaves(params)
+        )
+        unsplit = _bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
+        replicated = _tree_bytes_per_device(params) == whole and logits == unsplit
+        loss_buffers = _UNSCANNED_LOSS_BUFFERS - replicated
+        backward, terms = _unscanned_backward(layers, remat, logits, gathered, loss_buffers)
     state = _tree_bytes_per_device(trainer.abstract_state())
     batch = _tree_bytes_per_device(
         jax.tree_util.tree_map(
@@ -341,17 +392,20 @@ def predict_memory(trainer: Trainer) -> PredictedMemory:
             trainer.batch_shardings,
         )
     )
-    grads = _unreduced_gradient_bytes(trainer)
+    # XLA:CPU computes a bf16 master's gradient and its update in fp32 too
+    # (activation_itemsize's upcast) and holds them so until the new state is written.
+    upcast = act if act > compute else 0
+    grads = _unreduced_gradient_bytes(trainer, upcast)
     # The gradient reduction and the update: beside the gradients, their reduced copies (the
     # optimizer's parameter-sized update).
-    update = _tree_bytes_per_device(trainer.abstract_state().params)
+    update = _tree_bytes_per_device(trainer.abstract_state().params, upcast)
     if not cfg.scan_layers:
         # Unscanned, each lookup of the token embedding keeps its own scatter-add gradient up
         # to the reduction (an encoder-decoder's shared table is looked up by both stacks, and
         # each lookup's gradient is reduced as its own operand of the combined all-reduce
         # before they are summed), beside the scatter's zero-initialised table (XLA:CPU's
         # buffer assignment, T5 on data parallel). The scanned program sums them first.
-        table = _embedding_gradient_bytes(trainer)
+        table = _embedding_gradient_bytes(trainer, upcast)
         lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
         update += (lookups - 1) * (table[0] + table[1]) + table[0]
     terms = (*terms, ("optimizer update", update))
@@ -394,7 +448,13 @@ def _scanned_backward(layers: list, remat: str, logits: int):
     return _add(saved, peak), terms
 
 
-def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0):
+def _unscanned_backward(
+    layers: list,
+    remat: str,
+    logits: int,
+    gathered: int = 0,
+    loss_buffers: int = _UNSCANNED_LOSS_BUFFERS,
+):
     """The backward moment's activations by kind, and its terms, for unscanned layers: the
     larger of the loss gradient (every layer's saved values, the last layer's working set and
     the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
@@ -415,14 +475,33 @@ def _unscanned_backward(layers: list, remat: str, logits: int, gathered: int = 0
         encoder = stack < len(layers) - 1
         return "attention" if a["heads_split"] or (encoder and gathered) else "all"
 
-    held = [[_saved_unscanned(a, remat, hoisted(a, i))] * n for i, (n, a) in enumerate(layers)]
+    # `minimal` on megatron (heads split, `embed` whole) and on the fully sharded layouts
+    # (`embed` split, weights gathered over the batch axes): every layer's attention logits and
+    # probabilities are recomputed ahead of the loss gradient and held there (XLA:CPU's buffer
+    # assignment); not on 2D activations or FSDP, whose scheduler leaves them to each
+    # layer's backward.
+    def scores_held(a: dict[str, int]) -> bool:
+        split = (a["heads_split"] and not a["embed_split"]) or (a["embed_split"] and gathered)
+        return remat == "minimal" and bool(split)
+
+    # `minimal` on 2D activations (`embed` split, weights not gathered), a gated GELU's layer
+    # holds four [B, L, F] buffers (the two saved pre-activations, the recomputed tanh and
+    # product) and no stack holds the per-stack GELU buffers (XLA:CPU's buffer assignment).
+    def gelu_2d(a: dict[str, int]) -> bool:
+        return remat == "minimal" and bool(a["embed_split"] and a["gelu"]) and not gathered
+
+    def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
+        hidden = 4 if gelu_2d(a) else _UNSCANNED_HIDDEN
+        return _saved_unscanned(a, remat, hoisted(a, stack), scores_held(a), hidden)
+
+    held = [[held_by(a, i)] * n for i, (n, a) in enumerate(layers)]
     saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
-    gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers)
+    gelu = sum(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] for _, a in layers if not gelu_2d(a))
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
-    loss = {"logits+loss": _UNSCANNED_LOSS_BUFFERS * logits}
+    loss = {"logits+loss": loss_buffers * logits}
     at_loss = _add(saved, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -482,7 +561,7 @@ def _gathered_layer_bytes(trainer: Trainer) -> int:
     return total
 
 
-def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
+def _embedding_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> tuple[int, int]:
     """(unreduced, reduced) bytes per device of the token embedding's gradient."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
@@ -491,7 +570,7 @@ def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
     ):
         if "token_embedder" in jax.tree_util.keystr(path):
-            whole = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            whole = math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
             axes = [t for e in s.spec for t in mesh_axes_of(e)]
             unreduced = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
             reduced = math.prod(part.mesh.shape[t] for t in axes)
@@ -499,8 +578,9 @@ def _embedding_gradient_bytes(trainer: Trainer) -> tuple[int, int]:
     return 0, 0
 
 
-def _unreduced_gradient_bytes(trainer: Trainer) -> int:
-    """Gradient bytes per device before the reduction over the batch's mesh axes."""
+def _unreduced_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> int:
+    """Gradient bytes per device before the reduction over the batch's mesh axes, each
+    element at least `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in fp32)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
@@ -511,7 +591,7 @@ def _unreduced_gradient_bytes(trainer: Trainer) -> int:
         split = math.prod(
             part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e) if t not in batch_axes
         )
-        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
+        total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize) // split
     return total
 
 
@@ -521,13 +601,19 @@ ACCURACY_FAMILIES = ("t5", "lm")
 
 
 def accuracy_trainer(
-    family: str, preset: str, remat: str, scan: bool = True, batch_size: int = 16, layers: int = 2
+    family: str,
+    preset: str,
+    remat: str,
+    scan: bool = True,
+    batch_size: int = 16,
+    layers: int = 2,
+    precision: str = "float32",
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
     fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
     encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
-    model parallelism).
+    model parallelism), under the mixed-precision `precision` policy (precision.py).
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -545,6 +631,7 @@ def accuracy_trainer(
             num_decoder_layers=layers,
             remat_policy=remat,
             scan_layers=scan,
+            precision=precision,
         )
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
@@ -557,6 +644,7 @@ def accuracy_trainer(
             num_layers=layers,
             remat_policy=remat,
             scan_layers=scan,
+            precision=precision,
         )
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
