@@ -288,6 +288,14 @@ def test_training_runs_the_tasks_and_eval_writes_the_same_numbers():
             "doc_to_target: 0\ndoc_to_choice: [a]\ntest_split: test\n",
             "harness task 'nofile_task': data file {d}/missing.jsonl does not exist ({d}/t.yaml)",
         ),
+        (
+            "beam_task",
+            "task: beam_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            "    test: gen.jsonl\noutput_type: generate_until\ndoc_to_text: x\n"
+            "doc_to_target: y\ntest_split: test\ngeneration_kwargs:\n  num_beams: 4\n",
+            "harness task 'beam_task' ({d}/t.yaml): generation_kwargs num_beams=4: t5lite's "
+            "harness model cannot honour it",
+        ),
     ],
 )
 def test_tasks_that_cannot_run_offline_are_one_line_naming_them(
@@ -480,3 +488,57 @@ def test_sampling_is_t5lites_temperature_sample_with_the_seed(imported):
     # top_k=1 keeps the argmax alone: greedy decoding, whatever the temperature.
     top1 = _with_kwargs(gen, do_sample=True, temperature=5.0, top_k=1)
     assert lm7.generate_until(top1) == lm.generate_until(gen + gen)
+
+
+_HONOURED = (
+    "until, max_gen_toks, do_sample, temperature, top_k, top_p and the aliases of max_gen_toks"
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"num_beams": 4},
+            f"generation_kwargs num_beams=4: t5lite's harness model cannot honour it (it decodes "
+            f"{_HONOURED})",
+        ),
+        (
+            {"do_sample": True, "temperature": 0.7, "min_p": 0.1},
+            f"generation_kwargs min_p=0.1: t5lite's harness model cannot honour it (it decodes "
+            f"{_HONOURED})",
+        ),
+        (
+            {"do_sample": True},
+            "generation_kwargs temperature=0.0 with do_sample=True: sampling needs a temperature "
+            "> 0 (lm-eval's hf model refuses it too); do_sample: false is greedy",
+        ),
+        (
+            {"do_sample": True, "temperature": 0.7, "top_k": -1},
+            "generation_kwargs top_k=-1: must be an integer >= 0 (0: all)",
+        ),
+        (
+            {"do_sample": True, "temperature": 0.7, "top_p": 1.5},
+            "generation_kwargs top_p=1.5: must be in [0, 1]",
+        ),
+    ],
+)
+def test_generation_kwargs_t5lite_cannot_honour_are_one_line_naming_them(kwargs, message):
+    """Checked for every group of requests before any is generated (no parameters here)."""
+    from lm_eval.api.instance import Instance
+
+    import seqio_lite
+    from t5lite.programs.harness_lm import T5LiteLM
+    from t5lite.programs.harness_tokens import Tokens
+
+    cfg = network.DecoderOnlyConfig(vocab_size=384, emb_dim=8, num_heads=2, head_dim=4, mlp_dim=8)
+    model = models.DecoderOnlyModel(cfg)
+    tokens = Tokens(seqio_lite.ByteVocabulary(), model.eos_id, model.decoder_start_token_id, "bos")
+    lm = T5LiteLM(model, None, tokens, partitioner=Partitioner(num_partitions=1))
+    requests = [
+        Instance("generate_until", {}, ("Q", {"until": ["\n"], "do_sample": False}), 0),
+        Instance("generate_until", {}, ("Q", {"until": ["\n"], **kwargs}), 1),
+    ]
+    with pytest.raises(ValueError) as e:
+        lm.generate_until(requests)
+    assert str(e.value) == message
