@@ -288,6 +288,14 @@ def test_training_runs_the_tasks_and_eval_writes_the_same_numbers():
             "doc_to_target: 0\ndoc_to_choice: [a]\ntest_split: test\n",
             "harness task 'nofile_task': data file {d}/missing.jsonl does not exist ({d}/t.yaml)",
         ),
+        (
+            "beam_task",
+            "task: beam_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            "    test: gen.jsonl\noutput_type: generate_until\ndoc_to_text: x\n"
+            "doc_to_target: y\ntest_split: test\ngeneration_kwargs:\n  num_beams: 4\n",
+            "harness task 'beam_task' ({d}/t.yaml): generation_kwargs num_beams=4: t5lite's "
+            "harness model cannot honour it",
+        ),
     ],
 )
 def test_tasks_that_cannot_run_offline_are_one_line_naming_them(
@@ -360,3 +368,179 @@ def test_own_vocabulary_scores_equal_the_seqio_score_path(converter):
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
     got = [logp for logp, _ in lm.loglikelihood(requests)]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- sampled generation -------------------------------------------------------------------------
+
+# A hot setting on a random model: samples of different seeds cannot all agree.
+SAMPLED = {"do_sample": True, "temperature": 2.0, "top_k": 40, "top_p": 0.95}
+
+
+def _with_kwargs(requests, **kwargs):
+    """The requests twice over (2 batches of 4), each with `kwargs` added to its own."""
+    return [
+        dataclasses.replace(r, arguments=(r.args[0], {**r.args[1], **kwargs}), idx=i)
+        for i, r in enumerate(requests + requests)
+    ]
+
+
+def _reference_samples(lm, requests, seed: int) -> list[str]:
+    """t5lite's `decoding.temperature_sample` on the harness's batches (longest prompts first,
+    batch k sampling with fold_in(PRNGKey(seed), k)), its logits recomputed without a KV cache:
+    the whole row so far, teacher-forced through `_logits`."""
+    import jax
+    import jax.numpy as jnp
+
+    from t5lite.model import decoding
+
+    model, n, kw = lm.model, lm.batch_size, requests[0].args[1]
+    until, max_gen = list(kw["until"]), kw["max_gen_toks"]
+    causal = lm.backend == "causal"
+    prompts = [lm.tok_encode(r.args[0]) for r in requests]
+    if causal:
+        bos = model.decoder_start_token_id
+        prompts = [p if p[:1] == [bos] else [bos, *p] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+
+    def tokens_to_logits(state):
+        """The logits at `cur_index` of the rows so far; the "cache" is the encoder input."""
+        start = jnp.full((n, 1), model.decoder_start_token_id, jnp.int32)
+        inputs = jnp.concatenate([start, state.sequences[:, :-1]], axis=1)
+        batch = {"decoder_input_tokens": inputs, "decoder_target_tokens": jnp.ones_like(inputs)}
+        if not causal:
+            batch["encoder_input_tokens"] = state.cache
+        logits_BLV = model._logits(lm.params, batch, None)
+        return logits_BLV[jnp.arange(n), state.cur_index], state.cache
+
+    out = [""] * len(prompts)
+    for k in range(0, len(order), n):
+        chunk = order[k : k + n]
+        longest = max(len(prompts[i]) for i in chunk)
+        # The harness's row lengths (powers of two >= 16): padding is masked either way, but the
+        # same shapes keep the float sums in the same order.
+        width = max(16, 1 << (longest + (max_gen if causal else 0) - 1).bit_length())
+        rows = np.zeros((n, width), np.int32)
+        for b, i in enumerate(chunk):
+            rows[b, : len(prompts[i])] = prompts[i]
+        dec_len = width if causal else 16
+        if causal:
+            prompt_BL = jnp.where(jnp.asarray(rows) > 0, jnp.asarray(rows), model.pad_id)
+            prompt_BL = prompt_BL.at[:, 0].set(model.decoder_start_token_id)
+            initial = jnp.asarray(
+                [max(len(prompts[i]) - 1, 0) for i in chunk] + [0] * (n - len(chunk))
+            )
+        else:
+            prompt_BL, initial = jnp.full((n, dec_len), model.pad_id, jnp.int32), None
+        sequences, _ = decoding.temperature_sample(
+            prompt_BL,
+            jnp.asarray(rows),
+            tokens_to_logits,
+            decode_rng=jax.random.fold_in(jax.random.PRNGKey(seed), k // n),
+            initial_index=initial,
+            temperature=kw["temperature"],
+            top_k=kw["top_k"],
+            top_p=kw["top_p"],
+            max_decode_steps=max_gen,
+            eos_id=model.eos_id,
+            pad_id=model.pad_id,
+            decoder_start_token_id=model.decoder_start_token_id,
+        )
+        for b, i in enumerate(chunk):
+            first = len(prompts[i]) - 1 if causal else 0
+            ids = []
+            for t in np.asarray(sequences[b, 0, first : first + max_gen]).tolist():
+                if t == model.pad_id:
+                    break
+                ids.append(t)
+                if t == model.eos_id:
+                    break
+            text = lm.tok_decode(ids)
+            for term in until:
+                text = text.split(term)[0]
+            out[i] = text
+    return out
+
+
+def test_sampling_is_t5lites_temperature_sample_with_the_seed(imported):
+    from t5lite.programs.harness_lm import T5LiteLM
+
+    _, _, lm = imported
+    gen = _requests("t5lite_gen")
+    sampled = _with_kwargs(gen, **SAMPLED)
+
+    def seeded(seed: int) -> T5LiteLM:
+        return T5LiteLM(
+            lm.model,
+            lm.params,
+            lm.tokens,
+            partitioner=lm.partitioner,
+            batch_size=lm.batch_size,
+            max_length=lm.max_length,
+            max_gen_toks=lm.max_gen_toks,
+            seed=seed,
+        )
+
+    lm7 = seeded(7)
+    texts = lm7.generate_until(sampled)
+    assert all(texts)  # real samples (the hot setting seldom stops early)
+    assert texts == _reference_samples(lm, sampled, seed=7)
+    assert lm7.generate_until(sampled) == texts  # every call starts from the seed
+    assert texts[:4] != texts[4:]  # a repeated prompt is sampled anew
+    assert seeded(8).generate_until(sampled) != texts
+    # top_k=1 keeps the argmax alone: greedy decoding, whatever the temperature.
+    top1 = _with_kwargs(gen, do_sample=True, temperature=5.0, top_k=1)
+    assert lm7.generate_until(top1) == lm.generate_until(gen + gen)
+
+
+_HONOURED = (
+    "until, max_gen_toks, do_sample, temperature, top_k, top_p and the aliases of max_gen_toks"
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"num_beams": 4},
+            f"generation_kwargs num_beams=4: t5lite's harness model cannot honour it (it decodes "
+            f"{_HONOURED})",
+        ),
+        (
+            {"do_sample": True, "temperature": 0.7, "min_p": 0.1},
+            f"generation_kwargs min_p=0.1: t5lite's harness model cannot honour it (it decodes "
+            f"{_HONOURED})",
+        ),
+        (
+            {"do_sample": True},
+            "generation_kwargs temperature=0.0 with do_sample=True: sampling needs a temperature "
+            "> 0 (lm-eval's hf model refuses it too); do_sample: false is greedy",
+        ),
+        (
+            {"do_sample": True, "temperature": 0.7, "top_k": -1},
+            "generation_kwargs top_k=-1: must be an integer >= 0 (0: all)",
+        ),
+        (
+            {"do_sample": True, "temperature": 0.7, "top_p": 1.5},
+            "generation_kwargs top_p=1.5: must be in [0, 1]",
+        ),
+    ],
+)
+def test_generation_kwargs_t5lite_cannot_honour_are_one_line_naming_them(kwargs, message):
+    """Checked for every group of requests before any is generated (no parameters here)."""
+    from lm_eval.api.instance import Instance
+
+    import seqio_lite
+    from t5lite.programs.harness_lm import T5LiteLM
+    from t5lite.programs.harness_tokens import Tokens
+
+    cfg = network.DecoderOnlyConfig(vocab_size=384, emb_dim=8, num_heads=2, head_dim=4, mlp_dim=8)
+    model = models.DecoderOnlyModel(cfg)
+    tokens = Tokens(seqio_lite.ByteVocabulary(), model.eos_id, model.decoder_start_token_id, "bos")
+    lm = T5LiteLM(model, None, tokens, partitioner=Partitioner(num_partitions=1))
+    requests = [
+        Instance("generate_until", {}, ("Q", {"until": ["\n"], "do_sample": False}), 0),
+        Instance("generate_until", {}, ("Q", {"until": ["\n"], **kwargs}), 1),
+    ]
+    with pytest.raises(ValueError) as e:
+        lm.generate_until(requests)
+    assert str(e.value) == message

@@ -27,7 +27,8 @@ from t5lite.programs.harness_tokens import find_tokens
 @register_model("t5lite")
 class T5LiteHarnessLM(T5LiteLM):
     """`--model t5lite --model_args checkpoint=DIR,gin_file=A.gin[+B.gin][,tokenizer=DIR]
-    [,batch_size=N][,max_length=N][,max_gen_toks=N][,num_partitions=N]`."""
+    [,batch_size=N][,max_length=N][,max_gen_toks=N][,num_partitions=N][,seed=N]`; `seed` makes
+    sampled generation (`do_sample: true`) reproducible."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class T5LiteHarnessLM(T5LiteLM):
         max_length: int = 512,
         max_gen_toks: int = 256,
         num_partitions: int | None = None,
+        seed: int = 0,
         **unused: Any,  # lm-eval's device, max_batch_size, ...: the mesh decides
     ):
         from t5lite.cli import registry
@@ -66,4 +68,5 @@ class T5LiteHarnessLM(T5LiteLM):
             batch_size=config.batch_size,
             max_length=config.max_length,
             max_gen_toks=config.max_gen_toks,
+            seed=int(seed),
         )

@@ -52,6 +52,9 @@ class HarnessConfig:
     """A seqio_lite vocabulary (None: the model's own)."""
     bootstrap_iters: int = 0
     """lm-eval's bootstrap resamples for standard errors (0: none, the fast choice)."""
+    seed: int | None = None
+    """The seed of sampled generation (tasks with `do_sample: true`); None: the training run's
+    seed during training, 0 in `t5lite eval`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,13 @@ def _check_task(manager: Any, name: str, include: str | None, folders: dict[str,
             if isinstance(child, str):
                 _check_task(manager, child, include, folders)
         return
+    if cfg.get("output_type") == "generate_until" and cfg.get("generation_kwargs"):
+        from t5lite.programs.harness_gen import generation
+
+        try:  # the settings generate_until will read, checked before anything is restored
+            generation(cfg["generation_kwargs"], 1)
+        except ValueError as e:
+            raise HarnessError(f"harness task {name!r} ({yaml_path}): {e}") from None
     path = cfg.get("dataset_path")
     if cfg.get("custom_dataset") is None and path not in LOCAL_BUILDERS:
         raise HarnessError(
@@ -242,7 +252,8 @@ def make_lm(
     config: HarnessConfig,
     seed: int = 0,
 ) -> Any:
-    """A `harness_lm.T5LiteLM` for `model` with `params`, sized by `config`."""
+    """A `harness_lm.T5LiteLM` for `model` with `params`, sized by `config`; it samples with
+    `config.seed`, else `seed`."""
     _lm_eval()
     from t5lite.programs.harness_lm import T5LiteLM
 
@@ -254,7 +265,7 @@ def make_lm(
         batch_size=config.batch_size,
         max_length=config.max_length,
         max_gen_toks=config.max_gen_toks,
-        seed=seed,
+        seed=seed if config.seed is None else config.seed,
     )
 
 

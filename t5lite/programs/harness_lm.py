@@ -1,4 +1,4 @@
-"""A t5lite model as an lm-evaluation-harness `LM`: scoring and greedy generation on its mesh.
+"""A t5lite model as an lm-evaluation-harness `LM`: scoring and generation on its mesh.
 
 Requests are tokenized as lm-eval's own `hf` model does (`TemplateLM`: a causal model scores a
 continuation given its context in one sequence; an encoder-decoder reads the context in the
@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.models.utils import handle_stop_sequences
 
 from t5lite.model import losses
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
+from t5lite.programs.harness_gen import Generation, generation
 from t5lite.programs.harness_tokens import Tokens
 from t5lite.trainer import Trainer
 
@@ -52,7 +53,7 @@ class T5LiteLM(TemplateLM):
       batch_size: rows per compiled batch (a multiple of the data-parallel size).
       max_length: tokens per row at most; longer contexts lose their start (as lm-eval's `hf`).
       max_gen_toks: tokens generated when a task does not say.
-      seed: the trainers' seed (greedy decoding does not use it).
+      seed: the seed of sampled generation (greedy decoding does not use it).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class T5LiteLM(TemplateLM):
         self.backend = "seq2seq" if model.feature_converter_name == "enc_dec" else "causal"
         self._trainers: dict[Any, Trainer] = {}
         self._scorers: dict[Any, Callable] = {}
+        self._decoders: dict[Any, BaseModel] = {}
 
     # --- tokens ----------------------------------------------------------------------------
 
@@ -203,27 +205,31 @@ class T5LiteLM(TemplateLM):
     # --- generation ------------------------------------------------------------------------
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations (the model's KV-cached decoder), cut at the task's stop
-        strings; a decoder-only prompt starts with the model's start token (BOS)."""
-        out: list[str] = [""] * len(requests)
+        """Continuations from the model's KV-cached decoder, greedy or sampled as each task's
+        `generation_kwargs` say (`harness_gen.generation`), cut at its stop strings; a
+        decoder-only prompt starts with the model's start token (BOS).
+
+        Sampling is deterministic for a given `seed`: every call starts from it, and its k-th
+        batch (requests grouped by `generation_kwargs` in order of first appearance, longest
+        prompts first) samples with `fold_in(PRNGKey(seed), k)`.
+        """
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
-        for idx in groups.values():
-            kwargs = normalize_gen_kwargs(requests[idx[0]].args[1], self.max_gen_toks)
-            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0):
-                raise ValueError(
-                    f"generation_kwargs {requests[idx[0]].args[1]}: t5lite's harness model "
-                    "decodes greedily only (do_sample: false)"
-                )
-            until = handle_stop_sequences(
-                kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id])
-            )
-            max_gen = int(kwargs.pop("max_gen_toks"))
-            room = self.max_length - (max_gen if self.backend == "causal" else 0)
+        # Every group's settings are checked before anything compiles.
+        settings = [
+            generation(requests[idx[0]].args[1], self.max_gen_toks) for idx in groups.values()
+        ]
+        eos = self.tok_decode([self.eot_token_id])
+        out: list[str] = [""] * len(requests)
+        batch_index = 0
+        for idx, gen in zip(groups.values(), settings):
+            until = handle_stop_sequences(list(gen.until), eos=eos)
+            room = self.max_length - (gen.max_gen_toks if self.backend == "causal" else 0)
             prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in idx]
             for chunk in _chunks(prompts, self.batch_size, key=len):
-                texts = self._generate([prompts[j] for j in chunk], max_gen)
+                texts = self._generate([prompts[j] for j in chunk], gen, batch_index)
+                batch_index += 1
                 for j, text in zip(chunk, texts):
                     for term in until:
                         text = text.split(term)[0] if term else text
@@ -232,8 +238,34 @@ class T5LiteLM(TemplateLM):
                     self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
-    def _generate(self, prompts: list[list[int]], max_gen: int) -> list[str]:
-        n, greedy = self.batch_size, dataclasses.replace(self.model, decoding_method="greedy")
+    def _decoder(self, gen: Generation) -> BaseModel:
+        """The model as it decodes `gen` (kept, so the trainer cache's id() keys stay valid)."""
+        key = (gen.temperature, gen.top_k, gen.top_p)
+        if key not in self._decoders:
+            fields: dict[str, Any] = {"decoding_method": "greedy"}
+            if not gen.greedy:
+                # transformers' top-k keeps the whole vocabulary when k exceeds it.
+                top_k = gen.top_k if gen.top_k < self.model.network_config.vocab_size else 0
+                fields = {
+                    "decoding_method": "sample",
+                    "temperature": gen.temperature,
+                    "top_k": top_k,
+                    "top_p": gen.top_p,
+                    "num_decodes": 1,
+                    "min_log_prob": None,
+                }
+            if self.backend == "causal":
+                # The prompt marked by `decoder_causal_attention`; a causal LM attends causally.
+                causal_lm = self.model.feature_converter_name == "lm"
+                fields["feature_converter"] = "prefix_lm"
+                fields["inputs_bidirectional_attention"] = (
+                    False if causal_lm else self.model.inputs_bidirectional_attention
+                )
+            self._decoders[key] = dataclasses.replace(self.model, **fields)
+        return self._decoders[key]
+
+    def _generate(self, prompts: list[list[int]], gen: Generation, batch_index: int) -> list[str]:
+        n, max_gen = self.batch_size, gen.max_gen_toks
         if self.backend == "seq2seq":
             li = _bucket(max(len(p) for p in prompts), self.max_length)
             lt = _bucket(max_gen, None)
@@ -248,23 +280,14 @@ class T5LiteLM(TemplateLM):
             start = self.model.decoder_start_token_id
             prompts = [p if p[:1] == [start] else [start, *p] for p in prompts]
             length = _bucket(max(len(p) for p in prompts) + max_gen, None)
-            # The prompt marked by `decoder_causal_attention`; a causal LM attends causally.
-            causal_lm = self.model.feature_converter_name == "lm"
-            greedy = dataclasses.replace(
-                greedy,
-                feature_converter="prefix_lm",
-                inputs_bidirectional_attention=(
-                    False if causal_lm else greedy.inputs_bidirectional_attention
-                ),
-            )
             batch = {
                 "decoder_input_tokens": _pad(prompts, n, length),
                 "decoder_target_tokens": _pad(prompts, n, length),  # unread by decoding
                 "decoder_causal_attention": _pad([[1] * len(p) for p in prompts], n, length),
             }
             lengths = {"targets": length}
-        trainer = self._trainer(greedy, lengths)
-        ids = trainer.predict_fn(self.params, max_gen)(batch)
+        trainer = self._trainer(self._decoder(gen), lengths)
+        ids = trainer.predict_fn(self.params, max_gen)(batch, rng_index=batch_index)
         return [self.tok_decode(r) for r in ids[: len(prompts)]]
 
 
