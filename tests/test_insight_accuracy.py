@@ -269,16 +269,17 @@ def test_bf16_activations_are_fp32_on_cpu_only():
     assert cpu - tpu == (cpu - scores) // 2
 
 
+# Every preset in both families, each with one remat policy and one bf16 policy in rotation
+# (16 programs): the whole 84-program matrix is `benchmarks/memory_accuracy.py --unscanned
+# --precision all`, too long for the suite.
 _BF16_MATRIX = [
-    (f, p, r, pol)
-    for pol in (BF16, BF16_MASTERS)
-    for f in ("t5", "lm")
-    for p in presets_for(0)
-    for r in REMAT_POLICIES
+    (f, p, REMAT_POLICIES[(i + j) % len(REMAT_POLICIES)], (BF16, BF16_MASTERS)[(i + j) % 2])
+    for j, f in enumerate(("t5", "lm"))
+    for i, p in enumerate(presets_for(0))
 ]
 
 
-@pytest.mark.slow  # 84 programs, ~20-100 s each on 2 busy cores
+@pytest.mark.slow  # 16 programs, ~10 s each on 2 cores
 @pytest.mark.parametrize("family,preset,remat,precision", _BF16_MATRIX)
 def test_bf16_predicted_memory_within_ten_percent_every_layout(family, preset, remat, precision):
     """Both bf16 policies, both families, every preset x remat policy, unscanned (as shipped)."""
