@@ -387,7 +387,12 @@ def test_plan_ranking_is_the_survey_formulas_and_the_docs():
         for chips in (8, 64):
             lines = ranking_lines(cfg, {"targets": 4096}, chips, chips, spec)
             assert lines[1].strip().endswith(f"{chips} chips, {chips * 4096} tokens a step")
-            printed = [line.split() for line in lines[3:]]
+            printed = [line.split() for line in lines[3:6]]
+            # 1D on 64 chips splits 32 heads 64 ways: named (the docs' 64-chip compile uses
+            # 64 heads of 32 for that reason); 2D and 3D split both models evenly.
+            notes = [x.strip() for x in lines[6:]]
+            one_d = "megatron cannot split this model: heads 32, kv_heads 32 not divisible by 64"
+            assert notes == ([one_d] if chips == 64 else [])
             want = _survey_step_ms(cfg, chips, chips * 4096, spec.peak_flops, spec.link_bytes_per_s)
             assert [row[0] for row in printed] == sorted(want, key=lambda s: want[s][0])
             for scheme, group, step, comm, count, params, acts in printed:
@@ -401,3 +406,25 @@ def test_plan_ranking_is_the_survey_formulas_and_the_docs():
             assert [s for s, _ in docs[(model, chips)]] == [LABEL[row[0]] for row in printed]
             for (_, ms), row in zip(docs[(model, chips)], printed, strict=True):
                 assert ms == pytest.approx(want[row[0]][0], abs=0.6), (model, chips, row)
+
+
+def test_plan_ranking_names_a_scheme_that_cannot_split_the_model():
+    """T5.1.1 small's 6 heads on 8 chips: 3D splits heads over q^2 = 4 and 1D over 8, which do
+    not divide 6; 2D splits them over q = 2 and runs."""
+    from t5lite.insight.hardware import device_spec_named
+    from t5lite.insight.tensor_nd import ranking_lines
+
+    cfg = network.T5Config(
+        emb_dim=512,
+        num_heads=6,
+        head_dim=64,
+        mlp_dim=1024,
+        num_encoder_layers=8,
+        num_decoder_layers=8,
+    )
+    lines = ranking_lines(cfg, {"inputs": 512, "targets": 114}, 32, 8, device_spec_named("v5p"))
+    notes = sorted(x.strip() for x in lines[6:])
+    assert notes == [
+        "megatron cannot split this model: heads 6, kv_heads 6 not divisible by 8",
+        "tensor_3d cannot split this model: heads 6, kv_heads 6 not divisible by 4",
+    ]
