@@ -428,3 +428,33 @@ def test_plan_ranking_names_a_scheme_that_cannot_split_the_model():
         "megatron cannot split this model: heads 6, kv_heads 6 not divisible by 8",
         "tensor_3d cannot split this model: heads 6, kv_heads 6 not divisible by 4",
     ]
+
+
+def test_summa_2d_over_data_is_tesseract_2p5d():
+    """Tesseract's 2.5D (q x q x d; Wang et al. 2021) is SUMMA inside each of d depth slices,
+    the batch split over (d, row), the kernels' q x q blocks repeated over d: `summa_2d` with
+    `data` = d. Its per-layer terms, written out from the table of the issue (bandwidth
+    3 (q-1)(d+1)/(d q) in n^2/q units, activations 1/(d q^2)) with T the global batch's tokens,
+    are `paper_terms('summa_2d')` on a replica's T / d; compiled on 2 x 2 x (d = 2) t5lite
+    sends 2/3 of them (the 2D departure: no backward re-broadcast)."""
+    require_devices(8)
+    for q, d, n in [(2, 2, 64), (4, 2, 256), (8, 4, 1024)]:
+        tesseract = 3 * (q - 1) * (d + 1) / (d * q) * n * n / q
+        assert paper_terms("summa_2d", q * q, n // d, n, n, 1).link_bytes == pytest.approx(
+            tesseract
+        )
+    q, d, t_global = 2, 2, B * L
+    rows = _tensor_rows("summa_2d", (B, L, D), BLD, (D, F), ("embed", "mlp"))
+    sent = sum(b for _, b in rows.values())
+    tesseract = 3 * (q - 1) / q**2 * (t_global * D / d + D * F) * 4  # float32
+    assert sent == pytest.approx(2 / 3 * tesseract)
+    # Activations 1/(d q^2): the input [B, L, D] block per device under the 2D rules.
+    part = _part("summa_2d")
+    assert dict(part.mesh.shape) == {"data": d, "tensor_row": q, "tensor_col": q}
+    from jax.sharding import NamedSharding
+
+    from t5lite.partitioning import resolve_logical_axes
+
+    spec, _ = resolve_logical_axes(BLD, part.rules, shape=(B, L, D), mesh=part.mesh)
+    x = jax.device_put(np.zeros((B, L, D), np.float32), NamedSharding(part.mesh, spec))
+    assert x.addressable_shards[0].data.size == B * L * D // (d * q * q)
