@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {"python": platform.python_version(), "jax": jax.__version__},
         "settings": {"smoke": args.smoke, "steps": steps, "device": args.device},
         "figures": figures,
+        "first_loss": {n: r["first_loss"] for n, r in m.items()},
         "analytic": rows,
     }
     if args.topology:

@@ -175,3 +175,49 @@ def test_accelerator_topology_smoke_is_labelled_an_estimate(tmp_path):
     assert r["estimated_step_ms"] == pytest.approx(1e3 * want_s, rel=1e-9)
     (fig,) = record["figures"]
     assert fig["value"] == r["estimated_mfu"] and 0 < fig["value"] < 1
+
+
+def test_tensor_nd_smoke(tmp_path):
+    out = tmp_path / "tensor_nd.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tensor_nd.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record) >= RECORD_KEYS and record["benchmark"] == "tensor_nd"
+    schemes = ["megatron", "summa_2d", "tensor_3d"]
+    names = [f["name"] for f in record["figures"]]
+    assert names == [f"{s} step on 8 fake CPU devices" for s in schemes]
+    for fig in record["figures"]:
+        assert set(fig) >= FIGURE_KEYS and fig["value"] > 0 and fig["reference"] > 0
+        assert fig["ratio"] == pytest.approx(fig["value"] / fig["reference"], rel=1e-2)
+    assert record["figures"][0]["value"] == record["figures"][0]["reference"]
+    # The same model, seed and batch: every layout's first loss is data parallel's.
+    losses = record["first_loss"]
+    assert set(losses) == set(schemes)
+    assert losses["summa_2d"] == pytest.approx(losses["megatron"], rel=1e-4)
+    assert losses["tensor_3d"] == pytest.approx(losses["megatron"], rel=1e-4)
+    # Analytic part: ≈1B and ≈7B on 8 and 64 chips, each a ranking of the three schemes, fastest
+    # first, with the same compute (step - communication) for all three.
+    rows = record["analytic"]
+    groups = {(r["model"], r["chips"]) for r in rows}
+    assert groups == {(m, c) for m in ("≈1B", "≈7B") for c in (8, 64)}
+    for model, chips in groups:
+        ranked = [r for r in rows if (r["model"], r["chips"]) == (model, chips)]
+        assert [r["rank"] for r in ranked] == [1, 2, 3]
+        assert sorted(r["scheme"] for r in ranked) == sorted(schemes)
+        steps = [r["step_s"] for r in ranked]
+        assert steps == sorted(steps)
+        compute = {round(r["step_s"] - r["communication_s"], 9) for r in ranked}
+        assert len(compute) == 1, compute
+        group = {r["scheme"]: r["tensor_devices"] for r in ranked}
+        assert group == {"megatron": chips, "summa_2d": 4 if chips == 8 else 64, "tensor_3d": chips}
+        for r in ranked:
+            assert r["params_per_device"] == pytest.approx(1 / r["tensor_devices"])
+            act = 1.0 if r["scheme"] == "megatron" else 1 / r["tensor_devices"]
+            assert r["activations_per_device"] == pytest.approx(act)

@@ -289,4 +289,25 @@ def ranking_lines(
             f"{e.communication_s * 1e3:>11.1f}{e.collectives:>13}"
             f"{f'1/{round(1 / e.param_fraction)}':>8}{f'1/{round(1 / e.activation_fraction)}':>7}"
         )
+    lines += [
+        f"  {e.scheme} cannot split this model: {why}"
+        for e in ranked
+        if (why := indivisible(cfg, e.scheme, e.tensor_devices))
+    ]
     return lines
+
+
+def indivisible(network_config, scheme: str, tensor_devices: int) -> str | None:
+    """Which of a model's dimensions `scheme`'s rules split by a size that does not divide it
+    (None: all divide): 1D splits heads and the MLP over P; 2D splits the features over q
+    (`tensor_col`) and embed over q (`tensor_row`); 3D splits heads, the MLP and embed over
+    q^2 ((`tensor_j`, `tensor_l`))."""
+    cfg, dims = network_config, SCHEME_DIMS[scheme]
+    q = round(tensor_devices ** (1 / dims))
+    split = {1: tensor_devices, 2: q, 3: q * q}[dims]
+    kv = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
+    sizes = {"heads": cfg.num_heads, "kv_heads": kv, "mlp": cfg.mlp_dim}
+    if dims > 1:
+        sizes["embed"] = cfg.emb_dim
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % split]
+    return f"{', '.join(bad)} not divisible by {split}" if bad else None
