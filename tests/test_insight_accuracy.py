@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import require_devices
 
-from t5lite.insight import communication, comparison, flops, memory
+from t5lite.insight import activation_memory, communication, comparison, flops, memory
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.report import compile_train_step
 from t5lite.insight.sharding import sharding_report
@@ -297,7 +297,7 @@ def test_predicted_memory_sizes_activations_from_the_rules():
     y = dict(memory.predict_memory(act2d).terms)["saved activations"]
     b, length, d = 16 // 2, 128, 256
     x_bytes = b * length * d * 4  # one [B/data, L, D] fp32 buffer per device
-    per_layer_x = memory._X_PER_BLOCK * 2  # two blocks a layer
+    per_layer_x = activation_memory._X_PER_BLOCK * 2  # two blocks a layer
     assert x - y == 2 * per_layer_x * (x_bytes - x_bytes // 4)
 
 

@@ -1,0 +1,266 @@
+"""The activations a train step holds at its backward's peak, by kind: what each layer keeps for
+its backward under a remat policy and where the backward's peak falls, scanned or unscanned
+(`memory.predict_memory` sums them with the state, batch, gradients and update)."""
+
+from __future__ import annotations
+
+# Buffers of each shape that the CPU compiler keeps per layer without remat, read from XLA's
+# buffer assignment (`--xla_dump_to`) on the scanned models of tests/test_insight_accuracy.py
+# and checked on longer sequences (docs/performance.md has the figures). Per block: the input,
+# the norm's output, the block's output before its reduction and the residual sum; per
+# attention, q and the context; keys and values once; the MLP's pre-activations, activation,
+# gated product and their cotangents. The [B, H, L, L] fp32 attention scores: every layer
+# keeps two (logits, probabilities); the layer being differentiated three more (their
+# cotangents and the softmax's temporaries).
+_X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _HIDDEN = 4, 2, 1, 9
+_SCORES_SAVED, _SCORES_WORKING = 2, 3
+# The loss: logits and softmax probabilities (their cotangent reuses the logits' buffer).
+_LOSS_BUFFERS = 2
+# Unscanned layers (`scan_layers=False`): no loop carries stacked copies of each layer's
+# values, so a layer keeps fewer [B, L, D] and [B, L, F] buffers (3 a block, 5 of the MLP's);
+# and the backward's peak is at the loss gradient, with the logits, their softmax and
+# cotangent and three [B, L, D] buffers of the last layer live beside every layer's saved
+# values. Fitted on the CPU compiler's totals over FSDP configurations of both families
+# (2 to 4 layers, several widths and lengths). Remat: under FSDP the scheduler hoists every
+# layer's recomputation ahead of the loss gradient (no loop orders it), so the recomputed
+# values are live together and the only saving is the [B, H, L, S] scores, which the
+# recomputation fuses away; other layouts hoist less (unscanned_backward).
+_UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
+# T5.1.1's gated GELU (tanh form): six [B, L, F] buffers of a layer of each stack at the loss
+# gradient, whatever the depth and the remat policy (between 2 and 4 layers a stack, the
+# part of XLA's figure that does not grow with depth is the same under every policy).
+_UNSCANNED_GELU_HIDDEN = 6
+
+# Kinds of activation a report breaks the total into (they add up to `activations`).
+KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
+
+
+def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str, int]:
+    """What one layer keeps for its backward pass under a remat policy, by kind (`scores`: how
+    many [B, H, L, L] buffers without remat; default: those every layer keeps)."""
+    n = a["attentions"]
+    if remat == "full":
+        return {"norms+residual": a["x"]}  # the layer input; everything else is recomputed
+    if remat == "minimal":  # outputs of dots without batch dims (projections) + the input
+        return {
+            "attention": n * (a["q"] + a["x"]) + a["kv"],  # q, k, v and the out projection
+            "mlp": a["mlp_in"] * a["h"],
+            "norms+residual": 2 * a["x"],
+        }
+    return {
+        "attention": _Q_PER_ATTENTION * n * a["q"]
+        + _KV * a["kv"]
+        + a["kv_gathered"]
+        + (_SCORES_SAVED if scores is None else scores) * a["scores"],
+        "mlp": _HIDDEN * a["h"],
+        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
+    }
+
+
+def _saved_unscanned(
+    a: dict[str, int],
+    remat: str,
+    hoisted: str = "all",
+    scores_held: bool = False,
+    hidden: int = _UNSCANNED_HIDDEN,
+) -> dict[str, int]:
+    """What one unscanned layer holds at the loss gradient, by kind (see above). Under `full`,
+    `hoisted` says how much of the layer's recomputation XLA:CPU's scheduler has moved ahead
+    of the loss gradient: "all", "attention" or "none" (unscanned_backward says where);
+    under `minimal`, `scores_held` whether the recomputed attention logits and probabilities
+    are among it; `hidden`: how many [B, L, F] buffers it holds."""
+    n = a["attentions"]
+    if remat == "full" and hoisted == "none":
+        return {"norms+residual": a["x"]}  # the layer's input, recomputed from after the loss
+    if remat == "full" and hoisted == "attention":
+        # Megatron: each layer's attention is recomputed ahead of the loss gradient (its
+        # input, three more [B, L, D] buffers, q, k, v and both score buffers live at the
+        # peak), its MLP, behind the out projection's all-reduce, is not.
+        return {
+            "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
+            "norms+residual": 4 * a["x"],
+        }
+    scores = _SCORES_SAVED * a["scores"] if remat == "none" or scores_held else 0
+    # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
+    # and those whole-length copies are live with the rest at the loss gradient whatever the
+    # policy.
+    gathered = a["sp_gathered"]
+    return {
+        "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
+        "mlp": hidden * a["h"],
+        "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
+    }
+
+
+def _recomputed(a: dict[str, int]) -> dict[str, int]:
+    """One unscanned layer's `full` recomputation as it stands before its backward, by kind
+    (XLA:CPU's buffer assignment): each block's gathered matmul input, the input and its
+    norm's output, q (per attention), k and v, the logits and probabilities, the MLP's two
+    pre-activations and their product. On megatron (heads split, `embed` whole) the
+    attention's recomputation runs apart from the MLP's, and nothing is fused across blocks:
+    each block's norm output is kept in both its layouts ([B, L, D] and the matmul's
+    [B * L, D]), the residual sums and each attention's context are buffers of their own, and
+    so is the GELU's tanh."""
+    n = a["attentions"]
+    if a["heads_split"] and not a["embed_split"]:
+        return {
+            "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
+            "mlp": (3 + a["gelu"]) * a["h"],
+            "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
+        }
+    return {
+        "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
+        "mlp": 3 * a["h"],
+        "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
+    }
+
+
+# Unscanned `full`, inside a stack's backward: every layer of that stack is recomputed and
+# live (hoisted ahead of its first layer's backward), and the layer being differentiated adds
+# the cotangents of its recomputed values and the matmuls' gradient temporaries,
+# _RECOMPUTED_WORKING times its recomputed values (fitted on XLA:CPU's compiled totals of the
+# layouts that recompute after the loss gradient, 2 to 6 layers).
+_RECOMPUTED_WORKING = 1.5
+
+
+def _add(*parts: dict[str, int], scale: float = 1) -> dict[str, int]:
+    out = dict.fromkeys(KINDS, 0)
+    for part in parts:
+        for k, v in part.items():
+            out[k] += int(v * scale)
+    return out
+
+
+# Where the `full` recomputation goes, read from XLA:CPU's buffer assignment: all of it
+# ahead of the loss gradient on data parallel, FSDP, sequence and context parallel; the
+# attention's on megatron (an encoder's right after its forward, a decoder's self-attention
+# ahead of the loss; the MLP waits behind the out projection's all-reduce); none on the 2D
+# layouts (embed split), whose layers are recomputed after the loss gradient, a stack's
+# all ahead of its first layer's backward. Of an encoder-decoder's encoder under FSDP (its
+# recomputation gathers the weights again), only the attention's. Sequence parallel,
+# without the gathers, hoists all of it (T5 `full` compiles to `minimal`'s figure).
+def _hoisted(a: dict[str, int], stack: int, layers: list, gathered: int) -> str:
+    if a["embed_split"]:
+        return "none"
+    encoder = stack < len(layers) - 1
+    return "attention" if a["heads_split"] or (encoder and gathered) else "all"
+
+
+# `minimal` on megatron (heads split, `embed` whole) and on the fully sharded layouts
+# (`embed` split, weights gathered over the batch axes): every layer's attention logits and
+# probabilities are recomputed ahead of the loss gradient and held there (XLA:CPU's buffer
+# assignment); not on 2D activations or FSDP, whose scheduler leaves them to each
+# layer's backward.
+def _scores_held(a: dict[str, int], remat: str, gathered: int) -> bool:
+    split = (a["heads_split"] and not a["embed_split"]) or (a["embed_split"] and gathered)
+    return remat == "minimal" and bool(split)
+
+
+# `minimal` on 2D activations (`embed` split, weights not gathered), a gated GELU's layer
+# holds four [B, L, F] buffers (the two saved pre-activations, the recomputed tanh and
+# product) and no stack holds the per-stack GELU buffers (XLA:CPU's buffer assignment).
+def _gelu_2d(a: dict[str, int], remat: str, gathered: int) -> bool:
+    return remat == "minimal" and bool(a["embed_split"] and a["gelu"]) and not gathered
+
+
+def scanned_backward(layers: list, remat: str, logits: int):
+    """The backward moment's activations by kind, and its terms, for scanned layers."""
+    saved = _add(*(_saved(a, remat) for n, a in layers for _ in range(n)))
+    # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
+    # inputs are gathered over the axes that split activations (2D activations, sequence
+    # parallelism), so its [B, L, D] buffers are counted at their gathered size.
+    # Sequence parallelism's blocks differentiate their gathered inputs whatever the policy
+    # (the cotangent is whole until the reduce-scatter); context parallelism's attention holds
+    # the gathered keys and values and their whole cotangents.
+    gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
+    works = [
+        _saved(
+            {**a, "x": a["x_gathered" if gathered else "x"], "kv_gathered": 2 * a["kv_gathered"]},
+            "none",
+            _SCORES_WORKING,
+        )
+        for _, a in layers
+    ]
+    work = max(works, key=lambda w: sum(w.values()))
+    loss = {"logits+loss": _LOSS_BUFFERS * logits}
+    # Under remat the compiler recomputes the last layer's forward (half its working set: the
+    # values, not yet their cotangents) while the loss's [B, L, V] buffers are still live.
+    with_loss = _add(loss, _add(work, scale=0.5 if gathered else 0))
+    peak = with_loss if sum(with_loss.values()) > sum(work.values()) else work
+    terms = (
+        ("saved activations", sum(saved.values())),
+        ("layer working set", sum(work.values())),
+        ("loss temporaries", loss["logits+loss"]),
+    )
+    return _add(saved, peak), terms
+
+
+def unscanned_backward(
+    layers: list,
+    remat: str,
+    logits: int,
+    gathered: int = 0,
+    loss_buffers: int = UNSCANNED_LOSS_BUFFERS,
+):
+    """The backward moment's activations by kind, and its terms, for unscanned layers: the
+    larger of the loss gradient (every layer's saved values, the last layer's working set and
+    the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
+    recomputed, the earlier stacks' held values, no loss buffers left)."""
+    first = layers[-1][1]  # the first layer differentiated: the last stack's last
+
+    def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
+        hidden = 4 if _gelu_2d(a, remat, gathered) else _UNSCANNED_HIDDEN
+        hoist, held_scores = _hoisted(a, stack, layers, gathered), _scores_held(a, remat, gathered)
+        return _saved_unscanned(a, remat, hoist, held_scores, hidden)
+
+    held = [[held_by(a, i)] * n for i, (n, a) in enumerate(layers)]
+    saved = _add(*(v for stack in held for v in stack))
+    # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
+    # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
+    sp = any(a["sp_gathered"] for _, a in layers)
+    gelu = sum(
+        _UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"]
+        for _, a in layers
+        if not _gelu_2d(a, remat, gathered)
+    )
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
+    loss = {"logits+loss": loss_buffers * logits}
+    at_loss = _add(saved, last, loss)
+
+    def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Stack `s`'s backward (stacks are differentiated last to first): the earlier stacks
+        hold what they held at the loss gradient, the later ones are done."""
+        n, a = layers[s]
+        work = _add(_recomputed(a), scale=_RECOMPUTED_WORKING)
+        earlier = (v for stack in held[:s] for v in stack)
+        # A stack recomputed ahead of the loss gradient holds what it held there.
+        own = held[s][0] if _hoisted(a, s, layers, gathered) == "all" else _recomputed(a)
+        return _add(*earlier, *[own] * n, work), work
+
+    moments = [inside(s) for s in range(len(layers))]
+    if any(_hoisted(a, i, layers, gathered) == "none" for i, (_, a) in enumerate(layers)):
+        # Recomputed after the loss gradient with nothing to order it (the 2D layouts), an
+        # earlier stack's recomputation starts while the later one's backward still runs:
+        # every layer of every stack recomputed, beside the first layer's working set.
+        work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
+        everything = (_recomputed(a) for n, a in layers for _ in range(n))
+        moments.append((_add(*everything, work), work))
+    moment, work = max(moments, key=lambda m: sum(m[0].values()))
+    if gathered:
+        # FSDP: each layer's recomputation gathers its weights again (over the batch axes),
+        # and every layer's gathered copy stays live until its backward.
+        moment["gathered weights"] = gathered
+    if remat == "full" and sum(moment.values()) > sum(at_loss.values()):
+        terms = (
+            ("saved activations", sum(moment.values()) - sum(work.values()) - gathered),
+            ("layer working set", sum(work.values())),
+            ("loss temporaries", 0),
+            ("gathered weights", gathered),
+        )
+        return moment, terms
+    terms = (
+        ("saved activations", sum(saved.values())),
+        ("layer working set", sum(last.values())),
+        ("loss temporaries", loss["logits+loss"]),
+    )
+    return at_loss, terms
