@@ -253,3 +253,27 @@ def test_docs_pipeline_inspect():
     out = run(block("docs/pipeline.md", "pipeline-inspect"), timeout=600)
     assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in out.stdout
     assert "stage-to-stage permutes per step: analytic 10 x" in out.stdout
+
+
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_stage_row_of_the_communication_table_agrees(base, stages, num_partitions):
+    """The analytic communication counts the pipeline's collectives over `stage` (T = m + p - 1
+    ticks, a = one microbatch's 1 KiB): 2T schedule permutes, T input-gradient all-reduces and
+    the output's hand-off; `inspect`'s stage row agrees with the compiled step (within 10%)."""
+    from t5lite.insight.comparison import compare_communication
+    from t5lite.insight.report import compile_train_step, step_report
+
+    tr = _trainer(base, stages, num_partitions)
+    step = step_report(tr, compiled=compile_train_step(tr))
+    mine = [e for e in step.analytic.expected if e.axes == ("stage",)]
+    t, a = 4 + stages - 1, 1024
+    assert [(e.kind, e.count, e.bytes) for e in mine] == [
+        ("collective-permute", 2 * t, 2 * t * a),
+        ("all-reduce", t, t * a),
+        ("collective-permute", 2, (t + 4) * a),
+        ("all-reduce", 1, 4 * a),
+    ]
+    (row,) = [
+        c for c in compare_communication(step.collectives, step.analytic) if c.axes == ("stage",)
+    ]
+    assert row.agrees, row
