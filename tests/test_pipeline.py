@@ -277,3 +277,26 @@ def test_stage_row_of_the_communication_table_agrees(base, stages, num_partition
         c for c in compare_communication(step.collectives, step.analytic) if c.axes == ("stage",)
     ]
     assert row.agrees, row
+
+
+@pytest.mark.parametrize(
+    "base, stages, num_partitions, microbatches",
+    [("megatron", 2, 2, 4), ("fsdp", 4, 1, 4), ("fsdp", 2, 1, 4)],
+)
+def test_memory_with_microbatches_in_flight_within_10_percent(
+    base, stages, num_partitions, microbatches
+):
+    """GPipe's analytic peak per device (every tick's residuals of the stage's layers live, at
+    one microbatch each) is within 10% of XLA's memory analysis of the compiled step."""
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.report import compile_train_step
+
+    tr = _trainer(base, stages, num_partitions, microbatches)
+    compiled = memory_report(compile_train_step(tr)).total
+    pm = insight_pipeline.pipeline_memory(tr)
+    ticks = microbatches + stages - 1
+    (a,) = insight_pipeline.pipeline_figures(tr).permute_bytes  # one microbatch's [b, L, D]
+    assert pm.stack_buffers == (2 * microbatches + ticks) * a
+    assert pm.in_flight > 0.6 * (pm.total - pm.state - pm.gradients)
+    assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
+    assert f"compiled {compiled / 1024:.2f} KiB" in pm.format(compiled)
