@@ -300,3 +300,62 @@ def test_memory_with_microbatches_in_flight_within_10_percent(
     assert pm.in_flight > 0.6 * (pm.total - pm.state - pm.gradients)
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
     assert f"compiled {compiled / 1024:.2f} KiB" in pm.format(compiled)
+
+
+def test_plan_searches_stage_counts_and_ranks_them():
+    """`plan` with stage counts 1, 2, 4 on 8 devices: GPipe layouts beside the others, screened
+    with the pipeline's memory, ranked with them, and the verdict names the best of each kind."""
+    import io
+
+    from t5lite.insight.plan import enumerate_layouts, plan
+
+    require_devices(8)
+    layouts = enumerate_layouts(8, ["fsdp"], ["none"], stage_counts=(1, 2, 4), batch_size=BATCH)
+    # per stage: data x model over 8 / p devices; m = 4p when the batch cuts so over data, else p
+    assert [(x.stages, x.data, x.model, x.microbatches) for x in layouts] == [
+        (1, 8, 1, 0),
+        (1, 4, 2, 0),
+        (1, 2, 4, 0),
+        (1, 1, 8, 0),
+        (2, 4, 1, 2),
+        (2, 2, 2, 8),
+        (2, 1, 4, 8),
+        (4, 2, 1, 4),
+        (4, 1, 2, 16),
+    ]
+    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
+    out = io.StringIO()
+    ranked = plan(
+        model=model,
+        task_feature_lengths=LENGTHS,
+        batch_size=BATCH,
+        num_devices=8,
+        presets=["fsdp"],
+        remat_policies=["none"],
+        stage_counts=(1, 2, 4),
+        top_k=1,
+        stream=out,
+        progress=io.StringIO(),
+    )
+    valid = [c for c in ranked if c.predicted is not None]
+    assert {c.layout.stages for c in valid} == {1, 2, 4}
+    for c in valid:
+        if c.layout.stages > 1:  # screened with GPipe's memory, not the unpipelined model's
+            names = [n for n, _ in c.predicted.terms]
+            assert names == ["residuals in flight", "stack buffers", "working set"]
+    fitting = [c for c in ranked if c.fits]
+    assert fitting == ranked[: len(fitting)]
+    assert [c.step_seconds for c in fitting] == sorted(c.step_seconds for c in fitting)
+    best = ranked[0]
+    other = next(
+        c
+        for c in ranked
+        if (c.fits or c.status.startswith("screened: slow"))
+        and (c.layout.stages > 1) != (best.layout.stages > 1)
+    )
+    verdict = "a pipeline wins" if best.layout.stages > 1 else "no pipeline wins"
+    assert f"{verdict}: " in out.getvalue() or f"{verdict}; " in out.getvalue()
+    assert other.layout.name in out.getvalue()
+    pipe = next(c for c in valid if c.layout.stages == 4)
+    assert "Partitioner.num_stages = 4" in pipe.layout.gin("DecoderOnlyConfig")
+    assert "pipeline_rules.base = 'fsdp'" in pipe.layout.gin("DecoderOnlyConfig")
