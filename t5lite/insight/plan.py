@@ -447,8 +447,9 @@ def plan(
         stream.write(f"best: {best.layout.name}; written to {output_gin}\n")
     else:
         stream.write(f"best: {best.layout.name}\n")
-    if best is not None and any(c.layout.stages > 1 for c in ranked):
-        stream.write(_pipeline_verdict(ranked) + "\n")
+    if any(c.layout.stages > 1 for c in ranked):
+        stream.write(_pipeline_verdict(ranked) if best else _least_memory(ranked))
+        stream.write("\n")
     if plot:
         plot_layouts([c for c in ranked if c.predicted is not None], plot)
         stream.write(f"plot: {plot}\n")
@@ -477,6 +478,17 @@ def _pipeline_verdict(ranked: Sequence[Candidate]) -> str:
         return f"a pipeline wins: {best.layout.name}{vs}"
     vs = f"; the best pipeline: {other.layout.name}" if other else "; no pipeline fits"
     return f"no pipeline wins{vs}"
+
+
+def _least_memory(ranked: Sequence[Candidate]) -> str:
+    """When nothing fits: the predicted memory of the smallest layout with and without stages."""
+    parts = []
+    for label, staged in (("with stages", True), ("without", False)):
+        mine = [c for c in ranked if c.predicted and (c.layout.stages > 1) == staged]
+        if mine:
+            c = min(mine, key=lambda c: c.predicted.total)
+            parts.append(f"{label} {c.layout.name} ({format_bytes(c.predicted.total)})")
+    return "least memory predicted: " + "; ".join(parts)
 
 
 def _with_overrides(
