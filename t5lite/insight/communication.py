@@ -22,7 +22,7 @@ from t5lite.insight.context import (
 from t5lite.insight.experts import ExpertAllToAll, expert_all_to_all
 from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
-from t5lite.insight.pipeline import pipeline_figures
+from t5lite.insight.pipeline import pipeline_collectives
 from t5lite.insight.sharding import ShardingReport
 from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
 from t5lite.insight.zero3 import Zero3Figures, zero3_figures
@@ -515,8 +515,9 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
         )
     context_rows, context_masks = context_layer_collectives(trainer), mask_collectives(trainer)
     expected += _context_collectives(trainer, context_rows + context_masks)
-    more, more_choices = _pipeline_collectives(trainer)
-    expected, choices = expected + more, choices + more_choices
+    staged, lookup = pipeline_collectives(trainer)  # GPipe's, over the stage axes
+    expected += [ExpectedCollective(*e) for e in staged]
+    choices += [CompilerChoice(*c) for c in lookup]
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)
@@ -547,66 +548,3 @@ def _context_collectives(trainer: Trainer, rows: Sequence[Any]) -> list[Expected
         size = _split(shape, cp) if r.kind != "collective-permute" else 2
         out.append(ExpectedCollective(r.kind, cp, r.count * layers, r.bytes * layers, size, why))
     return out
-
-
-def _pipeline_collectives(
-    trainer: Trainer,
-) -> tuple[list[ExpectedCollective], list[CompilerChoice]]:
-    """GPipe's collectives over the stage axes (model/pipeline.py), per stack of `T = m + p - 1`
-    ticks and one microbatch's activations `a`: the schedule's permutes (one a tick each way),
-    the stack input's gradient summed over stages each backward tick (the input is whole over
-    `stage`), and the stack output handed from the last stage to all (the last stage's `T`
-    outputs permuted and its `m` microbatches all-reduced forward, their gradient permuted
-    back)."""
-    f = pipeline_figures(trainer)
-    if f is None:
-        return [], []
-    axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
-    n = len(f.stacks)
-    a = sum(f.permute_bytes)
-    expected = [
-        ExpectedCollective(
-            "collective-permute",
-            axes,
-            2 * t * n,
-            2 * t * a,
-            2,
-            "GPipe: each tick's microbatch activations to the next stage, forward and backward",
-        ),
-        ExpectedCollective(
-            "all-reduce",
-            axes,
-            t * n,
-            t * a,
-            p,
-            "pipeline: the stack input's gradient summed over stages each backward tick",
-        ),
-        ExpectedCollective(
-            "collective-permute",
-            axes,
-            2 * n,
-            (t + m) * a,
-            2,
-            "pipeline: the last stage's outputs to the first, their gradient back",
-        ),
-        ExpectedCollective(
-            "all-reduce",
-            axes,
-            n,
-            m * a,
-            p,
-            "pipeline: the stack output (m microbatches) from the last stage to all",
-        ),
-    ]
-    # The embedding lookup runs outside the stages; the partitioner may split its rows over the
-    # stage devices as well and sum the lookup over them.
-    cfg = trainer.model.network_config
-    rows = trainer.batch_size // trainer.partitioner.data_parallel_size
-    size = rows * sum(s.length for s in f.stacks[:1]) * cfg.emb_dim * 4
-    lookup = CompilerChoice(
-        "the embedding lookup also split over the stage devices, then all-reduced",
-        axes,
-        2 * (p - 1) / p * size,
-        (("all-reduce", 1, size),),
-    )
-    return expected, [lookup]

@@ -137,6 +137,67 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
     )
 
 
+def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
+    """GPipe's collectives over the stage axes (model/pipeline.py), per stack of `T = m + p - 1`
+    ticks and one microbatch's activations `a`: the schedule's permutes (one a tick each way),
+    the stack input's gradient summed over stages each backward tick (the input is whole over
+    `stage`), and the stack output handed from the last stage to all (the last stage's `T`
+    outputs permuted and its `m` microbatches all-reduced forward, their gradient permuted
+    back). As `ExpectedCollective` and `CompilerChoice` fields (communication.py)."""
+    f = pipeline_figures(trainer)
+    if f is None:
+        return [], []
+    axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
+    n = len(f.stacks)
+    a = sum(f.permute_bytes)
+    expected = [
+        (
+            "collective-permute",
+            axes,
+            2 * t * n,
+            2 * t * a,
+            2,
+            "GPipe: each tick's microbatch activations to the next stage, forward and backward",
+        ),
+        (
+            "all-reduce",
+            axes,
+            t * n,
+            t * a,
+            p,
+            "pipeline: the stack input's gradient summed over stages each backward tick",
+        ),
+        (
+            "collective-permute",
+            axes,
+            2 * n,
+            (t + m) * a,
+            2,
+            "pipeline: the last stage's outputs to the first, their gradient back",
+        ),
+        (
+            "all-reduce",
+            axes,
+            n,
+            m * a,
+            p,
+            "pipeline: the stack output (m microbatches) from the last stage to all",
+        ),
+    ]
+    # The embedding lookup runs outside the stages; the partitioner may split its rows over the
+    # stage devices as well and sum the lookup over them.
+    cfg = trainer.model.network_config
+    rows = trainer.batch_size // trainer.partitioner.data_parallel_size
+    size = rows * sum(s.length for s in f.stacks[:1]) * cfg.emb_dim * 4
+    lookup = (
+        "the embedding lookup also split over the stage devices, then all-reduced",
+        axes,
+        2 * (p - 1) / p * size,
+        (("all-reduce", 1, size),),
+    )
+    return expected, [lookup]
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineMemory:
     """A pipelined train step's peak bytes per device, by term (GPipe: every tick's residuals
