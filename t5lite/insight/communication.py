@@ -22,6 +22,7 @@ from t5lite.insight.context import (
 from t5lite.insight.experts import ExpertAllToAll, expert_all_to_all
 from t5lite.insight.hlo import KINDS, Collective, CollectiveRow
 from t5lite.insight.memory import rule_of
+from t5lite.insight.pipeline import pipeline_collectives
 from t5lite.insight.sharding import ShardingReport
 from t5lite.insight.tensor_2d import format_tensor_2d, tensor_2d_mlp_figures
 from t5lite.insight.zero3 import Zero3Figures, zero3_figures
@@ -514,6 +515,9 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
         )
     context_rows, context_masks = context_layer_collectives(trainer), mask_collectives(trainer)
     expected += _context_collectives(trainer, context_rows + context_masks)
+    staged, lookup = pipeline_collectives(trainer)  # GPipe's, over the stage axes
+    expected += [ExpectedCollective(*e) for e in staged]
+    choices += [CompilerChoice(*c) for c in lookup]
     data_bytes = sum(e.bytes for e in expected if set(e.axes) <= set(batch_axes))
     model_bytes = sum(e.bytes for e in expected if set(e.axes) == set(model_axes) and model_axes)
     figures = tensor_2d_mlp_figures(trainer)

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from t5lite.insight import memory
 from t5lite.insight.hlo import collective_ops
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -133,4 +134,140 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
         compiled_ticks=max((op.runs for op in loops), default=0),
         compiled_permutes=sum(op.runs for op in loops),
         compiled_permute_bytes=sum(op.runs * op.collective.bytes for op in loops),
+    )
+
+
+def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
+    """GPipe's collectives over the stage axes (model/pipeline.py), per stack of `T = m + p - 1`
+    ticks and one microbatch's activations `a`: the schedule's permutes (one a tick each way),
+    the stack input's gradient summed over stages each backward tick (the input is whole over
+    `stage`), and the stack output handed from the last stage to all (the last stage's `T`
+    outputs permuted and its `m` microbatches all-reduced forward, their gradient permuted
+    back). As `ExpectedCollective` and `CompilerChoice` fields (communication.py)."""
+    f = pipeline_figures(trainer)
+    if f is None:
+        return [], []
+    axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
+    n = len(f.stacks)
+    a = sum(f.permute_bytes)
+    expected = [
+        (
+            "collective-permute",
+            axes,
+            2 * t * n,
+            2 * t * a,
+            2,
+            "GPipe: each tick's microbatch activations to the next stage, forward and backward",
+        ),
+        (
+            "all-reduce",
+            axes,
+            t * n,
+            t * a,
+            p,
+            "pipeline: the stack input's gradient summed over stages each backward tick",
+        ),
+        (
+            "collective-permute",
+            axes,
+            2 * n,
+            (t + m) * a,
+            2,
+            "pipeline: the last stage's outputs to the first, their gradient back",
+        ),
+        (
+            "all-reduce",
+            axes,
+            n,
+            m * a,
+            p,
+            "pipeline: the stack output (m microbatches) from the last stage to all",
+        ),
+    ]
+    # The embedding lookup runs outside the stages; the partitioner may split its rows over the
+    # stage devices as well and sum the lookup over them.
+    cfg = trainer.model.network_config
+    rows = trainer.batch_size // trainer.partitioner.data_parallel_size
+    size = rows * sum(s.length for s in f.stacks[:1]) * cfg.emb_dim * 4
+    lookup = (
+        "the embedding lookup also split over the stage devices, then all-reduced",
+        axes,
+        2 * (p - 1) / p * size,
+        (("all-reduce", 1, size),),
+    )
+    return expected, [lookup]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineMemory:
+    """A pipelined train step's peak bytes per device, by term (GPipe: every tick's residuals
+    are live when the backward pass starts)."""
+
+    state: int  # parameters and optimizer state (this stage's layers)
+    batch: int
+    gradients: int  # unreduced, this stage's layers
+    in_flight: int  # each of this stage's layers' saved residuals, for each of the T ticks
+    stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
+    working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
+
+    @property
+    def total(self) -> int:
+        return (
+            self.state
+            + self.batch
+            + self.gradients
+            + self.in_flight
+            + self.stack_buffers
+            + self.working
+        )
+
+    def format(self, compiled: int | None = None) -> str:
+        line = (
+            f"  memory per device: analytic {format_bytes(self.total)} = state "
+            f"{format_bytes(self.state)} + batch {format_bytes(self.batch)} + gradients "
+            f"{format_bytes(self.gradients)} + residuals in flight {format_bytes(self.in_flight)}"
+            f" + stack buffers {format_bytes(self.stack_buffers)} + working set "
+            f"{format_bytes(self.working)}"
+        )
+        if compiled:
+            line += f"; compiled {format_bytes(compiled)} ({compiled / self.total:.2f}x)"
+        return line
+
+
+def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
+    """GPipe's peak memory per device for `trainer` (None without stages): the backward pass
+    starts with all `T = m + p - 1` ticks' residuals of the stage's `L/p` layers live, each
+    sized for one microbatch by insight/memory.py's per-layer model."""
+    f = pipeline_figures(trainer)
+    if f is None:
+        return None
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    b = trainer.batch_size // f.microbatches
+    if isinstance(cfg, T5Config):
+        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
+    else:
+        lt = sum(trainer.lengths.values())
+        stacks = [(cfg.num_layers, lt, [lt])]
+    in_flight, works, stack_buffers = 0, [], 0
+    for n, q, kv in stacks:
+        a = memory._layer_bytes(part, cfg, b, q, kv)
+        in_flight += n // f.stages * f.ticks * sum(memory._saved(a, cfg.remat_policy).values())
+        works.append(sum(memory._saved(a, "none", memory._SCORES_WORKING).values()))
+        stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
+    logits = memory._bytes_per_device(
+        part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
+    )
+    # Fitted on XLA:CPU's figure (tests/test_pipeline.py, 4-layer LM, p = 2 and 4): with one
+    # layer a stage the layer loop has a single trip, and the backward of a tick works in the
+    # buffers of that tick's residuals, so no further working set is live at the peak.
+    working = max(works) if any(n // f.stages > 1 for n, _, _ in stacks) else 0
+    predicted = memory.predict_memory(trainer)
+    return PipelineMemory(
+        predicted.state,
+        predicted.batch,
+        predicted.gradients,
+        in_flight,
+        stack_buffers,
+        max(working, memory._LOSS_BUFFERS * logits),
     )

@@ -26,9 +26,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
+from t5lite.insight.estimate import estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_named
+from t5lite.insight.memory import PredictedMemory
 from t5lite.insight.meshes import mesh_over
+from t5lite.insight.pipeline import pipeline_figures, pipeline_memory
 from t5lite.insight.plot import check_plot_path, plot_layouts
 from t5lite.insight.report import analytic_figures, step_report
 from t5lite.insight.sharding import format_bytes
@@ -36,10 +41,18 @@ from t5lite.insight.tables import format_table as _table
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import ranking_lines
 from t5lite.insight.topology import get_topology
-from t5lite.insight.types import Candidate, Layout
+from t5lite.insight.types import AnalyticFigures, Candidate, Layout
 from t5lite.model.config import REMAT_POLICIES
 from t5lite.model.models import BaseModel
-from t5lite.partitioning import PRESETS, Partitioner, PartitioningError, presets_for
+from t5lite.partitioning import (
+    DATA,
+    MODEL,
+    PRESETS,
+    STAGE,
+    Partitioner,
+    PartitioningError,
+    presets_for,
+)
 from t5lite.trainer import Trainer
 
 # Used only to rank when the device's figures are unknown (CPU): the order of layouts then
@@ -57,11 +70,15 @@ def enumerate_layouts(
     presets: Sequence[str] = tuple(PRESETS),
     remat_policies: Sequence[str] = REMAT_POLICIES,
     model_sizes: Sequence[int] | None = None,
+    stage_counts: Sequence[int] = (1,),
+    batch_size: int | None = None,
 ) -> list[Layout]:
-    """Every distinct (mesh, preset, remat) for `num_devices` devices.
+    """Every distinct (stages, mesh, preset, remat) for `num_devices` devices.
 
     Data parallelism ignores the mesh shape (the batch takes every axis), so it is tried on one
     mesh; `model = 1` is kept only for presets where it differs from data parallelism (FSDP).
+    Each stage count `p > 1` that divides the devices adds GPipe layouts: the rest of the
+    devices laid out as above in every stage, with `pipeline_microbatches(p, ...)`.
     """
     for p in presets:
         if p not in PRESETS:
@@ -69,19 +86,34 @@ def enumerate_layouts(
     for r in remat_policies:
         if r not in REMAT_POLICIES:
             raise ValueError(f"plan: unknown remat policy {r!r}; known: {REMAT_POLICIES}")
-    sizes = [m for m in range(1, num_devices + 1) if num_devices % m == 0]
-    if model_sizes is not None:
-        sizes = [m for m in sizes if m in model_sizes]
+    for p in stage_counts:
+        if p < 1 or num_devices % p:
+            raise ValueError(f"plan: stage count {p} does not divide {num_devices} devices")
     out = []
-    for preset in presets:
-        for m in sizes:
-            if preset == "data_parallel" and m != 1:
-                continue
-            if m == 1 and preset not in ("data_parallel", "fsdp"):
-                continue
-            for remat in remat_policies:
-                out.append(Layout(num_devices // m, m, preset, remat))
+    for p in stage_counts:
+        per_stage = num_devices // p
+        sizes = [m for m in range(1, per_stage + 1) if per_stage % m == 0]
+        if model_sizes is not None:
+            sizes = [m for m in sizes if m in model_sizes]
+        for preset in presets:
+            for m in sizes:
+                if preset == "data_parallel" and m != 1:
+                    continue
+                if m == 1 and preset not in ("data_parallel", "fsdp"):
+                    continue
+                mb = pipeline_microbatches(p, batch_size, per_stage // m) if p > 1 else 0
+                for remat in remat_policies:
+                    out.append(Layout(per_stage // m, m, preset, remat, p, mb))
     return out
+
+
+def pipeline_microbatches(stages: int, batch_size: int | None, data: int) -> int:
+    """GPipe's microbatches for a planned pipeline: `4p` (a bubble of `(p-1)/(5p-1)`, under a
+    quarter) when the batch cuts into them over `data`, else `p`."""
+    m = 4 * stages
+    if batch_size is None or (batch_size % m == 0 and (batch_size // m) % data == 0):
+        return m
+    return stages
 
 
 def with_remat(model: BaseModel, remat: str) -> BaseModel:
@@ -99,7 +131,17 @@ def build_trainer(
     num_microbatches: int = 1,
 ) -> Trainer:
     """The trainer of one layout (PartitioningError/ValueError if the layout is invalid)."""
-    mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
+    if layout.stages == 1:
+        mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
+    else:
+        # Stages are consecutive device blocks, each a data x model mesh (as `create_mesh`).
+        grid = np.asarray(list(devices), dtype=object)
+        mesh = Mesh(grid.reshape(layout.stages, layout.data, layout.model), (STAGE, DATA, MODEL))
+        # A pipeline splits the scanned stack's `layers` dimension (model/pipeline.py).
+        cfg = dataclasses.replace(
+            model.network_config, scan_layers=True, pipeline_microbatches=layout.microbatches
+        )
+        model = dataclasses.replace(model, network_config=cfg)
     part = Partitioner(mesh, logical_axis_rules=layout.rules())
     return Trainer(
         with_remat(model, layout.remat),
@@ -125,9 +167,39 @@ def screen_layout(
     except (PartitioningError, ValueError, NotImplementedError) as e:
         # Indivisible heads or batch, or a mesh the topology cannot be cut into.
         return Candidate(layout, f"invalid: {_first_line(e)}"), None
-    a = analytic_figures(trainer, device)
+    try:
+        a = analytic_figures(trainer, device)
+    except (PartitioningError, ValueError) as e:  # a pipeline's layers or microbatches
+        return Candidate(layout, f"invalid: {_first_line(e)}"), None
+    if layout.stages > 1:
+        a = pipeline_analytic(trainer, a, device)
     screened = Candidate(layout, "screened", predicted=a.predicted, estimate=a.estimate, analytic=a)
     return screened, trainer
+
+
+def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) -> AnalyticFigures:
+    """A pipelined layout's analytic figures: GPipe's memory (`pipeline_memory`: every tick's
+    residuals of one stage's layers) and a step whose compute runs `T / m` times the work of
+    the microbatches (every stage computes through the `p - 1` bubble ticks too)."""
+    pm = pipeline_memory(trainer)
+    f = pipeline_figures(trainer)
+    if pm is None or f is None:
+        return a
+    activations = pm.in_flight + pm.stack_buffers + pm.working
+    terms = (
+        ("residuals in flight", pm.in_flight),
+        ("stack buffers", pm.stack_buffers),
+        ("working set", pm.working),
+    )
+    predicted = PredictedMemory(pm.state, pm.batch, pm.gradients, 0, activations, terms)
+    est = estimate_step(trainer, predicted, a.communication, a.report, device)
+    hardware = est.hardware_flops * f.ticks / f.microbatches
+    est = dataclasses.replace(
+        est,
+        hardware_flops=hardware,
+        compute_s=hardware / device.peak_flops if device.peak_flops else None,
+    )
+    return dataclasses.replace(a, predicted=predicted, estimate=est)
 
 
 def compile_candidate(c: Candidate, trainer: Trainer, device: DeviceSpec) -> Candidate:
@@ -236,7 +308,8 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
             (
                 str(i),
                 c.layout.preset,
-                f"{c.layout.data}x{c.layout.model}",
+                (f"{c.layout.stages}:" if c.layout.stages > 1 else "")
+                + f"{c.layout.data}x{c.layout.model}",
                 c.layout.remat,
                 format_bytes(c.predicted.total) if c.predicted else "-",
                 format_bytes(c.memory) if c.memory is not None else "-",
@@ -302,6 +375,7 @@ def plan(
     presets: Sequence[str] | None = None,
     remat_policies: Sequence[str] = REMAT_POLICIES,
     model_sizes: Sequence[int] | None = None,
+    stage_counts: Sequence[int] = (1,),
     num_microbatches: int = 1,
     top_k: int = 3,
     output_gin: str | None = None,
@@ -324,6 +398,8 @@ def plan(
         device's (required to drop layouts when the device's memory is unknown, e.g. CPU).
       presets, remat_policies, model_sizes: restrict the search space (presets default:
         every preset that applies to the model, `presets_for`).
+      stage_counts: pipeline stage counts to search (1: no pipeline); each `p > 1` adds GPipe
+        layouts with a `stage` axis of size `p` (the layers scanned).
       top_k: how many of the analytically fastest fitting layouts to compile (more when their
         estimates are within 10% of the fastest, or when none of them fits once compiled).
       output_gin: where to write the winner's gin bindings.
@@ -342,7 +418,9 @@ def plan(
     spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
     if presets is None:
         presets = presets_for(getattr(model.network_config, "num_experts", 0))
-    layouts = enumerate_layouts(len(devices), presets, remat_policies, model_sizes)
+    layouts = enumerate_layouts(
+        len(devices), presets, remat_policies, model_sizes, stage_counts, batch_size
+    )
     say = _progress(progress)
     say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")
     screened, trainers = [], {}
@@ -369,10 +447,48 @@ def plan(
         stream.write(f"best: {best.layout.name}; written to {output_gin}\n")
     else:
         stream.write(f"best: {best.layout.name}\n")
+    if any(c.layout.stages > 1 for c in ranked):
+        stream.write(_pipeline_verdict(ranked) if best else _least_memory(ranked))
+        stream.write("\n")
     if plot:
         plot_layouts([c for c in ranked if c.predicted is not None], plot)
         stream.write(f"plot: {plot}\n")
     return ranked
+
+
+def _pipeline_verdict(ranked: Sequence[Candidate]) -> str:
+    """Whether a pipeline won, against the best layout of the other kind."""
+    best = ranked[0]
+    # the other kind's best: compiled and fitting, else predicted to fit (ranked after those)
+    other = next(
+        (
+            c
+            for c in ranked
+            if (c.fits or c.status.startswith("screened: slow"))
+            and (c.layout.stages > 1) != (best.layout.stages > 1)
+        ),
+        None,
+    )
+    if best.layout.stages > 1:
+        vs = (
+            f"; the best without stages: {other.layout.name}"
+            if other
+            else ("; no layout without stages fits")
+        )
+        return f"a pipeline wins: {best.layout.name}{vs}"
+    vs = f"; the best pipeline: {other.layout.name}" if other else "; no pipeline fits"
+    return f"no pipeline wins{vs}"
+
+
+def _least_memory(ranked: Sequence[Candidate]) -> str:
+    """When nothing fits: the predicted memory of the smallest layout with and without stages."""
+    parts = []
+    for label, staged in (("with stages", True), ("without", False)):
+        mine = [c for c in ranked if c.predicted and (c.layout.stages > 1) == staged]
+        if mine:
+            c = min(mine, key=lambda c: c.predicted.total)
+            parts.append(f"{label} {c.layout.name} ({format_bytes(c.predicted.total)})")
+    return "least memory predicted: " + "; ".join(parts)
 
 
 def _with_overrides(

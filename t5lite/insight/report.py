@@ -36,7 +36,7 @@ from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_na
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.memory import memory_report, predict_memory
 from t5lite.insight.meshes import partitioner_on
-from t5lite.insight.pipeline import pipeline_figures
+from t5lite.insight.pipeline import pipeline_figures, pipeline_memory
 from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
 from t5lite.insight.summary import format_summary, memory_verdict
@@ -263,6 +263,8 @@ def inspect(
     stages = pipeline_figures(trainer, compiled.as_text() if compiled else None)
     if stages is not None:
         stream.write("\n" + stages.format() + "\n")
+        pm = pipeline_memory(trainer)
+        stream.write(pm.format(step.memory.total if step.memory else None) + "\n")
     if compile and (nd_lines := tensor_nd_lines(trainer)):
         stream.write("\n" + "\n".join(nd_lines) + "\n")
     if memory_verdict(step)[0] is False:

@@ -21,7 +21,7 @@ from t5lite.insight.hlo import KINDS, CollectiveRow
 from t5lite.insight.memory import MemoryReport, PredictedMemory
 from t5lite.insight.sharding import ShardingReport, format_bytes
 from t5lite.insight.zero3 import format_zero3
-from t5lite.partitioning import DATA, MODEL, preset_rules
+from t5lite.partitioning import DATA, MODEL, pipeline_rules, preset_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,19 +189,25 @@ class AnalyticFigures:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One point of the search space."""
+    """One point of the search space (`stages > 1`: a GPipe pipeline of that many stages, each
+    a `data x model` mesh, its layers split by `pipeline_rules(preset)`)."""
 
     data: int
     model: int
     preset: str
     remat: str
+    stages: int = 1
+    microbatches: int = 0  # pipeline microbatches (0: none, or as many as stages)
 
     @property
     def name(self) -> str:
-        return f"{self.preset} data={self.data} model={self.model} remat={self.remat}"
+        name = f"{self.preset} data={self.data} model={self.model} remat={self.remat}"
+        if self.stages > 1:
+            name += f" stage={self.stages} m={self.microbatches}"
+        return name
 
     def rules(self) -> tuple[tuple[str, Any], ...]:
-        return preset_rules(self.preset)
+        return pipeline_rules(self.preset) if self.stages > 1 else preset_rules(self.preset)
 
     def gin(self, config_class: str) -> str:
         """Gin bindings that reproduce this layout for `t5lite train` (include after the run)."""
@@ -209,14 +215,28 @@ class Layout:
             "Partitioner.logical_axis_rules = @preset_rules()",
             f"preset_rules.name = '{self.preset}'",
         ]
+        stage = []
+        if self.stages > 1:
+            rules = [
+                "Partitioner.logical_axis_rules = @pipeline_rules()",
+                f"pipeline_rules.base = '{self.preset}'",
+            ]
+            stage = [
+                f"Partitioner.num_stages = {self.stages}",
+                f"network.{config_class}.scan_layers = True",
+                f"network.{config_class}.pipeline_microbatches = {self.microbatches}",
+                f"network.{config_class}.pipeline_schedule = 'gpipe'",
+            ]
+        mesh = f"stage={self.stages} x " if self.stages > 1 else ""
         return "\n".join(
             [
-                f"# Written by `t5lite plan`: mesh data={self.data} x model={self.model}, "
+                f"# Written by `t5lite plan`: mesh {mesh}data={self.data} x model={self.model}, "
                 f"{self.preset} rules, remat={self.remat}.",
                 "# Pass it after the model and run configs: --gin_file=<this file>.",
                 *rules,
                 f"NUM_PARTITIONS = {self.model}",
                 "Partitioner.num_partitions = %NUM_PARTITIONS",
+                *stage,
                 f"REMAT_POLICY = '{self.remat}'",
                 f"network.{config_class}.remat_policy = %REMAT_POLICY",
                 "",
