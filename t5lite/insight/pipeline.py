@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from t5lite.insight import memory
+from t5lite.insight import activation_memory, memory
 from t5lite.insight.hlo import collective_ops
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -250,10 +250,14 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         lt = sum(trainer.lengths.values())
         stacks = [(cfg.num_layers, lt, [lt])]
     in_flight, works, stack_buffers = 0, [], 0
+    act = memory.activation_itemsize(cfg, memory._platform(trainer))
     for n, q, kv in stacks:
-        a = memory._layer_bytes(part, cfg, b, q, kv)
-        in_flight += n // f.stages * f.ticks * sum(memory._saved(a, cfg.remat_policy).values())
-        works.append(sum(memory._saved(a, "none", memory._SCORES_WORKING).values()))
+        a = memory._layer_bytes(part, cfg, b, q, kv, act)
+        saved = activation_memory._saved(a, cfg.remat_policy)
+        in_flight += n // f.stages * f.ticks * sum(saved.values())
+        works.append(
+            sum(activation_memory._saved(a, "none", activation_memory._SCORES_WORKING).values())
+        )
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
     logits = memory._bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
@@ -269,5 +273,5 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         predicted.gradients,
         in_flight,
         stack_buffers,
-        max(working, memory._LOSS_BUFFERS * logits),
+        max(working, activation_memory._LOSS_BUFFERS * logits),
     )
