@@ -167,7 +167,9 @@ def test_activations_by_layer_kind_hand_computed_and_add_up():
         "attention": 2 * per_layer["attention"],
         "mlp": 2 * per_layer["mlp"],
         "norms+residual": 2 * per_layer["norms+residual"] + 3 * x,  # + the last layer's
-        "logits+loss": 3 * logits,  # logits, softmax, cotangent
+        # logits and softmax: with the table replicated (data parallel) XLA writes its
+        # gradient without a transposed cotangent buffer
+        "logits+loss": 2 * logits,
     }
     assert sum(n for _, n in p.activation_kinds) == p.activations > p.update == 0
     text = rep.step_report(tr, compile=False).format(width=None)
