@@ -52,7 +52,7 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
         + _KV * a["kv"]
         + a["kv_gathered"]
         + (_SCORES_SAVED if scores is None else scores) * a["scores"],
-        "mlp": _HIDDEN * a["h"],
+        "mlp": a["moe"] or _HIDDEN * a["h"],
         "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
     }
 
