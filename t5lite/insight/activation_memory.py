@@ -101,7 +101,8 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     """One unscanned layer's `full` recomputation as it stands before its backward, by kind
     (XLA:CPU's buffer assignment): each block's gathered matmul input, the input and its
     norm's output, q (per attention), k and v, the logits and probabilities, the MLP's two
-    pre-activations and their product. On megatron (heads split, `embed` whole) the
+    pre-activations and their product (a mixture of experts': its experts' [E, G, C, F]
+    ones). On megatron (heads split, `embed` whole) the
     attention's recomputation runs apart from the MLP's, and nothing is fused across blocks:
     each block's norm output is kept in both its layouts ([B, L, D] and the matmul's
     [B * L, D]), the residual sums and each attention's context are buffers of their own, and
@@ -110,12 +111,12 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     if a["heads_split"] and not a["embed_split"]:
         return {
             "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
-            "mlp": (3 + a["gelu"]) * a["h"],
+            "mlp": (3 + a["gelu"]) * (a["moe_h"] or a["h"]),
             "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
         }
     return {
         "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
-        "mlp": 3 * a["h"],
+        "mlp": 3 * (a["moe_h"] or a["h"]),
         "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
     }
 

@@ -127,6 +127,7 @@ def _layer_bytes(
 
     x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
     sp, cp = _sequence_layout(partitioner)
+    moe = _moe_bytes(partitioner, cfg, b, q_len, act)
     # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
     # block's input whole over `length` and save it for the kernels' gradients: the
     # self-attention's and the MLP's input, and a cross-attention's query input and keys'
@@ -151,7 +152,8 @@ def _layer_bytes(
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
         "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
-        "moe": _moe_bytes(partitioner, cfg, b, q_len, act),
+        "moe": moe[0],  # a mixture of experts' MLP, saved values (0: dense)
+        "moe_h": moe[1],  # one of its experts' hidden buffers
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
@@ -177,15 +179,18 @@ def _layer_bytes(
     }
 
 
-def _moe_bytes(partitioner: Partitioner, cfg: Any, b: int, length: int, act: int) -> int:
+def _moe_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int
+) -> tuple[int, int]:
     """Per-device bytes of what a mixture-of-experts MLP (model/moe.py, capacity dispatch)
-    keeps for its backward without remat, 0 for a dense model: the dispatch and combine masks
+    keeps for its backward without remat, and of one [E, G, C, F] buffer; (0, 0) for a dense
+    model. Kept: the dispatch and combine masks
     [G, S, E, C], the dispatched inputs and the experts' outputs [E, G, C, D], and six
     [E, G, C, F] buffers of the experts' hidden layer (pre-activations, activation, product
     and cotangents; the router's [T, E] temporaries are negligible), counted as XLA:CPU's
     compiled totals of tests/test_insight_accuracy.py's MoE cases require."""
     if not getattr(cfg, "num_experts", 0):
-        return 0
+        return 0, 0
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -201,7 +206,7 @@ def _moe_bytes(partitioner: Partitioner, cfg: Any, b: int, length: int, act: int
     masks = of(("batch", None, None, None), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
-    return 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden
+    return 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden, hidden
 
 
 _MOE_HIDDEN = 6
