@@ -339,14 +339,21 @@ def _gathered_layer_bytes(trainer: Trainer) -> int:
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
-    for (path, x), s in zip(
+    for (path, x), s, names in zip(
         jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
     ):
-        axes = [t for e in s.spec for t in mesh_axes_of(e)]
+        # Experts split over the batch's axes are not gathered: their tokens come to them.
+        axes = [t for e, n in zip(s.spec, names) if n != "expert" for t in mesh_axes_of(e)]
         if "layers_" not in jax.tree_util.keystr(path) or not batch_axes & set(axes):
             continue
-        split = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
+        split = math.prod(
+            part.mesh.shape[t]
+            for e, n in zip(s.spec, names)
+            for t in mesh_axes_of(e)
+            if t not in batch_axes or n == "expert"
+        )
         total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
     return total
 
