@@ -31,6 +31,11 @@ _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LA
 # part of XLA's figure that does not grow with depth is the same under every policy).
 _UNSCANNED_GELU_HIDDEN = 6
 
+# A mixture-of-experts layer's backward under remat holds its recomputed MLP values
+# (memory._moe_bytes) and part of their cotangents beside them: 1.3 times them, fitted on
+# XLA:CPU's compiled totals of both families under megatron and expert_parallel.
+_MOE_RECOMPUTED = 1.3
+
 # Kinds of activation a report breaks the total into (they add up to `activations`).
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
@@ -52,7 +57,7 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
         + _KV * a["kv"]
         + a["kv_gathered"]
         + (_SCORES_SAVED if scores is None else scores) * a["scores"],
-        "mlp": _HIDDEN * a["h"],
+        "mlp": a["moe"] or _HIDDEN * a["h"],
         "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
     }
 
@@ -96,7 +101,8 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     """One unscanned layer's `full` recomputation as it stands before its backward, by kind
     (XLA:CPU's buffer assignment): each block's gathered matmul input, the input and its
     norm's output, q (per attention), k and v, the logits and probabilities, the MLP's two
-    pre-activations and their product. On megatron (heads split, `embed` whole) the
+    pre-activations and their product (a mixture of experts': its experts' [E, G, C, F]
+    ones). On megatron (heads split, `embed` whole) the
     attention's recomputation runs apart from the MLP's, and nothing is fused across blocks:
     each block's norm output is kept in both its layouts ([B, L, D] and the matmul's
     [B * L, D]), the residual sums and each attention's context are buffers of their own, and
@@ -105,12 +111,12 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     if a["heads_split"] and not a["embed_split"]:
         return {
             "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
-            "mlp": (3 + a["gelu"]) * a["h"],
+            "mlp": (3 + a["gelu"]) * (a["moe_h"] or a["h"]),
             "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
         }
     return {
         "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
-        "mlp": 3 * a["h"],
+        "mlp": 3 * (a["moe_h"] or a["h"]),
         "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
     }
 
@@ -173,9 +179,15 @@ def scanned_backward(layers: list, remat: str, logits: int):
     # (the cotangent is whole until the reduce-scatter); context parallelism's attention holds
     # the gathered keys and values and their whole cotangents.
     gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
+    moe = _MOE_RECOMPUTED if gathered else 1
     works = [
         _saved(
-            {**a, "x": a["x_gathered" if gathered else "x"], "kv_gathered": 2 * a["kv_gathered"]},
+            {
+                **a,
+                "x": a["x_gathered" if gathered else "x"],
+                "kv_gathered": 2 * a["kv_gathered"],
+                "moe": int(moe * a["moe"]),
+            },
             "none",
             _SCORES_WORKING,
         )

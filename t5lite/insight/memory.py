@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from t5lite.insight.activation_memory import (
     UNSCANNED_LOSS_BUFFERS,
@@ -126,6 +127,7 @@ def _layer_bytes(
 
     x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
     sp, cp = _sequence_layout(partitioner)
+    moe = _moe_bytes(partitioner, cfg, b, q_len, act)
     # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
     # block's input whole over `length` and save it for the kernels' gradients: the
     # self-attention's and the MLP's input, and a cross-attention's query input and keys'
@@ -150,6 +152,8 @@ def _layer_bytes(
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
         "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
+        "moe": moe[0],  # a mixture of experts' MLP, saved values (0: dense)
+        "moe_h": moe[1],  # one of its experts' hidden buffers
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
@@ -173,6 +177,39 @@ def _layer_bytes(
             < of(("batch", "length", None), (b, q_len, cfg.emb_dim))
         ),
     }
+
+
+def _moe_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int
+) -> tuple[int, int]:
+    """Per-device bytes of what a mixture-of-experts MLP (model/moe.py, capacity dispatch)
+    keeps for its backward without remat, and of one [E, G, C, F] buffer; (0, 0) for a dense
+    model. Kept: the dispatch and combine masks
+    [G, S, E, C], the dispatched inputs and the experts' outputs [E, G, C, D], and six
+    [E, G, C, F] buffers of the experts' hidden layer (pre-activations, activation, product
+    and cotangents; the router's [T, E] temporaries are negligible), counted as XLA:CPU's
+    compiled totals of tests/test_insight_accuracy.py's MoE cases require."""
+    if not getattr(cfg, "num_experts", 0):
+        return 0, 0
+    # Imported here: the model package is only needed for a sparse model's shapes.
+    from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
+
+    e = cfg.num_experts
+    c = cfg.moe_expert_capacity or expert_capacity(
+        length, e, cfg.moe_top_k, cfg.moe_capacity_factor
+    )
+    c = max(1, min(length, c))
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
+        return _bytes_per_device(partitioner, axes, shape, itemsize)
+
+    masks = of(("batch", None, None, None), (b, length, e, c), act)
+    dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
+    hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
+    return 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden, hidden
+
+
+_MOE_HIDDEN = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,14 +339,21 @@ def _gathered_layer_bytes(trainer: Trainer) -> int:
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
-    for (path, x), s in zip(
+    for (path, x), s, names in zip(
         jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
     ):
-        axes = [t for e in s.spec for t in mesh_axes_of(e)]
+        # Experts split over the batch's axes are not gathered: their tokens come to them.
+        axes = [t for e, n in zip(s.spec, names) if n != "expert" for t in mesh_axes_of(e)]
         if "layers_" not in jax.tree_util.keystr(path) or not batch_axes & set(axes):
             continue
-        split = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
+        split = math.prod(
+            part.mesh.shape[t]
+            for e, n in zip(s.spec, names)
+            for t in mesh_axes_of(e)
+            if t not in batch_axes or n == "expert"
+        )
         total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
     return total
 
@@ -337,12 +381,19 @@ def _unreduced_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> int:
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
-    for x, s in zip(
+    for x, s, names in zip(
         jax.tree_util.tree_leaves(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
     ):
+        # An expert kernel's `expert` dimension keeps its split even over the batch's axes: its
+        # tokens come to it (the dispatch's all-to-all), its gradient is local.
+        local = [mesh_axes_of(e) for e, n in zip(s.spec, names) if n == "expert"]
         split = math.prod(
-            part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e) if t not in batch_axes
+            part.mesh.shape[t]
+            for e in s.spec
+            for t in mesh_axes_of(e)
+            if t not in batch_axes or any(t in a for a in local)
         )
         total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize) // split
     return total
@@ -361,12 +412,15 @@ def accuracy_trainer(
     batch_size: int = 16,
     layers: int = 2,
     precision: str = "float32",
+    experts: int = 0,
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
     fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
     encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
-    model parallelism), under the mixed-precision `precision` policy (precision.py).
+    model parallelism), under the mixed-precision `precision` policy (precision.py); `experts`
+    > 0 makes every layer's MLP a mixture of that many experts (the family's default top-k and
+    capacity dispatch).
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -385,6 +439,7 @@ def accuracy_trainer(
             remat_policy=remat,
             scan_layers=scan,
             precision=precision,
+            num_experts=experts,
         )
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
@@ -398,6 +453,7 @@ def accuracy_trainer(
             remat_policy=remat,
             scan_layers=scan,
             precision=precision,
+            num_experts=experts,
         )
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
