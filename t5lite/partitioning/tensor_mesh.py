@@ -23,6 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 from t5lite.partitioning.mesh import DATA, PartitioningError, _device_array
+from t5lite.partitioning.rules import _REPLICATED_NAMES
 from t5lite.tensor_nd import (
     AXES_2D,
     AXES_3D,
@@ -36,23 +37,8 @@ from t5lite.tensor_nd import (
 )
 
 SCHEMES = {SUMMA_2D: AXES_2D, TENSOR_3D: AXES_3D}
-_REPLICATED = (
-    "length",
-    "kv_length",
-    "kv",
-    "relpos_buckets",
-    "layers",
-    "lora_rank",
-    "abspos_buckets",
-    "stack",
-    "mlp_activations",
-    "expert_group",
-    "unmodeled",
-    "expert",
-    "expert_mlp",
-    "expert_replicas",
-    "expert_capacity",
-)
+# Every name the presets replicate, and the experts too (these layouts leave them unsplit).
+_REPLICATED = (*_REPLICATED_NAMES, "expert", "expert_mlp", "expert_replicas", "expert_capacity")
 
 
 def _check_scheme(scheme: str, who: str) -> tuple[str, ...]:
