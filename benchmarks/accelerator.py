@@ -17,6 +17,7 @@ implementations compute the same function, so their losses agree to bf16 roundin
 
     python benchmarks/accelerator.py                      # on whatever backend JAX finds
     python benchmarks/accelerator.py --attention xla,cudnn --batch 8 --length 2048 --remat full
+    python benchmarks/accelerator.py --attention cudnn --remat full,minimal,none  # one run each
     python benchmarks/accelerator.py --smoke              # tiny model, CPU, 2 steps (CI)
     python benchmarks/accelerator.py --topology v5p:2x2x1 # compiled for a TPU slice, no TPU
 
@@ -51,6 +52,7 @@ from _record import write_record  # noqa: E402
 
 GOAL_MFU = 0.50
 BF16 = "params=bfloat16,compute=bfloat16,output=float32"
+REMAT_POLICIES = ("none", "minimal", "full")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -62,7 +64,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--length", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the compile step")
-    ap.add_argument("--remat", default="full", choices=("none", "minimal", "full"))
+    ap.add_argument(
+        "--remat", default="full", help="comma-separated remat policies: none, minimal, full"
+    )
     ap.add_argument("--precision", default=BF16)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 timed steps")
     ap.add_argument("--no_check", action="store_true", help="skip the attention-only check")
@@ -76,6 +80,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("batch", "length", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
+    policies = [s.strip() for s in args.remat.split(",") if s.strip()]
+    bad = [p for p in policies if p not in REMAT_POLICIES]
+    if bad or not policies:
+        ap.error(f"--remat {args.remat!r}: each policy must be one of {', '.join(REMAT_POLICIES)}")
+    if args.topology and len(policies) > 1:
+        ap.error("--topology estimates one remat policy at a time")
+    args.remat_policies = policies
     return args
 
 
@@ -366,8 +377,12 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     results = []
-    for impl in impls:
-        cmd = [sys.executable, __file__, "--child", impl, *_forwarded(args)]
+    # Each (implementation, remat policy) pair trains in a process of its own; the first pair is
+    # the reference. Several policies in one run: a lent accelerator's minutes go to one command.
+    runs = [(impl, remat) for remat in args.remat_policies for impl in impls]
+    for impl, remat in runs:
+        label = impl if len(args.remat_policies) == 1 else f"{impl}/remat={remat}"
+        cmd = [sys.executable, __file__, "--child", impl, *_forwarded(args, remat)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
@@ -375,19 +390,20 @@ def main(argv: list[str] | None = None) -> dict:
             # The reason is the last line of a Python error, or above a native stack trace.
             native = [i for i, x in enumerate(lines) if x.lstrip().startswith("@ ")]
             reason = lines[native[0] - 1] if native and native[0] > 0 else lines[-1]
-            log = Path(args.out).with_suffix(f".{impl}.log")
+            log = Path(args.out).with_suffix(f".{impl}.{remat}.log")
             log.parent.mkdir(parents=True, exist_ok=True)
             log.write_text(proc.stdout + proc.stderr)
-            print(f"  {impl}: failed: {reason} (whole output: {log})", flush=True)
-            results.append({"implementation": impl, "error": reason})
+            print(f"  {label}: failed: {reason} (whole output: {log})", flush=True)
+            results.append({"implementation": impl, "remat": remat, "error": reason})
             continue
         r = json.loads(line[len("RESULT ") :])
+        r["remat"], r["label"] = remat, label
         results.append(r)
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         peak = r["peak_bytes_in_use"]
         peak_s = f"{peak / 2**30:.2f} GiB" if peak else "n/a"
         print(
-            f"  {impl:>6}: {r['step_ms']:9.1f} ms/step  {r['tokens_per_s']:10.0f} tokens/s  "
+            f"  {label:>6}: {r['step_ms']:9.1f} ms/step  {r['tokens_per_s']:10.0f} tokens/s  "
             f"MFU {mfu:>6}  peak {peak_s}  compile {r['compile_s']} s  "
             f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}",
             flush=True,
@@ -400,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = ref["step_ms"] / r["step_ms"] if ref else None
         figures.append(
             {
-                "name": f"{r['implementation']} tokens/s",
+                "name": f"{r['label']} tokens/s",
                 "value": r["tokens_per_s"],
                 "unit": "tokens/s",
                 "reference": ref["tokens_per_s"],
@@ -412,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["mfu"] is not None:
             figures.append(
                 {
-                    "name": f"{r['implementation']} MFU",
+                    "name": f"{r['label']} MFU",
                     "value": r["mfu"],
                     "unit": "fraction",
                     "reference": None,
@@ -438,10 +454,11 @@ def main(argv: list[str] | None = None) -> dict:
     return record
 
 
-def _forwarded(args: argparse.Namespace) -> list[str]:
-    """The child's command line: the parent's settings (the smoke preset already applied)."""
-    out = []
-    for k in ("gin_file", "batch", "length", "steps", "warmup", "remat", "precision"):
+def _forwarded(args: argparse.Namespace, remat: str) -> list[str]:
+    """The child's command line: the parent's settings (the smoke preset already applied) with
+    one remat policy."""
+    out = ["--remat", remat]
+    for k in ("gin_file", "batch", "length", "steps", "warmup", "precision"):
         out += [f"--{k}", str(getattr(args, k))]
     for binding in args.gin:
         out += ["--gin", binding]

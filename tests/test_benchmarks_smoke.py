@@ -177,6 +177,15 @@ def test_accelerator_topology_smoke_is_labelled_an_estimate(tmp_path):
     assert fig["value"] == r["estimated_mfu"] and 0 < fig["value"] < 1
 
 
+def test_accelerator_refuses_an_unknown_remat_policy_in_one_line():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--remat", "full,nope"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.endswith("--remat 'full,nope': each policy must be one of none, minimal, full")
+    assert "Traceback" not in proc.stderr
+
+
 def test_tensor_nd_smoke(tmp_path):
     out = tmp_path / "tensor_nd.json"
     proc = subprocess.run(
