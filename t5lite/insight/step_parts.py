@@ -28,6 +28,8 @@ _META_RE = re.compile(r'op_name="(?P<op>[^"]*)"')
 # The operand list: the first `opcode(%a, %b, ...)` of an instruction.
 _OPERANDS_RE = re.compile(r"\s[a-z][\w\-]*\((?P<ops>%[^)]*)\)")
 _NAME_RE = re.compile(r"%([\w.\-]+)")
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_CALLS_RE = re.compile(r"calls=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,24 +42,31 @@ class PartRow:
 
 
 def _instructions(hlo_text: str) -> dict[str, tuple[str, list[str]]]:
-    """name -> (op_name of its metadata or '', operand names), for every instruction."""
-    out = {}
+    """name -> (op_name of its metadata or '', operand names), for every instruction; an
+    instruction of a called computation (an `all-reduce-scatter` fusion's all-reduce) lists
+    the computation as an operand, and the computation its caller."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    computation = ""
     for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header:
+            computation = header.group("name")
+            continue
         m = _DEF_RE.match(line)
         if m is None:
             continue
         rest = m.group("rest")
         meta = _META_RE.search(rest)
         ops = _OPERANDS_RE.search(rest)
-        out[m.group("name")] = (
-            meta.group("op") if meta else "",
-            _NAME_RE.findall(ops.group("ops")) if ops else [],
-        )
+        operands = _NAME_RE.findall(ops.group("ops")) if ops else []
+        out[m.group("name")] = (meta.group("op") if meta else "", [*operands, computation])
+        for called in _CALLS_RE.findall(rest):
+            out.setdefault(called, ("", []))[1].append(m.group("name"))
     return out
 
 
 def _op_name(name: str, instructions: dict[str, tuple[str, list[str]]]) -> str:
-    """The op_name of `name`, else the first one found among its operands (breadth first)."""
+    """The op_name of `name`, else the nearest one among its operands (breadth first)."""
     queue, seen = collections.deque([name]), set()
     while queue:
         current = queue.popleft()
