@@ -89,6 +89,8 @@ def test_2d_step_parts_are_the_formulas_and_gradients_reduce_own_blocks():
         if op.collective.kind == "all-reduce" and op.collective.axes == ("data",)
     ]
     assert sum(over_data) == 2 * (2 - 1) / 2 * kernels * 4
+    # The analytic step counts every parameter's block there, the embedding table's too.
+    assert terms.gradients == 2 * (2 - 1) / 2 * (kernels + V * D // 4) * 4
     assert parts["gradients"].link_bytes >= sum(over_data)
 
 
@@ -138,9 +140,10 @@ def test_whole_step_ranking_of_the_64_chip_compile():
     want = {
         "summa_2d": (two_d, 7 / 64 * (t * d + d * v) * 6),
         "tensor_3d": (three_d, 3 / 64 * (t * d + d * v + t * v) * 6),
-        "megatron": (2 * 4 * 2 * 63 / 64 * t * d * 2, 2 * 63 / 64 * t * d * 4),
+        "megatron": (2 * 4 * 2 * 63 / 64 * t * d * 2, 2 * 63 / 64 * t * d * 2),
     }
     for r in rows:
         layers, logits = want[r[0]]
         assert float(r[4]) == pytest.approx(layers / 1e6, abs=0.05)
         assert float(r[5]) == pytest.approx(logits / 1e6, abs=0.05)
+        assert float(r[6]) == 0.0  # data = 1: no gradient all-reduce

@@ -323,11 +323,12 @@ class StepTerms:
     tensor_devices: int
     layers: float
     logits: float
+    gradients: float  # the all-reduce over `data` of every parameter's gradient block
     compute_s: float
 
     @property
     def link_bytes(self) -> float:
-        return self.layers + self.logits
+        return self.layers + self.logits + self.gradients
 
 
 def step_terms(
@@ -348,11 +349,13 @@ def step_terms(
     Layers: 1D Megatron's 4 all-reduces of [T, D] per layer; 2D t5lite's (no backward
     re-broadcast: 2 (q-1)/q^2 of the two operands each layer gathers, the input for q, k, v,
     wi, the output for `out` and `wo`, stored [F -> col, D -> row]); 3D the paper's. Logits
-    [T, D] x [D, V], computed in float32: the partial sums and gradients reduced at 4 bytes,
-    the gathered blocks at `itemsize`. 1D all-reduces the input's gradient [T, D] once; 2D
-    gathers x and the kernel; 3D also reduce-scatters the [T, V] logits over `tensor_l` and
-    gathers their gradient back, the term that makes it the largest for a vocabulary much
-    wider than D.
+    [T, D] x [D, V], computed in float32: 1D all-reduces the input's gradient [T, D] once
+    (at `itemsize`: the compilers reduce it after its cast back); 2D gathers x and the kernel
+    and reduce-scatters their gradients; 3D also reduce-scatters the [T, V] logits over
+    `tensor_l` and gathers their gradient back, the term that makes it the largest for a
+    vocabulary much wider than D. 2D and 3D gather at `itemsize` and reduce inside the
+    float32 contraction, at 4 bytes. Gradients: with `data` = d > 1, each device's block
+    of every parameter (the embedding's included) all-reduced over d, 2 (d-1)/d of it.
     """
     dims = SCHEME_DIMS[scheme]
     group = _largest_side(chips, dims) ** dims
@@ -361,7 +364,7 @@ def step_terms(
     wide = itemsize + 4  # a gathered block at itemsize, its gradient reduced at 4 bytes
     if dims == 1:
         ring = 2 * (group - 1) / group * t * emb
-        sent_layers, sent_logits = layers * 4 * ring * itemsize, ring * 4
+        sent_layers, sent_logits = layers * 4 * ring * itemsize, ring * itemsize
     elif dims == 2:
         f = 2 * (q - 1) / q**2
         gathered = [t * emb + emb * 3 * attention, attention * emb + t * emb]
@@ -375,7 +378,9 @@ def step_terms(
         sent_logits = (q - 1) / q**3 * (t * emb + emb * vocab + t * vocab) * wide
     params = layers * (emb * 3 * attention + attention * emb + 3 * emb * mlp) + emb * vocab
     compute = 6 * params * tokens / (chips * peak_flops)
-    return StepTerms(scheme, group, sent_layers, sent_logits, compute)
+    d = chips // group
+    grads = 2 * (d - 1) / d * (params + emb * vocab) / group * itemsize
+    return StepTerms(scheme, group, sent_layers, sent_logits, grads, compute)
 
 
 def _model_dims(network_config, lengths: dict[str, int], batch_size: int) -> tuple:
@@ -401,13 +406,14 @@ def whole_step_lines(
     lines = [
         "the same, whole step as t5lite compiles it (its 2D, the logits included), analytic:",
         f"  {'scheme':<11}{'group':>6}{'step (ms)':>11}{'comm (ms)':>11}{'layers (MB)':>13}"
-        f"{'logits (MB)':>13}",
+        f"{'logits (MB)':>13}{'grads (MB)':>12}",
     ]
     for r in rows:
         comm = r.link_bytes / spec.link_bytes_per_s
         lines.append(
             f"  {r.scheme:<11}{r.tensor_devices:>6}{(r.compute_s + comm) * 1e3:>11.1f}"
             f"{comm * 1e3:>11.1f}{r.layers / 1e6:>13.1f}{r.logits / 1e6:>13.1f}"
+            f"{r.gradients / 1e6:>12.1f}"
         )
     return lines
 
