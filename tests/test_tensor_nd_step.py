@@ -147,3 +147,41 @@ def test_whole_step_ranking_of_the_64_chip_compile():
         assert float(r[4]) == pytest.approx(layers / 1e6, abs=0.05)
         assert float(r[5]) == pytest.approx(logits / 1e6, abs=0.05)
         assert float(r[6]) == 0.0  # data = 1: no gradient all-reduce
+
+
+def test_docs_whole_step_table_is_whole_step_lines():
+    """docs/tensor-nd.md's whole-step table (6 columns): for the ≈1B and ≈7B on 8 and 64 v5p
+    chips, 4096 tokens a chip, vocabulary 32000, the order and step ms `plan` prints."""
+    from pathlib import Path
+
+    models = {
+        "≈1B": network.DecoderOnlyConfig(
+            vocab_size=32000, emb_dim=2048, num_heads=32, head_dim=64, mlp_dim=5632, num_layers=22
+        ),
+        "≈7B": network.DecoderOnlyConfig(
+            vocab_size=32000,
+            emb_dim=4096,
+            num_heads=32,
+            head_dim=128,
+            mlp_dim=11008,
+            num_layers=32,
+        ),
+    }
+    label = {"megatron": "1D", "summa_2d": "2D", "tensor_3d": "3D"}
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tensor-nd.md").read_text()
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ≈")
+    ]
+    rows = [r for r in rows if len(r) == 6]
+    assert len(rows) == 4
+    spec = device_spec_named("v5p")
+    for model, chips, *ranked, ratio in rows:
+        lines = whole_step_lines(models[model], {"targets": 4096}, int(chips), int(chips), spec)
+        printed = [x.split() for x in lines[2:5]]
+        assert [c.split()[0] for c in ranked] == [label[p[0]] for p in printed]
+        for cell, p in zip(ranked, printed, strict=True):
+            assert int(cell.split()[1]) == pytest.approx(float(p[2]), abs=0.6)
+        step = {p[0]: float(p[2]) for p in printed}
+        assert float(ratio) == pytest.approx(step["tensor_3d"] / step["summa_2d"], abs=0.006)
