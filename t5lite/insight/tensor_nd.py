@@ -436,10 +436,11 @@ def step_part_lines(trainer: Trainer, hlo_text: str) -> list[str]:
         )
         formula = {"layers": terms.layers, "logits": terms.logits}
     total = sum(r.link_bytes for r in parts.values())
-    lines = [f"whole train step, compiled, by part (bytes sent per device; {found[0]} formula):"]
+    what = f"{found[0]} formula" if formula else "formulas for decoder-only, untied logits"
+    lines = [f"whole train step, compiled, by part (bytes sent per device; {what}):"]
     for name, r in parts.items():
         want = formula.get(name)
         tail = f"{want:>14,.0f} B   ratio {r.link_bytes / want:.2f}" if want else ""
-        lines.append(f"    {name:<11}{r.count:>5} x {r.link_bytes:>14,.0f} B {tail}")
+        lines.append(f"    {name:<11}{r.count:>5} x {r.link_bytes:>14,.0f} B {tail}".rstrip())
     lines.append(f"    {'step':<11}{sum(r.count for r in parts.values()):>5} x {total:>14,.0f} B")
     return lines
