@@ -9,7 +9,8 @@ Three parts, one record:
 - `--topology v5p:4x4x4` (libtpu, the `[tpu]` extra): the 64-chip case compiled by the TPU
   compiler (two layers of the ≈1B decoder), each scheme's collectives per step and the
   compiled step estimate of `insight.report.step_report` (64 heads of 32 so that 1D splits
-  them 64 ways).
+  them 64 ways), and those bytes part by part (`insight.step_parts`: layers, logits,
+  embedding, norms, gradients, rest).
 
   python benchmarks/tensor_nd.py [--smoke] [--device v5p] [--topology v5p:4x4x4] [--out PATH]
 """
@@ -44,6 +45,7 @@ _TOPOLOGY_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from t5lite.insight import report as rep
+    from t5lite.insight.step_parts import step_parts
     from t5lite.insight.topology import get_topology
     from t5lite.model.models import DecoderOnlyModel
     from t5lite.model.network import DecoderOnlyConfig
@@ -66,10 +68,13 @@ _TOPOLOGY_SCRIPT = textwrap.dedent(
     for name, part in parts.items():
         tr = Trainer(DecoderOnlyModel(network_config=cfg), part, batch_size=64,
                      lengths={"targets": 2048})
-        s = rep.step_report(tr, device=topo.spec)
+        compiled = rep.compile_train_step(tr)
+        s = rep.step_report(tr, device=topo.spec, compiled=compiled)
+        by_part = step_parts(compiled.as_text(), part.mesh)
         out[name] = {"step_s": s.step_seconds, "memory": s.memory.total,
                      "collectives": sum(r.count for r in s.collectives),
-                     "link_bytes": sum(r.link_bytes for r in s.collectives)}
+                     "link_bytes": sum(r.link_bytes for r in s.collectives),
+                     "parts": {p: [r.count, r.link_bytes] for p, r in by_part.items()}}
     print("RESULT " + json.dumps(out))
     """
 )
@@ -128,6 +133,38 @@ def measured(smoke: bool, steps: int) -> dict[str, dict[str, float]]:
                 times.append(time.perf_counter() - t0)
         out[name] = {"step_s": statistics.median(times), "first_loss": first}
     return out
+
+
+VOCAB = 32000  # both models' vocabulary (Llama's tokenizer)
+
+
+def whole_step(device: str) -> list[dict]:
+    """`insight.tensor_nd.step_terms`: the step as t5lite compiles it (its 2D, the logits and
+    the data-parallel gradients included), for the same models and chips as `analytic`."""
+    from t5lite.insight.hardware import device_spec_named
+    from t5lite.insight.tensor_nd import SCHEME_DIMS, step_terms
+
+    spec = device_spec_named(device)
+    rows = []
+    for model, (emb, mlp, att, layers) in MODELS.items():
+        for chips in (8, 64):
+            tokens = chips * 4096
+            for scheme in SCHEME_DIMS:
+                r = step_terms(scheme, emb, mlp, att, VOCAB, layers, tokens, chips, spec.peak_flops)
+                comm = r.link_bytes / spec.link_bytes_per_s
+                rows.append(
+                    {
+                        "model": model,
+                        "chips": chips,
+                        "scheme": scheme,
+                        "step_s": r.compute_s + comm,
+                        "communication_s": comm,
+                        "layers_bytes": r.layers,
+                        "logits_bytes": r.logits,
+                        "gradient_bytes": r.gradients,
+                    }
+                )
+    return sorted(rows, key=lambda r: (r["model"], r["chips"], r["step_s"]))
 
 
 def analytic(device: str) -> list[dict]:
@@ -201,6 +238,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['model']:<6}{r['chips']:>6}  {r['scheme']:<10}{r['tensor_devices']:>6}"
             f"{r['step_s']:>10.3f}{r['communication_s']:>10.3f}"
         )
+    whole = whole_step(args.device)
+    print("\nwhole step as t5lite compiles it (its 2D, logits and gradients included)")
+    print(f"{'model':<6}{'chips':>6}  {'scheme':<10}{'step (s)':>10}{'comm (s)':>10}")
+    for r in whole:
+        print(
+            f"{r['model']:<6}{r['chips']:>6}  {r['scheme']:<10}{r['step_s']:>10.3f}"
+            f"{r['communication_s']:>10.3f}"
+        )
     figures = [
         {
             "name": f"{n} step on 8 fake CPU devices",
@@ -223,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         "figures": figures,
         "first_loss": {n: r["first_loss"] for n, r in m.items()},
         "analytic": rows,
+        "whole_step": whole,
     }
     if args.topology:
         record["topology"] = {args.topology: topology(args.topology)}

@@ -222,6 +222,12 @@ def _cube_kernel(x_dims: Dims, k_dims: Dims, lead: int, p: int, n: int):
     return (lead + p, g_axis), plan
 
 
+def _replica_axes(x_dims: Dims, k_dims: Dims) -> tuple[str, ...]:
+    """The mesh axes `x` is split over and a kernel is not (the data-parallel replicas)."""
+    held = {a for d in k_dims for a in d}
+    return tuple(a for d in x_dims for a in d if a not in held)
+
+
 def contract(x: Array, kernels: Sequence[Array], n: int, plan: TensorPlan) -> list[Array]:
     """Each kernel applied to `x` inside one shard_map, by `plan` (see the module docstring)."""
 
@@ -231,6 +237,12 @@ def contract(x: Array, kernels: Sequence[Array], n: int, plan: TensorPlan) -> li
             x_local = jax.lax.all_gather(x_local, axis, axis=dim, tiled=True)
         outs = []
         for k, kp in zip(ks, plan.kernels):
+            # The kernel is the same on every data replica, its product with x is not: marking
+            # it varying over `data` here, before the gather, puts the transpose's psum over
+            # `data` on the kernel's own block (1/q of the gathered one).
+            replicas = _replica_axes(plan.x_dims, kp.dims)
+            if replicas:
+                k = jax.lax.pcast(k, replicas, to="varying")
             k = jax.lax.all_gather(k, kp.gather[1], axis=kp.gather[0], tiled=True)
             y = constraints.dense(x_local, k, n)
             if kp.scatter is not None:

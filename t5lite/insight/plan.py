@@ -39,7 +39,7 @@ from t5lite.insight.report import analytic_figures, step_report
 from t5lite.insight.sharding import format_bytes
 from t5lite.insight.tables import format_table as _table
 from t5lite.insight.tables import terminal_width
-from t5lite.insight.tensor_nd import ranking_lines
+from t5lite.insight.tensor_nd import ranking_lines, whole_step_lines
 from t5lite.insight.topology import get_topology
 from t5lite.insight.types import AnalyticFigures, Candidate, Layout
 from t5lite.model.config import REMAT_POLICIES
@@ -436,6 +436,9 @@ def plan(
     ranked = rank(results)
     stream.write(format_table(ranked, spec, width=None if wide else terminal_width()) + "\n")
     nd = ranking_lines(model.network_config, task_feature_lengths, batch_size, len(devices), spec)
+    nd += whole_step_lines(
+        model.network_config, task_feature_lengths, batch_size, len(devices), spec
+    )
     stream.write("\n".join(nd) + "\n")
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:

@@ -41,7 +41,7 @@ from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
 from t5lite.insight.summary import format_summary, memory_verdict
 from t5lite.insight.tables import terminal_width
-from t5lite.insight.tensor_nd import tensor_nd_lines
+from t5lite.insight.tensor_nd import step_part_lines, tensor_nd_lines
 from t5lite.insight.topology import get_topology
 from t5lite.insight.types import AnalyticFigures, StepReport
 from t5lite.model.models import BaseModel
@@ -266,6 +266,7 @@ def inspect(
         pm = pipeline_memory(trainer)
         stream.write(pm.format(step.memory.total if step.memory else None) + "\n")
     if compile and (nd_lines := tensor_nd_lines(trainer)):
+        nd_lines += step_part_lines(trainer, compiled.as_text())
         stream.write("\n" + "\n".join(nd_lines) + "\n")
     if memory_verdict(step)[0] is False:
         stream.write("\n" + explain_oom(trainer, step, report, opt, width) + "\n")

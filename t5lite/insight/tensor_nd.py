@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 
 from t5lite.insight.communication import collective_rows
 from t5lite.insight.hlo import CollectiveRow, parse_collectives
+from t5lite.insight.step_parts import step_parts
 from t5lite.model.dense import DenseGeneral
 from t5lite.partitioning import Partitioner, resolve_logical_axes
 from t5lite.partitioning.tensor_mesh import SCHEMES
@@ -311,3 +312,135 @@ def indivisible(network_config, scheme: str, tensor_devices: int) -> str | None:
         sizes["embed"] = cfg.emb_dim
     bad = [f"{name} {n}" for name, n in sizes.items() if n % split]
     return f"{', '.join(bad)} not divisible by {split}" if bad else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTerms:
+    """One scheme's train step as t5lite compiles it, analytic: bytes each device sends for the
+    transformer layers and for the logits (the part the per-layer formulas leave out)."""
+
+    scheme: str
+    tensor_devices: int
+    layers: float
+    logits: float
+    gradients: float  # the all-reduce over `data` of every parameter's gradient block
+    compute_s: float
+
+    @property
+    def link_bytes(self) -> float:
+        return self.layers + self.logits + self.gradients
+
+
+def step_terms(
+    scheme: str,
+    emb: int,
+    mlp: int,
+    attention: int,
+    vocab: int,
+    layers: int,
+    tokens: int,
+    chips: int,
+    peak_flops: float,
+    itemsize: int = 2,
+    q: int | None = None,
+) -> StepTerms:
+    """What t5lite's `scheme` sends per step for a gated decoder's layers and untied logits.
+
+    Layers: 1D Megatron's 4 all-reduces of [T, D] per layer; 2D t5lite's (no backward
+    re-broadcast: 2 (q-1)/q^2 of the two operands each layer gathers, the input for q, k, v,
+    wi, the output for `out` and `wo`, stored [F -> col, D -> row]); 3D the paper's. Logits
+    [T, D] x [D, V], computed in float32: 1D all-reduces the input's gradient [T, D] once
+    (at `itemsize`: the compilers reduce it after its cast back); 2D gathers x and the kernel
+    and reduce-scatters their gradients; 3D also reduce-scatters the [T, V] logits over
+    `tensor_l` and gathers their gradient back, the term that makes it the largest for a
+    vocabulary much wider than D. 2D and 3D gather at `itemsize` and reduce inside the
+    float32 contraction, at 4 bytes. Gradients: with `data` = d > 1, each device's block
+    of every parameter (the embedding's included) all-reduced over d, 2 (d-1)/d of it.
+    """
+    dims = SCHEME_DIMS[scheme]
+    group = _largest_side(chips, dims) ** dims
+    q = round(group ** (1 / dims))
+    t = tokens // (chips // group)
+    wide = itemsize + 4  # a gathered block at itemsize, its gradient reduced at 4 bytes
+    if dims == 1:
+        ring = 2 * (group - 1) / group * t * emb
+        sent_layers, sent_logits = layers * 4 * ring * itemsize, ring * itemsize
+    elif dims == 2:
+        f = 2 * (q - 1) / q**2
+        gathered = [t * emb + emb * 3 * attention, attention * emb + t * emb]
+        gathered += [t * emb + emb * 2 * mlp, mlp * emb + t * emb]
+        sent_layers = layers * f * sum(gathered) * itemsize
+        sent_logits = (q - 1) / q**2 * (t * emb + emb * vocab) * wide
+    else:
+        shapes = [(emb, 3 * attention), (attention, emb), (emb, 2 * mlp), (mlp, emb)]
+        terms = [paper_terms(scheme, group, t, n, k, itemsize) for n, k in shapes]
+        sent_layers = layers * sum(x.link_bytes for x in terms)
+        sent_logits = (q - 1) / q**3 * (t * emb + emb * vocab + t * vocab) * wide
+    params = layers * (emb * 3 * attention + attention * emb + 3 * emb * mlp) + emb * vocab
+    compute = 6 * params * tokens / (chips * peak_flops)
+    d = chips // group
+    grads = 2 * (d - 1) / d * (params + emb * vocab) / group * itemsize
+    return StepTerms(scheme, group, sent_layers, sent_logits, grads, compute)
+
+
+def _model_dims(network_config, lengths: dict[str, int], batch_size: int) -> tuple:
+    """(emb, mlp, attention, vocab, layers, tokens) of a model as the rankings count it."""
+    cfg = network_config
+    layers = getattr(cfg, "num_layers", None) or cfg.num_encoder_layers + cfg.num_decoder_layers
+    tokens = int(batch_size * sum(lengths.values()) / len(lengths))
+    attention = cfg.num_heads * cfg.head_dim
+    return cfg.emb_dim, cfg.mlp_dim, attention, cfg.vocab_size, layers, tokens
+
+
+def whole_step_lines(
+    network_config, lengths: dict[str, int], batch_size: int, chips: int, spec, itemsize: int = 2
+) -> list[str]:
+    """`step_terms` of the three schemes, fastest first, as report lines: the ranking of what
+    t5lite compiles (its 2D, the logits included) beside the survey's per-layer one."""
+    emb, mlp, att, vocab, layers, tokens = _model_dims(network_config, lengths, batch_size)
+    rows = [
+        step_terms(s, emb, mlp, att, vocab, layers, tokens, chips, spec.peak_flops, itemsize)
+        for s in SCHEME_DIMS
+    ]
+    rows.sort(key=lambda r: r.compute_s + r.link_bytes / spec.link_bytes_per_s)
+    lines = [
+        "the same, whole step as t5lite compiles it (its 2D, the logits included), analytic:",
+        f"  {'scheme':<11}{'group':>6}{'step (ms)':>11}{'comm (ms)':>11}{'layers (MB)':>13}"
+        f"{'logits (MB)':>13}{'grads (MB)':>12}",
+    ]
+    for r in rows:
+        comm = r.link_bytes / spec.link_bytes_per_s
+        lines.append(
+            f"  {r.scheme:<11}{r.tensor_devices:>6}{(r.compute_s + comm) * 1e3:>11.1f}"
+            f"{comm * 1e3:>11.1f}{r.layers / 1e6:>13.1f}{r.logits / 1e6:>13.1f}"
+            f"{r.gradients / 1e6:>12.1f}"
+        )
+    return lines
+
+
+def step_part_lines(trainer: Trainer, hlo_text: str) -> list[str]:
+    """The compiled step's collectives per part (`step_parts`) beside `step_terms` where a
+    formula covers the part (the layers and logits of a decoder-only model)."""
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    found = scheme_of(dict(part.mesh.shape))
+    if found is None:
+        return []
+    parts = step_parts(hlo_text, part.mesh)
+    formula = {}
+    if getattr(cfg, "num_layers", None) and not getattr(cfg, "logits_via_embedding", True):
+        emb, mlp, att, vocab, layers, tokens = _model_dims(cfg, trainer.lengths, trainer.batch_size)
+        chips = part.mesh.devices.size
+        itemsize = jnp.dtype(cfg.policy.compute).itemsize
+        terms = step_terms(
+            found[0], emb, mlp, att, vocab, layers, tokens, chips, 1.0, itemsize, q=found[1]
+        )
+        formula = {"layers": terms.layers, "logits": terms.logits}
+    total = sum(r.link_bytes for r in parts.values())
+    what = f"{found[0]} formula" if formula else "formulas for decoder-only, untied logits"
+    lines = [f"whole train step, compiled, by part (bytes sent per device; {what}):"]
+    for name, r in parts.items():
+        want = formula.get(name)
+        tail = f"{want:>14,.0f} B   ratio {r.link_bytes / want:.2f}" if want else ""
+        lines.append(f"    {name:<11}{r.count:>5} x {r.link_bytes:>14,.0f} B {tail}".rstrip())
+    lines.append(f"    {'step':<11}{sum(r.count for r in parts.values()):>5} x {total:>14,.0f} B")
+    return lines
