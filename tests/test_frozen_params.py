@@ -8,16 +8,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import require_devices, run_cli
+from tiny_networks import TINY_T5
 
 from t5lite import partitioning
-from t5lite.model import network, optimizers
+from t5lite.model import optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer, summarize
-
-TINY = network.T5Config(
-    vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    head_dim=8, mlp_dim=32,
-)  # fmt: skip
 
 
 def _paths(tree) -> list[str]:
@@ -29,7 +25,7 @@ def _paths(tree) -> list[str]:
 def _trainer(optimizer) -> Trainer:
     require_devices(8)
     part = partitioning.Partitioner(num_partitions=2)  # Megatron: data=4 x model=2
-    model = EncoderDecoderModel(TINY, optimizer=optimizer)
+    model = EncoderDecoderModel(TINY_T5, optimizer=optimizer)
     return Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
 
 
