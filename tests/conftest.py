@@ -138,3 +138,14 @@ def tpu_compile_result(script: str) -> dict:
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
+
+QUICK_TRAIN = [
+    "--gin_file=quickstart.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+    "--gin.train.evaluation=None",
+    "--gin.LogConfig.period=1",
+    "--gin.warmup_cosine_schedule.warmup_steps=2",
+]
+"""`t5lite train` flags for a quick quickstart run: short rows, a log line every step, no
+evaluation (add TRAIN_STEPS, MODEL_DIR and the checkpoint period)."""
