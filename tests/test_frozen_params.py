@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import require_devices, run_cli
-from tiny_networks import TINY_T5
+from tiny_networks import TINY_T5, full_reversal_batch
 
 from t5lite import partitioning
 from t5lite.model import optimizers
@@ -29,22 +29,13 @@ def _trainer(optimizer) -> Trainer:
     return Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
 
 
-def _batch(tr: Trainer):
-    tokens = np.random.default_rng(0).integers(2, 32, (8, 8)).astype(np.int32)
-    targets = tokens[:, ::-1].copy()
-    return tr.global_batch({
-        "encoder_input_tokens": tokens, "decoder_target_tokens": targets,
-        "decoder_input_tokens": np.pad(targets, ((0, 0), (1, 0)))[:, :-1],
-    })  # fmt: skip
-
-
 @pytest.mark.parametrize("inner", [optimizers.AdamW(1e-2), optimizers.Adafactor(1e-2)],
                          ids=["adamw", "adafactor"])  # fmt: skip
 def test_frozen_parameters_are_bit_identical_and_have_no_optimizer_state(inner):
     tr = _trainer(optimizers.FrozenParams(inner, ["encoder/.*", "token_embedder/.*"]))
     state = tr.init_state()
     before = jax.device_get(state.params)
-    batch = _batch(tr)
+    batch = full_reversal_batch(tr)
     losses = []
     for _ in range(5):
         state, metrics = tr.train_step(state, batch)

@@ -10,7 +10,7 @@ import pytest
 from conftest import require_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tiny_networks import TINY_T5
+from tiny_networks import TINY_T5, full_reversal_batch
 
 from t5lite import partitioning
 from t5lite.checkpoint import CheckpointManager
@@ -28,15 +28,6 @@ def _trainer(preset: str) -> Trainer:
     part = partitioning.Partitioner(num_partitions=2, logical_axis_rules=rules)  # data=4 x model=2
     model = EncoderDecoderModel(TINY_T5, optimizer=optimizers.AdamW(3e-2), lora=ADAPT)
     return Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
-
-
-def _batch(tr: Trainer):
-    tokens = np.random.default_rng(0).integers(2, 32, (8, 8)).astype(np.int32)
-    targets = tokens[:, ::-1].copy()
-    return tr.global_batch({
-        "encoder_input_tokens": tokens, "decoder_target_tokens": targets,
-        "decoder_input_tokens": np.pad(targets, ((0, 0), (1, 0)))[:, :-1],
-    })  # fmt: skip
 
 
 def _get(tree, *keys):
@@ -72,7 +63,7 @@ def test_lora_trains_adapters_only_on_a_sharded_mesh(preset):
 
     state = tr.init_state()
     before = _flat(state.params)
-    batch, losses = _batch(tr), []
+    batch, losses = full_reversal_batch(tr), []
     for _ in range(8):
         state, metrics = tr.train_step(state, batch)
         losses.append(summarize(metrics)["loss"])
@@ -92,7 +83,7 @@ def test_lora_trains_adapters_only_on_a_sharded_mesh(preset):
 def test_merged_export_matches_the_adapted_model(tmp_path):
     tr = _trainer("megatron")
     state = tr.init_state()
-    batch = _batch(tr)
+    batch = full_reversal_batch(tr)
     for _ in range(3):
         state, _ = tr.train_step(state, batch)
     model = tr.model
