@@ -119,3 +119,33 @@ def reverse_batch(n: int, seed: int = 0, ragged: bool = False) -> dict:
         "decoder_target_tokens": targets,
         "decoder_loss_weights": (targets > 0).astype(np.int32),
     }
+
+
+def tpu_compile_result(script: str) -> dict:
+    """Runs `script` in a fresh interpreter on the host backend alone (its TPU devices come from
+    a topology: the test session's fake CPU devices must not meet the TPU plugin) and returns
+    the JSON it printed after `RESULT `."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+QUICK_TRAIN = [
+    "--gin_file=quickstart.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
+    "--gin.train.evaluation=None",
+    "--gin.LogConfig.period=1",
+    "--gin.warmup_cosine_schedule.warmup_steps=2",
+]
+"""`t5lite train` flags for a quick quickstart run: short rows, a log line every step, no
+evaluation (add TRAIN_STEPS, MODEL_DIR and the checkpoint period)."""

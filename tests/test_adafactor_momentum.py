@@ -7,9 +7,10 @@ import pytest
 from conftest import require_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny_networks import TINY_T5
 
 from t5lite import partitioning
-from t5lite.model import network, optimizers
+from t5lite.model import optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer
 
@@ -59,11 +60,7 @@ def test_no_beta1_keeps_the_state_as_it_was():
 
 def test_momentum_is_sharded_like_its_parameter():
     require_devices(8)
-    tiny = network.T5Config(
-        vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-        head_dim=8, mlp_dim=32,
-    )  # fmt: skip
-    model = EncoderDecoderModel(tiny, optimizer=optimizers.Adafactor(beta1=0.9))
+    model = EncoderDecoderModel(TINY_T5, optimizer=optimizers.Adafactor(beta1=0.9))
     tr = Trainer(model, partitioning.Partitioner(num_partitions=2), batch_size=16,
                  lengths={"inputs": 8, "targets": 8})  # fmt: skip
     state = tr.init_state()

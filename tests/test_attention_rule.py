@@ -134,13 +134,13 @@ def test_imported_llama_scores_prompts_like_transformers(tmp_path):
     prefix-LM batch's targets as transformers does, and decodes consistently with it."""
     torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
     pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+    from hf_models import llama_hf
     from test_convert import _parse_model_gin
-    from test_hf_parity import _llama_hf
 
     from t5lite.checkpoint import restore_checkpoint
     from t5lite.hf import convert
 
-    hf = _llama_hf(tmp_path)  # vocab 96, bos 1
+    hf = llama_hf(tmp_path)  # vocab 96, bos 1
     out = tmp_path / "imported"
     convert.hf_to_t5lite(tmp_path / "hf", out)
     gin = _parse_model_gin(out / "model.gin")

@@ -11,28 +11,14 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0)")
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="needs the [hf] extra")
 
-
-def _t5_hf(tmp_path, vocab_size):
-    """A tiny random T5.1.1 (gated-GELU, untied, shared input embedding) saved to disk."""
-    import torch
-
-    cfg = transformers.T5Config(
-        vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
-        dropout_rate=0.0, feed_forward_proj="gated-gelu", decoder_start_token_id=0,
-        pad_token_id=0, tie_word_embeddings=False,  # sets scale_decoder_outputs=False
-    )  # fmt: skip
-    cfg.tie_word_embeddings = False  # transformers 5.x forces True in the constructor
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg).eval()
-    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
-    model.save_pretrained(tmp_path / "hf")
-    return tmp_path / "hf"
+import hf_models  # noqa: E402
 
 
 def test_import_finetune_export_round_trip(tmp_path, capsys):
     import shutil
 
-    hf_dir = _t5_hf(tmp_path, vocab_size=384)  # the byte tasks use 259 ids
+    hf_models.t5_hf(tmp_path, vocab_size=384)  # the byte tasks use 259 ids
+    hf_dir = tmp_path / "hf"
     # With a tokenizer: its gin bindings must not disturb a training run.
     shutil.copyfile(_sentencepiece(tmp_path), hf_dir / "spiece.model")
     out = tmp_path / "imported"
@@ -97,12 +83,11 @@ def test_llama_import_keeps_ids_and_causal_prompts(tmp_path):
     (causal prompts, BOS first, stops at 2 and not at 1); export writes the ids back."""
     import jax
     import torch
-    from test_hf_parity import _llama_hf
 
     from t5lite.checkpoint import restore_checkpoint
     from t5lite.hf import convert
 
-    hf = _llama_hf(tmp_path)
+    hf = hf_models.llama_hf(tmp_path)
     assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (1, 2, None)
     with torch.no_grad():  # make both 1 and 2 likely: only 2 may end a row
         hf.lm_head.weight[1] = hf.lm_head.weight[38] + 0.01  # 38 and 50: frequent greedy picks
@@ -173,7 +158,8 @@ def test_t5_import_copies_spiece_model_and_keeps_ids(tmp_path, monkeypatch):
     import seqio_lite
     from t5lite.hf import convert
 
-    hf_dir = _t5_hf(tmp_path, vocab_size=160)
+    hf_models.t5_hf(tmp_path, vocab_size=160)
+    hf_dir = tmp_path / "hf"
     shutil.copyfile(_sentencepiece(tmp_path), hf_dir / "spiece.model")
     cfg_path = hf_dir / "config.json"
     cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "eos_token_id": 3}))

@@ -10,21 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import file_checksums, require_devices, run_cli
+from conftest import QUICK_TRAIN, file_checksums, require_devices, run_cli
 
 import t5lite.programs.train as train_program
 from t5lite.checkpoint import CheckpointError, CheckpointManager, restore_checkpoint
 from t5lite.programs import train_hooks
 from t5lite.pytree import finite_by_array
-
-QUICK = [
-    "--gin_file=quickstart.gin",
-    "--gin.BATCH_SIZE=8",
-    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-    "--gin.train.evaluation=None",
-    "--gin.LogConfig.period=1",
-    "--gin.warmup_cosine_schedule.warmup_steps=2",
-]
 
 
 def test_finite_by_array_matches_numpy_element_by_element():
@@ -60,12 +51,12 @@ def test_diverging_run_never_commits_a_non_finite_state(tmp_path, capsys):
     d = tmp_path / "run"
     # A short healthy run, then the same run continued with an exploding learning rate and no
     # clipping, saving after every step: the first non-finite step must not be saved.
-    assert run_cli("train", *QUICK, "--gin.TRAIN_STEPS=4", "--gin.CheckpointConfig.period=2",
+    assert run_cli("train", *QUICK_TRAIN, "--gin.TRAIN_STEPS=4", "--gin.CheckpointConfig.period=2",
                    f"--gin.MODEL_DIR='{d}'") == 0  # fmt: skip
     before = _committed(d)
     capsys.readouterr()
     rc = run_cli(
-        "train", *QUICK, "--gin.TRAIN_STEPS=40", "--gin.CheckpointConfig.period=1",
+        "train", *QUICK_TRAIN, "--gin.TRAIN_STEPS=40", "--gin.CheckpointConfig.period=1",
         "--gin.CheckpointConfig.keep=None", f"--gin.MODEL_DIR='{d}'",
         "--gin.warmup_cosine_schedule.peak_learning_rate=1e30",
     )  # fmt: skip
@@ -97,7 +88,7 @@ def test_diverging_run_never_commits_a_non_finite_state(tmp_path, capsys):
         tree, _ = restore_checkpoint(path, with_extra=False)
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(tree) if x.dtype.kind == "f")
     # A rerun with the normal learning rate resumes from the named checkpoint and trains on.
-    assert run_cli("train", *QUICK, "--gin.TRAIN_STEPS=8", f"--gin.MODEL_DIR='{d}'") == 0
+    assert run_cli("train", *QUICK_TRAIN, "--gin.TRAIN_STEPS=8", f"--gin.MODEL_DIR='{d}'") == 0
     assert f"resumed from {d / 'checkpoint_4'}" in capsys.readouterr().err
     assert _committed(d)[-1] == 8
 
@@ -106,7 +97,7 @@ def test_a_silently_diverged_run_ends_with_an_error(tmp_path, capsys):
     require_devices(8)
     # Continued with a huge learning rate that leaves every value finite, the model collapses
     # to uniform predictions (loss ln 384 = 5.954) and would train on forever.
-    args = [*QUICK, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
+    args = [*QUICK_TRAIN, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
     assert run_cli("train", *args, "--gin.TRAIN_STEPS=4") == 0
     rc = run_cli("train", *args, "--gin.TRAIN_STEPS=40", "--gin.train.max_stalled_steps=5",
                  "--gin.warmup_cosine_schedule.peak_learning_rate=1e6")  # fmt: skip
@@ -177,7 +168,7 @@ def test_a_second_run_on_a_model_directory_is_refused(tmp_path, capsys):
     import socket
     import subprocess
 
-    args = [*QUICK, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
+    args = [*QUICK_TRAIN, "--gin.CheckpointConfig.period=2", f"--gin.MODEL_DIR='{tmp_path}'"]
     assert run_cli("train", *args, "--gin.TRAIN_STEPS=3") == 0
     assert not (tmp_path / "RUN_LOCK").exists()  # released at the end
     before = file_checksums(tmp_path, only="checkpoint_")

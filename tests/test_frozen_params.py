@@ -8,16 +8,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import require_devices, run_cli
+from tiny_networks import TINY_T5, full_reversal_batch
 
 from t5lite import partitioning
-from t5lite.model import network, optimizers
+from t5lite.model import optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer, summarize
-
-TINY = network.T5Config(
-    vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    head_dim=8, mlp_dim=32,
-)  # fmt: skip
 
 
 def _paths(tree) -> list[str]:
@@ -29,17 +25,8 @@ def _paths(tree) -> list[str]:
 def _trainer(optimizer) -> Trainer:
     require_devices(8)
     part = partitioning.Partitioner(num_partitions=2)  # Megatron: data=4 x model=2
-    model = EncoderDecoderModel(TINY, optimizer=optimizer)
+    model = EncoderDecoderModel(TINY_T5, optimizer=optimizer)
     return Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
-
-
-def _batch(tr: Trainer):
-    tokens = np.random.default_rng(0).integers(2, 32, (8, 8)).astype(np.int32)
-    targets = tokens[:, ::-1].copy()
-    return tr.global_batch({
-        "encoder_input_tokens": tokens, "decoder_target_tokens": targets,
-        "decoder_input_tokens": np.pad(targets, ((0, 0), (1, 0)))[:, :-1],
-    })  # fmt: skip
 
 
 @pytest.mark.parametrize("inner", [optimizers.AdamW(1e-2), optimizers.Adafactor(1e-2)],
@@ -48,7 +35,7 @@ def test_frozen_parameters_are_bit_identical_and_have_no_optimizer_state(inner):
     tr = _trainer(optimizers.FrozenParams(inner, ["encoder/.*", "token_embedder/.*"]))
     state = tr.init_state()
     before = jax.device_get(state.params)
-    batch = _batch(tr)
+    batch = full_reversal_batch(tr)
     losses = []
     for _ in range(5):
         state, metrics = tr.train_step(state, batch)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 pytest.importorskip("safetensors", reason="needs the [hf] extra (safetensors)")
 
-from test_hf_parity import _llama_hf, _t5_hf  # noqa: E402  (the same tiny HF models)
+import hf_models  # noqa: E402
 
 NEW = 10  # new tokens
 
@@ -39,7 +39,7 @@ def _bias_eos(hf_model, lm_head):
 
 
 def test_t5_greedy_equals_hf_generate(tmp_path):
-    hf = _t5_hf(tmp_path)
+    hf = hf_models.t5_hf(tmp_path)
     _bias_eos(hf, hf.lm_head)
     hf.save_pretrained(tmp_path / "hf")
     cfg, params = hf_convert.import_hf(tmp_path / "hf")
@@ -58,7 +58,7 @@ def test_t5_greedy_equals_hf_generate(tmp_path):
 
 
 def test_llama_greedy_with_prompts_equals_hf_generate(tmp_path):
-    hf = _llama_hf(tmp_path)
+    hf = hf_models.llama_hf(tmp_path)
     _bias_eos(hf, hf.lm_head)
     hf.save_pretrained(tmp_path / "hf")
     cfg, params = hf_convert.import_hf(tmp_path / "hf", scan_layers=True)

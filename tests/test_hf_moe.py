@@ -29,68 +29,12 @@ torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 pytest.importorskip("safetensors", reason="needs the [hf] extra (safetensors)")
 
+from hf_models import mixtral_hf, switch_hf  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from transformers.models.switch_transformers import modeling_switch_transformers  # noqa: E402
 
 TOL = 1e-4  # max |logits_t5lite - logits_transformers|, fp32
 V, E = 96, 4
-
-
-def _switch_hf(path: Path, expert_capacity: int = 64, layers: int = 4, **kw):
-    """A tiny Switch model: T5.1.0 layers, layers 1 (and 3) sparse (sparse step 2)."""
-    cfg = transformers.SwitchTransformersConfig(
-        vocab_size=V,
-        d_model=32,
-        d_kv=8,
-        d_ff=48,
-        num_layers=layers,
-        num_decoder_layers=layers,
-        num_heads=4,
-        num_experts=E,
-        expert_capacity=expert_capacity,
-        num_sparse_encoder_layers=layers // 2,
-        num_sparse_decoder_layers=layers // 2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=20,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        **kw,
-    )
-    torch.manual_seed(0)
-    model = transformers.SwitchTransformersForConditionalGeneration(cfg).eval()
-    # NOTE: untied (tie_word_embeddings=False), transformers 5.x also unties the encoder's and
-    # decoder's input embeddings, which Switch, like T5, shares: share them again.
-    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
-    model.save_pretrained(path)
-    return model
-
-
-def _mixtral_hf(path: Path, layers: int = 2, **kw):
-    cfg = transformers.MixtralConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-        **kw,  # larger router logits: decisive top-2 choices
-    )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norms
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return model
 
 
 def _tokens(shape, seed=0):
@@ -133,7 +77,7 @@ def _sown(inter, stack: str, name: str) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_switch_parity_router_losses_and_round_trip(tmp_path, tied):
-    hf = _switch_hf(tmp_path / "hf", expert_capacity=64, tie_word_embeddings=tied)
+    hf = switch_hf(tmp_path / "hf", expert_capacity=64, tie_word_embeddings=tied)
     assert (hf.lm_head.weight.data_ptr() == hf.shared.weight.data_ptr()) == tied
     cfg, params = hf_convert.import_hf(tmp_path / "hf")
     # Tied: scaled by d_model**-0.5 (T5 v1.0); untied: a separate lm_head, unscaled.
@@ -178,7 +122,7 @@ def test_switch_drops_and_router_losses_equal_transformers(tmp_path):
     load-balancing losses agree for a batch of one."""
     # 4 experts with 2 slots each: at least 4 of the 12 encoder tokens and 1 of the 9 decoder
     # tokens are dropped.
-    hf = _switch_hf(tmp_path / "hf", expert_capacity=2, layers=2)
+    hf = switch_hf(tmp_path / "hf", expert_capacity=2, layers=2)
     cfg, params = hf_convert.import_hf(tmp_path / "hf")
     enc, dec = _t5_inputs(b=1)
     outputs: dict[str, np.ndarray] = {}
@@ -234,7 +178,7 @@ def test_switch_drops_and_router_losses_equal_transformers(tmp_path):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_mixtral_parity_router_loss_and_round_trip(tmp_path, scan):
-    hf = _mixtral_hf(tmp_path / "hf")
+    hf = mixtral_hf(tmp_path / "hf")
     cfg, params = hf_convert.import_hf(tmp_path / "hf", scan_layers=scan)
     assert (cfg.num_experts, cfg.moe_top_k, cfg.moe_every, cfg.moe_dispatch) == (
         E,
@@ -268,7 +212,7 @@ def test_mixtral_parity_router_loss_and_round_trip(tmp_path, scan):
 
 
 def test_mixtral_dropless_equals_a_per_token_numpy_reference(tmp_path):
-    hf = _mixtral_hf(tmp_path / "hf")
+    hf = mixtral_hf(tmp_path / "hf")
     cfg, params = hf_convert.import_hf(tmp_path / "hf")
     p = jax.tree.map(np.asarray, params["decoder"]["layers_0"]["mlp"])
     x = np.random.RandomState(0).normal(size=(2, 8, 32)).astype(np.float32)
@@ -294,7 +238,7 @@ def test_mixtral_dropless_equals_a_per_token_numpy_reference(tmp_path):
 
 
 def test_mixtral_greedy_equals_hf_generate(tmp_path):
-    hf = _mixtral_hf(tmp_path / "hf")
+    hf = mixtral_hf(tmp_path / "hf")
     with torch.no_grad():  # EOS (1) likely after some tokens, so that stopping is exercised
         hf.lm_head.weight[1] = hf.lm_head.weight[83] + 0.01
     hf.save_pretrained(tmp_path / "hf")
@@ -353,8 +297,8 @@ def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_moe")
     # Capacity 3 of 8 tokens: drops (decoder and encoder), the same ones as transformers.
     return {
-        "switch": (_switch_hf(root / "switch", expert_capacity=3, layers=2), root / "switch"),
-        "mixtral": (_mixtral_hf(root / "mixtral", layers=1), root / "mixtral"),
+        "switch": (switch_hf(root / "switch", expert_capacity=3, layers=2), root / "switch"),
+        "mixtral": (mixtral_hf(root / "mixtral", layers=1), root / "mixtral"),
     }
 
 
@@ -415,7 +359,7 @@ def _edit_config(path: Path, **changes) -> None:
     ],
 )
 def test_unrepresentable_switch_variants_are_refused_in_one_line(tmp_path, changes, message):
-    _switch_hf(tmp_path / "hf", layers=2)
+    switch_hf(tmp_path / "hf", layers=2)
     _edit_config(tmp_path / "hf", **changes)
     with pytest.raises(ValueError, match=message) as e:
         hf_convert.import_hf(tmp_path / "hf")
@@ -423,7 +367,7 @@ def test_unrepresentable_switch_variants_are_refused_in_one_line(tmp_path, chang
 
 
 def test_unrepresentable_mixtral_and_exports_are_refused_in_one_line(tmp_path):
-    _mixtral_hf(tmp_path / "hf")
+    mixtral_hf(tmp_path / "hf")
     _edit_config(tmp_path / "hf", sliding_window=4)
     with pytest.raises(ValueError, match="unsupported Mixtral variant sliding_window=4"):
         hf_convert.import_hf(tmp_path / "hf")
@@ -445,8 +389,8 @@ def test_unrepresentable_mixtral_and_exports_are_refused_in_one_line(tmp_path):
 
 
 def test_convert_commands_in_moe_docs(tmp_path):
-    _switch_hf(Path("/tmp/t5lite_switch_hf"), expert_capacity=64)
-    mixtral = _mixtral_hf(Path("/tmp/t5lite_mixtral_hf"))
+    switch_hf(Path("/tmp/t5lite_switch_hf"), expert_capacity=64)
+    mixtral = mixtral_hf(Path("/tmp/t5lite_mixtral_hf"))
     for path in ("/tmp/t5lite_switch", "/tmp/t5lite_mixtral", "/tmp/t5lite_mixtral_out"):
         shutil.rmtree(path, ignore_errors=True)
     run(block("docs/moe.md", "convert-switch-mixtral"), timeout=600)

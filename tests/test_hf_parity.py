@@ -18,61 +18,9 @@ torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 pytest.importorskip("safetensors", reason="needs the [hf] extra (safetensors)")
 
+import hf_models  # noqa: E402
+
 TOL = 1e-4  # max |logits_t5lite - logits_transformers|, fp32
-
-
-def _t5_hf(tmp_path, tied=False):
-    cfg = transformers.T5Config(
-        vocab_size=96,
-        d_model=32,
-        d_kv=8,
-        d_ff=48,
-        num_layers=2,
-        num_decoder_layers=3,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=20,
-        dropout_rate=0.0,
-        feed_forward_proj="relu" if tied else "gated-gelu",
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=tied,
-    )
-    # NOTE: transformers 5.x forces tie_word_embeddings=True in T5Config (the constructor
-    # argument only sets `scale_decoder_outputs`); set it after construction to untie lm_head.
-    # That also unties encoder/decoder.embed_tokens, which T5 always shares: re-share them.
-    cfg.tie_word_embeddings = tied
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg).eval()
-    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
-    assert (model.lm_head.weight is model.shared.weight) == tied
-    assert getattr(cfg, "scale_decoder_outputs", tied) == tied
-    model.save_pretrained(tmp_path / "hf")
-    return model
-
-
-def _llama_hf(tmp_path, tied=False):
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        attention_bias=False,
-    )
-    cfg.tie_word_embeddings = tied
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norms
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path / "hf")
-    return model
 
 
 def _tokens(shape, seed=0):
@@ -99,7 +47,7 @@ def _t5lite_logits(cfg, params, *tokens):
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("tied", [False, True], ids=["t5.1.1", "t5.1.0"])
 def test_t5_parity_and_round_trip(tmp_path, scan, tied):
-    model = _t5_hf(tmp_path, tied=tied)
+    model = hf_models.t5_hf(tmp_path, tied=tied)
     cfg, params = hf_convert.import_hf(tmp_path / "hf", scan_layers=scan)
     assert cfg.variant == ("t5.1.0" if tied else "t5.1.1")
     assert (cfg.num_encoder_layers, cfg.num_decoder_layers, cfg.scan_layers) == (2, 3, scan)
@@ -123,7 +71,7 @@ def test_t5_parity_and_round_trip(tmp_path, scan, tied):
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llama_parity_and_round_trip(tmp_path, scan, tied):
-    model = _llama_hf(tmp_path, tied=tied)
+    model = hf_models.llama_hf(tmp_path, tied=tied)
     cfg, params = hf_convert.import_hf(tmp_path / "hf", scan_layers=scan)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 8)
     assert cfg.logits_via_embedding == tied and cfg.layer_norm_epsilon == 1e-5
@@ -147,7 +95,7 @@ def test_errors_name_the_culprit(tmp_path):
     with pytest.raises(ValueError, match=r"unsupported architectures \['GPT2LMHeadModel'\]"):
         hf_convert.import_hf(tmp_path)
 
-    _llama_hf(tmp_path)
+    hf_models.llama_hf(tmp_path)
     hf = tmp_path / "hf"
     raw = json.loads((hf / "config.json").read_text())
     raw["intermediate_size"] = 40
@@ -170,15 +118,10 @@ def test_errors_name_the_culprit(tmp_path):
 
 def _t5_variant(tmp_path, proj, tied, scaled, legacy_json=False):
     """A tiny T5 with the given head; `legacy_json` drops `scale_decoder_outputs` (4.x files)."""
-    cfg = transformers.T5Config(
-        vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
-        feed_forward_proj=proj, decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+    cfg = hf_models.t5_config(feed_forward_proj=proj)
     cfg.tie_word_embeddings, cfg.scale_decoder_outputs = tied, scaled
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg).eval()
-    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
+    model = hf_models.build(transformers.T5ForConditionalGeneration, cfg)
+    hf_models.share_input_embeddings(model)
     model.save_pretrained(tmp_path / "hf")
     if legacy_json:
         path = tmp_path / "hf" / "config.json"
@@ -222,12 +165,9 @@ def test_t5_saved_the_usual_way_by_transformers_5(tmp_path, proj):
     """T5.1.1 is built with tie_word_embeddings=False; 5.x ties its head anyway and saves no
     lm_head.weight (scale_decoder_outputs=False); T5 v1.0 keeps the default (tied, scaled)."""
     kw = {"tie_word_embeddings": False} if proj == "gated-gelu" else {}
-    hf_cfg = transformers.T5Config(
-        vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
-        dropout_rate=0.0, feed_forward_proj=proj, decoder_start_token_id=0, **kw,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(hf_cfg).eval()
+    model = hf_models.build(
+        transformers.T5ForConditionalGeneration, hf_models.t5_config(feed_forward_proj=proj, **kw)
+    )
     model.save_pretrained(tmp_path / "hf")
     assert not _head_keys(tmp_path / "hf")
     cfg, params = hf_convert.import_hf(tmp_path / "hf")
@@ -256,13 +196,12 @@ LINEAR = {"rope_type": "linear", "factor": 3.0, "rope_theta": 500.0}
 
 
 def _llama_rope_hf(tmp_path, rope, legacy_json=False):
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=16,
-        rope_parameters=dict(rope), initializer_range=0.2,  # large weights: positions matter
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    cfg = hf_models.llama_config(
+        max_position_embeddings=16,
+        rope_parameters=dict(rope),
+        initializer_range=0.2,  # large weights: positions matter
+    )
+    model = hf_models.build(transformers.LlamaForCausalLM, cfg)
     model.save_pretrained(tmp_path / "hf")
     if legacy_json:  # transformers 4.x: `rope_scaling` (with "type") and a top-level rope_theta
         path = tmp_path / "hf" / "config.json"

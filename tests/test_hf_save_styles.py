@@ -37,6 +37,8 @@ torch = pytest.importorskip("torch", reason="needs the [hf] extra (torch==2.13.0
 transformers = pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="needs the [hf] extra")
 
+import hf_models  # noqa: E402
+
 TOL = 1e-4  # as test_hf_parity: max |logits_t5lite - logits_transformers|, fp32
 V = 96
 HEAD = "lm_head.weight"
@@ -49,44 +51,16 @@ def _t5(proj: str, *, untie: bool) -> torch.nn.Module:
     """A random small T5; `untie`: its lm_head is a parameter of its own (set after the
     constructor, which 5.x forces to tie), the input embedding stays shared."""
     kw = {"tie_word_embeddings": False} if proj == "gated-gelu" else {}
-    cfg = transformers.T5Config(
-        vocab_size=V,
-        d_model=32,
-        d_kv=8,
-        d_ff=48,
-        num_layers=2,
-        num_decoder_layers=3,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=20,
-        dropout_rate=0.0,
-        feed_forward_proj=proj,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        **kw,
-    )
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    cfg = hf_models.t5_config(vocab_size=V, num_decoder_layers=3, feed_forward_proj=proj, **kw)
+    model = hf_models.build(transformers.T5ForConditionalGeneration, cfg)
     if untie:
         model.lm_head.weight = torch.nn.Parameter(torch.randn(V, 32) * 0.5)
     return model
 
 
 def _llama(*, tie: bool, untie: bool = False) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    cfg = hf_models.llama_config(vocab_size=V, tie_word_embeddings=tie)
+    model = hf_models.build(transformers.LlamaForCausalLM, cfg)
     if untie:
         model.lm_head.weight = torch.nn.Parameter(torch.randn(V, 32) * 0.5)
     return model

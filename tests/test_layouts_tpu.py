@@ -10,14 +10,11 @@ train step for v5e:2x4 (data=4 x model=2) and checks that every weight gradient 
 `data` leaves through exactly one such reduce-scatter, with ZeRO-3's volume.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import tpu_compile_result
 
 from t5lite.insight.topology import libtpu_available
 
@@ -83,14 +80,7 @@ def _sorted(shape):
 
 
 def test_fsdp_weight_gradients_are_reduce_scattered_on_tpu():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_PLATFORMS"] = "cpu"  # the host backend; TPU devices come from the topology alone
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    r = json.loads(line.removeprefix("RESULT "))
+    r = tpu_compile_result(_SCRIPT)
     data, model = 4, 2
     # Every weight matrix split over `data` by the rules (embed -> data), except the token
     # embedding: its gradient is a scatter-add of looked-up rows, which XLA computes from the

@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers", reason="needs the [hf] extra 
 pytest.importorskip("lm_eval", reason="needs the [eval] extra (lm-eval)")
 pytest.importorskip("accelerate", reason="lm-eval's hf model needs the [eval] extra (accelerate)")
 
+import hf_models  # noqa: E402
+
 from t5lite.hf import convert  # noqa: E402
 from t5lite.model import models, network  # noqa: E402
 from t5lite.partitioning import Partitioner  # noqa: E402
@@ -67,40 +69,16 @@ def _tokenizer(path: Path, causal: bool) -> None:
 
 
 def _hf_model(tmp_path: Path, kind: str) -> Path:
-    torch.manual_seed(0)
     if kind == "t5":
-        cfg = transformers.T5Config(
-            vocab_size=V,
-            d_model=32,
-            d_kv=8,
-            d_ff=48,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=20,
-            dropout_rate=0.0,
-            feed_forward_proj="gated-gelu",
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
+        cfg = hf_models.t5_config(
+            vocab_size=V, num_decoder_layers=2, feed_forward_proj="gated-gelu", eos_token_id=1
         )
-        model = transformers.T5ForConditionalGeneration(cfg).eval()
+        model = hf_models.build(transformers.T5ForConditionalGeneration, cfg)
     else:
-        cfg = transformers.LlamaConfig(
-            vocab_size=V,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=256,
-            bos_token_id=1,
-            eos_token_id=2,
+        cfg = hf_models.llama_config(
+            vocab_size=V, max_position_embeddings=256, bos_token_id=1, eos_token_id=2
         )
-        model = transformers.LlamaForCausalLM(cfg).eval()
+        model = hf_models.build(transformers.LlamaForCausalLM, cfg)
     hf_dir = tmp_path / f"hf_{kind}"
     model.save_pretrained(hf_dir)
     _tokenizer(hf_dir, causal=kind == "llama")

@@ -10,17 +10,14 @@ import pytest
 from conftest import require_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny_networks import TINY_T5, full_reversal_batch
 
 from t5lite import partitioning
 from t5lite.checkpoint import CheckpointManager
-from t5lite.model import lora, network, optimizers
+from t5lite.model import lora, optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer, summarize
 
-TINY = network.T5Config(
-    vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    head_dim=8, mlp_dim=32,
-)  # fmt: skip
 ADAPT = lora.LoRA(rank=4, alpha=8.0, targets=r".*/(query|value|wi_0|wo)/kernel")
 MLP = ("decoder", "layers_0", "mlp")
 
@@ -29,17 +26,8 @@ def _trainer(preset: str) -> Trainer:
     require_devices(8)
     rules = partitioning.preset_rules(preset)
     part = partitioning.Partitioner(num_partitions=2, logical_axis_rules=rules)  # data=4 x model=2
-    model = EncoderDecoderModel(TINY, optimizer=optimizers.AdamW(3e-2), lora=ADAPT)
+    model = EncoderDecoderModel(TINY_T5, optimizer=optimizers.AdamW(3e-2), lora=ADAPT)
     return Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
-
-
-def _batch(tr: Trainer):
-    tokens = np.random.default_rng(0).integers(2, 32, (8, 8)).astype(np.int32)
-    targets = tokens[:, ::-1].copy()
-    return tr.global_batch({
-        "encoder_input_tokens": tokens, "decoder_target_tokens": targets,
-        "decoder_input_tokens": np.pad(targets, ((0, 0), (1, 0)))[:, :-1],
-    })  # fmt: skip
 
 
 def _get(tree, *keys):
@@ -75,7 +63,7 @@ def test_lora_trains_adapters_only_on_a_sharded_mesh(preset):
 
     state = tr.init_state()
     before = _flat(state.params)
-    batch, losses = _batch(tr), []
+    batch, losses = full_reversal_batch(tr), []
     for _ in range(8):
         state, metrics = tr.train_step(state, batch)
         losses.append(summarize(metrics)["loss"])
@@ -95,7 +83,7 @@ def test_lora_trains_adapters_only_on_a_sharded_mesh(preset):
 def test_merged_export_matches_the_adapted_model(tmp_path):
     tr = _trainer("megatron")
     state = tr.init_state()
-    batch = _batch(tr)
+    batch = full_reversal_batch(tr)
     for _ in range(3):
         state, _ = tr.train_step(state, batch)
     model = tr.model
@@ -103,7 +91,7 @@ def test_merged_export_matches_the_adapted_model(tmp_path):
     adapted = np.asarray(model._logits(params, batch, None))
     merged = lora.merge(ADAPT, params)
     assert not any(lora.is_factor(p) for p in _flat(merged))
-    plain = EncoderDecoderModel(TINY)  # the base architecture, no adapters
+    plain = EncoderDecoderModel(TINY_T5)  # the base architecture, no adapters
     np.testing.assert_allclose(
         np.asarray(plain._logits(merged, batch, None)), adapted, atol=1e-5, rtol=1e-5
     )
@@ -118,7 +106,7 @@ def test_merged_export_matches_the_adapted_model(tmp_path):
     from t5lite.hf import convert
 
     mgr = CheckpointManager(tmp_path / "run", async_save=False)
-    extra = {"network_config": {"type": "T5Config", **dataclasses.asdict(TINY)},
+    extra = {"network_config": {"type": "T5Config", **dataclasses.asdict(TINY_T5)},
              "lora": dataclasses.asdict(ADAPT)}  # fmt: skip
     mgr.save(3, state, extra=extra)
     mgr.close()
@@ -139,7 +127,7 @@ def test_targets_that_match_nothing_or_no_dense_kernel_are_errors():
     part = partitioning.Partitioner(num_partitions=2)
 
     def build(targets):
-        model = EncoderDecoderModel(TINY, lora=lora.LoRA(targets=targets))
+        model = EncoderDecoderModel(TINY_T5, lora=lora.LoRA(targets=targets))
         return Trainer(model, part, batch_size=8, lengths={"inputs": 8, "targets": 8})
 
     with pytest.raises(ValueError, match=r"LoRA.targets: '.\*/qurey/kernel' matches no parameter"):

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices, reverse_batch
+from tiny_networks import TINY_T5
 
 from t5lite import partitioning
-from t5lite.model import losses, network, optimizers
+from t5lite.model import losses, optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer
 
@@ -80,19 +81,13 @@ def test_canonical_names_and_errors():
         EncoderDecoderModel(loss_normalization="mean")
 
 
-TINY = network.T5Config(
-    vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    head_dim=8, mlp_dim=32,
-)  # fmt: skip
-
-
 @pytest.mark.parametrize("normalization", ["per_total_token", 233472.0])
 @pytest.mark.parametrize("k", [1, 4])
 def test_microbatched_gradients_normalise_over_the_whole_batch(normalization, k):
     """k microbatches give the gradient of sum(token losses) / divisor of the whole batch."""
     require_devices(8)
     model = EncoderDecoderModel(
-        TINY, optimizer=optimizers.AdamW(1e-2), loss_normalization=normalization
+        TINY_T5, optimizer=optimizers.AdamW(1e-2), loss_normalization=normalization
     )
     tr = Trainer(model, partitioning.Partitioner(num_partitions=2), batch_size=16,
                  lengths={"inputs": 8, "targets": 8}, num_microbatches=k)  # fmt: skip

@@ -15,6 +15,7 @@ from conftest import require_devices
 from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from moe_fixtures import LM_MOE, T5_MOE, moe_trainer
 
 from t5lite import partitioning
 from t5lite.model import moe, network
@@ -206,18 +207,6 @@ def test_router_jitter_changes_training_routing_only():
 
 # --- the model: layer choice, loss wiring ------------------------------------------------------
 
-LM_MOE = network.DecoderOnlyConfig(
-    vocab_size=64,
-    emb_dim=16,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=4,
-    mlp_dim=32,
-    num_layers=2,
-    num_experts=4,
-    moe_top_k=2,
-)
-
 
 def _lm_batch(b: int = 8, length: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.RandomState(seed)
@@ -285,18 +274,10 @@ EXPERT_SPECS = {  # mesh data=4 x model=2
 }
 
 
-def _trainer(preset: str, cfg=LM_MOE, num_partitions: int = 2) -> Trainer:
-    part = Partitioner(
-        partitioning.create_mesh(num_partitions),
-        logical_axis_rules=partitioning.preset_rules(preset),
-    )
-    return Trainer(DecoderOnlyModel(network_config=cfg), part, batch_size=8, lengths={"targets": 8})
-
-
 @pytest.mark.parametrize("preset", list(EXPERT_SPECS))
 def test_expert_kernel_shardings(preset):
     require_devices(8)
-    tr = _trainer(preset)
+    tr = moe_trainer(LM_MOE, preset)
     mlp = tr.state_shardings.params["decoder"]["layers_0"]["mlp"]
     got = {"wi_0": mlp["wi_0"], "wo": mlp["wo"], "router": mlp["router"]["kernel"]}
     mesh = tr.partitioner.mesh
@@ -311,7 +292,7 @@ def _collectives(hlo: str) -> dict[str, int]:
 
 def test_expert_parallel_train_step_uses_all_to_all_over_data():
     require_devices(8)
-    tr = _trainer("expert_parallel", dataclasses.replace(LM_MOE, num_layers=1))
+    tr = moe_trainer(dataclasses.replace(LM_MOE, num_layers=1))
     hlo = tr.train_step.lower(tr.abstract_state(), tr.batch_abstract).compile().as_text()
     counts = _collectives(hlo)
     # Dispatch and combine forward, their transposes backward: all-to-alls over `data`.
@@ -357,7 +338,7 @@ LOSS_CASES = [(p, "capacity") for p in PRESET_NAMES] + [
 def test_losses_on_8_devices_equal_1_device(preset, dispatch, one_device_reference):
     require_devices(8)
     cfg = dataclasses.replace(LM_MOE, moe_dispatch=dispatch, moe_eval_capacity_factor=0.5)
-    tr = _trainer(preset, cfg)
+    tr = moe_trainer(cfg, preset)
     params_ref, want = one_device_reference[dispatch]
     params = jax.tree.map(lambda x, s: jax.device_put(x, s), params_ref, tr.state_shardings.params)
     got = tr.eval_step(params, tr.global_batch_from_full(_lm_batch()))
@@ -382,28 +363,15 @@ def test_capacity_on_explicit_axes_equals_1_device(one_device_reference):
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=2e-5, err_msg=k)
 
 
-T5_MOE = network.T5Config(
-    vocab_size=64,
-    emb_dim=16,
-    num_heads=4,
-    head_dim=4,
-    mlp_dim=32,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    num_experts=4,
-    moe_every=2,
-    moe_eval_capacity_factor=0.5,
-    variant="t5.1.0",
-)
-
-
 @pytest.mark.parametrize("preset", ["megatron", "expert_parallel"])
 def test_switch_style_t5_on_8_devices_equals_1_device(preset):
     require_devices(8)
     rng = np.random.RandomState(3)
     batch = _lm_batch(seed=3)
     batch["encoder_input_tokens"] = rng.randint(1, 64, (8, 8)).astype(np.int32)
-    model = EncoderDecoderModel(network_config=T5_MOE)
+    model = EncoderDecoderModel(
+        network_config=dataclasses.replace(T5_MOE, moe_eval_capacity_factor=0.5)
+    )
     params = nn.unbox(model.init(jax.random.PRNGKey(0), jax.tree.map(jnp.asarray, batch)))
     want = jax.jit(model.eval_fn)(params["params"], batch)
     assert float(want["moe_dropped_sum"]) > 0
@@ -468,7 +436,7 @@ def test_t5_config_names_itself():
 def test_experts_not_dividing_their_mesh_axis_name_num_experts():
     require_devices(8)
     with pytest.raises(PartitioningError) as e:
-        _trainer("expert_parallel", dataclasses.replace(LM_MOE, num_experts=6))
+        moe_trainer(dataclasses.replace(LM_MOE, num_experts=6))
     assert str(e.value).startswith(
         "num_experts=6 is not divisible by mesh axes 'data' of size 4, which the rules give "
         "'expert' ("

@@ -8,6 +8,7 @@ import io
 
 import pytest
 from conftest import require_devices
+from moe_fixtures import LM_MOE, T5_MOE, moe_trainer
 from readme_blocks import block, run
 
 from t5lite import partitioning
@@ -17,51 +18,14 @@ from t5lite.insight.communication import collective_rows
 from t5lite.insight.comparison import compare_communication
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.report import step_report
-from t5lite.model import network
-from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
-from t5lite.partitioning import Partitioner
-from t5lite.trainer import Trainer
-
-LM = network.DecoderOnlyConfig(
-    vocab_size=64,
-    emb_dim=16,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=4,
-    mlp_dim=32,
-    num_layers=2,
-    num_experts=4,
-    moe_top_k=2,
-)
-T5 = network.T5Config(
-    vocab_size=64,
-    emb_dim=16,
-    num_heads=4,
-    head_dim=4,
-    mlp_dim=32,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    num_experts=4,
-    moe_every=2,
-    variant="t5.1.0",
-)
-
-
-def _trainer(cfg, preset: str = "expert_parallel", lengths=None) -> Trainer:
-    part = Partitioner(
-        partitioning.create_mesh(2), logical_axis_rules=partitioning.preset_rules(preset)
-    )
-    model_cls = EncoderDecoderModel if isinstance(cfg, network.T5Config) else DecoderOnlyModel
-    lengths = lengths or {"targets": 8}
-    return Trainer(model_cls(network_config=cfg), part, batch_size=8, lengths=lengths)
-
+from t5lite.model.models import DecoderOnlyModel
 
 CASES = {
     # C = ceil(1.25 * 8 * 2 / 4) = 5 slots, padded to 6 over model=2: 1 x 8 x 3 x 16 floats.
-    "lm": (LM, {"targets": 8}, [("decoder", 2, 1536, 768)]),
+    "lm": (LM_MOE, {"targets": 8}, [("decoder", 2, 1536, 768)]),
     # Top-1, S=12 / 8: C = 4 / 3 (padded to 4) over model=2 -> 1 x 8 x 2 x 16 floats.
     "t5": (
-        T5,
+        T5_MOE,
         {"inputs": 12, "targets": 8},
         [("encoder", 1, 1024, 768), ("decoder", 1, 1024, 512)],
     ),
@@ -72,7 +36,7 @@ CASES = {
 def test_all_to_alls_per_moe_layer_equal_gshard(case):
     require_devices(8)
     cfg, lengths, want = CASES[case]
-    tr = _trainer(cfg, lengths=lengths)
+    tr = moe_trainer(cfg, lengths=lengths)
     model = experts.expert_all_to_all(tr, ("data",))
     got = [(s.name, s.layers, s.dispatched_bytes, s.weights_grad_bytes) for s in model.stacks]
     assert got == want
@@ -89,7 +53,7 @@ def test_all_to_alls_per_moe_layer_equal_gshard(case):
 
 def test_inspect_report_prints_the_moe_all_to_alls():
     require_devices(8)
-    tr = _trainer(dataclasses.replace(LM, num_layers=1))
+    tr = moe_trainer(dataclasses.replace(LM_MOE, num_layers=1))
     step = step_report(tr)
     text = step.format()
     assert "mixture of experts: GShard's all-to-alls over data (4 devices):" in text
@@ -105,12 +69,14 @@ def test_no_all_to_all_expected_without_expert_parallelism():
     # Dropless sorts tokens globally (GSPMD gathers); data_parallel-style dense model: none.
     assert (
         experts.expert_all_to_all(
-            _trainer(dataclasses.replace(LM, moe_dispatch="dropless")), ("data",)
+            moe_trainer(dataclasses.replace(LM_MOE, moe_dispatch="dropless")), ("data",)
         )
         is None
     )
     assert (
-        experts.expert_all_to_all(_trainer(dataclasses.replace(LM, num_experts=0)), ("data",))
+        experts.expert_all_to_all(
+            moe_trainer(dataclasses.replace(LM_MOE, num_experts=0)), ("data",)
+        )
         is None
     )
 
@@ -119,7 +85,7 @@ def test_plan_searches_and_ranks_the_expert_layouts():
     require_devices(8)
     out, progress = io.StringIO(), io.StringIO()
     ranked = plan_lib.plan(
-        model=DecoderOnlyModel(network_config=LM),
+        model=DecoderOnlyModel(network_config=LM_MOE),
         task_feature_lengths={"targets": 8},
         batch_size=8,
         num_devices=8,
@@ -140,7 +106,7 @@ def test_plan_searches_and_ranks_the_expert_layouts():
     )
     # The screen prices GShard's all-to-alls of the expert layout.
     ep = by_name[("expert_parallel", 4)]
-    want = experts.expert_all_to_all(_trainer(LM), ("data",))
+    want = experts.expert_all_to_all(moe_trainer(LM_MOE), ("data",))
     got = [e for e in ep.analytic.communication.expected if e.kind == "all-to-all"]
     assert [(e.axes, e.count, e.bytes) for e in got] == [(("data",), want.count, want.bytes)]
     # Compiled candidates that fit come first, by compiled step time.
@@ -153,7 +119,7 @@ def test_plan_searches_and_ranks_the_expert_layouts():
 def test_plan_compiles_and_ranks_expert_parallel_against_megatron():
     require_devices(8)
     ranked = plan_lib.plan(
-        model=DecoderOnlyModel(network_config=LM),
+        model=DecoderOnlyModel(network_config=LM_MOE),
         task_feature_lengths={"targets": 8},
         batch_size=8,
         num_devices=8,
@@ -167,7 +133,7 @@ def test_plan_compiles_and_ranks_expert_parallel_against_megatron():
     assert [c.status for c in ranked] == ["fits", "fits"]
     assert ranked[0].step_seconds <= ranked[1].step_seconds
     ep = next(c for c in ranked if c.layout.preset == "expert_parallel")
-    want = experts.expert_all_to_all(_trainer(LM), ("data",))
+    want = experts.expert_all_to_all(moe_trainer(LM_MOE), ("data",))
     assert ep.step.count("all-to-all", ("data",)) == want.count
     assert ep.step.bytes_over(("data",), "all-to-all") == want.bytes
 

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from moe_fixtures import LM_MOE
 
 from t5lite.insight import flops
-from t5lite.model import moe, network
+from t5lite.model import moe
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.trainer import summarize
 
@@ -69,18 +70,7 @@ def test_losses_load_and_drops_of_a_padded_batch_count_real_tokens_only(top_k):
     np.testing.assert_allclose(got[moe.DROPPED], dropped, rtol=1e-6)
 
 
-LM = network.DecoderOnlyConfig(
-    vocab_size=64,
-    emb_dim=16,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=4,
-    mlp_dim=32,
-    num_layers=2,
-    num_experts=4,
-    moe_top_k=2,
-    moe_dispatch="dropless",
-)
+LM = dataclasses.replace(LM_MOE, moe_dispatch="dropless")
 
 
 def _batch(length: int) -> dict[str, jax.Array]:

@@ -244,13 +244,13 @@ def test_batches_follow_the_rules_when_length_is_sharded():
     """A table that shards `length` places batches as it says (not a fixed P(batch, None)) and
     trains with the losses of the data-parallel table."""
     require_devices(8)
-    from t5lite.model import network, optimizers
+    from tiny_networks import TINY_T5
+
+    from t5lite.model import optimizers
     from t5lite.model.models import EncoderDecoderModel
     from t5lite.trainer import Trainer, summarize
 
-    cfg = network.T5Config(vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1,
-                           num_decoder_layers=1, head_dim=8, mlp_dim=32)  # fmt: skip
-    model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    model = EncoderDecoderModel(TINY_T5, optimizer=optimizers.AdamW(1e-2))
     rng = np.random.default_rng(0)
     tokens = rng.integers(2, 32, size=(8, 8)).astype(np.int32)
     batch = {"encoder_input_tokens": tokens, "decoder_target_tokens": tokens[:, ::-1].copy(),

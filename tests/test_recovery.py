@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import require_devices, run_cli
+from conftest import QUICK_TRAIN, require_devices, run_cli
 
 from t5lite.checkpoint import CheckpointManager
 from t5lite.checkpoint.layout import read_extra
@@ -140,20 +140,10 @@ def test_a_run_that_ends_stalled_says_so_however_short():
     assert once.ended_stalled is None
 
 
-QUICK = [
-    "--gin_file=quickstart.gin",
-    "--gin.BATCH_SIZE=8",
-    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-    "--gin.train.evaluation=None",
-    "--gin.LogConfig.period=1",
-    "--gin.warmup_cosine_schedule.warmup_steps=2",
-]
-
-
 def test_a_run_diverged_at_lr_1e6_names_a_checkpoint_a_rerun_trains_from(tmp_path, capsys):
     require_devices(8)
     d = tmp_path / "run"
-    args = [*QUICK, f"--gin.MODEL_DIR='{d}'"]
+    args = [*QUICK_TRAIN, f"--gin.MODEL_DIR='{d}'"]
     assert run_cli("train", *args, "--gin.TRAIN_STEPS=4", "--gin.CheckpointConfig.period=2") == 0
     capsys.readouterr()
     # Step 5's update leaves finite but useless parameters: from step 6 on the model predicts
@@ -195,7 +185,7 @@ def test_a_transient_bad_step_rolls_back_skips_its_batches_and_the_run_finishes(
     import t5lite.programs.train as train_program
 
     require_devices(8)
-    args = [*QUICK, "--gin.CheckpointConfig.period=2"]
+    args = [*QUICK_TRAIN, "--gin.CheckpointConfig.period=2"]
     ref = tmp_path / "ref"
     assert run_cli("train", *args, "--gin.TRAIN_STEPS=12", f"--gin.MODEL_DIR='{ref}'") == 0
 

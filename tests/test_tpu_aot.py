@@ -5,13 +5,10 @@ sharded train step is lowered and compiled ahead of time. Runs in a fresh proces
 plugin never meets the test session's fake CPU devices.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import tpu_compile_result
 
 from t5lite.insight.topology import libtpu_available, num_devices
 
@@ -52,14 +49,7 @@ _SCRIPT = textwrap.dedent(
 
 def test_t5_train_step_compiles_for_v5e_2x2_megatron_and_fsdp():
     assert num_devices("v5e:2x2") == 4
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_PLATFORMS"] = "cpu"  # the host backend; TPU devices come from the topology alone
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    r = json.loads(line.removeprefix("RESULT "))
+    r = tpu_compile_result(_SCRIPT)
     assert r["devices"] == 4 and r["kind"] == "TPU v5 lite" and r["hbm"] == 16 * 2**30
     for name in ("megatron", "fsdp"):
         x = r[name]

@@ -8,26 +8,23 @@ import pytest
 from conftest import require_devices, reverse_batch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny_networks import TINY_T5
 
 from t5lite import partitioning
 from t5lite.insight import communication, comparison
 from t5lite.insight.hlo import collective_ops, parse_collectives
 from t5lite.insight.sharding import sharding_report
-from t5lite.model import network, optimizers
+from t5lite.model import optimizers
 from t5lite.model.models import EncoderDecoderModel
 from t5lite.trainer import Trainer, summarize
 
-TINY = network.T5Config(
-    vocab_size=32, emb_dim=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-    head_dim=8, mlp_dim=32,
-)  # fmt: skip
 LENGTHS = {"inputs": 8, "targets": 8}
 
 
 def _trainer(k=1, num_partitions=2, optimizer=None, batch_size=16):
     require_devices(8)
     part = partitioning.Partitioner(num_partitions=num_partitions)
-    model = EncoderDecoderModel(TINY, optimizer=optimizer or optimizers.AdamW(1e-2))
+    model = EncoderDecoderModel(TINY_T5, optimizer=optimizer or optimizers.AdamW(1e-2))
     return Trainer(model, part, batch_size=batch_size, lengths=LENGTHS, num_microbatches=k)
 
 
@@ -90,7 +87,7 @@ def test_microbatches_are_split_without_moving_rows_between_devices():
         part = partitioning.Partitioner(
             num_partitions=1, logical_axis_rules=partitioning.preset_rules("data_parallel")
         )
-        model = EncoderDecoderModel(TINY, optimizer=optimizers.AdamW(1e-2))
+        model = EncoderDecoderModel(TINY_T5, optimizer=optimizers.AdamW(1e-2))
         tr = Trainer(model, part, batch_size=16, lengths=LENGTHS, num_microbatches=k)
         batch = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_shardings[n])
                  for n, v in tr.batch_abstract.items()}  # fmt: skip
@@ -131,7 +128,7 @@ def _step_cost(tr):
 
 def _with_optimizer(opt, log_grad_norm):
     require_devices(8)
-    model = EncoderDecoderModel(TINY, optimizer=opt)
+    model = EncoderDecoderModel(TINY_T5, optimizer=opt)
     part = partitioning.Partitioner(num_partitions=2)
     return Trainer(model, part, batch_size=16, lengths=LENGTHS, log_grad_norm=log_grad_norm)
 

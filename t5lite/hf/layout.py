@@ -11,9 +11,12 @@ Hugging Face stores each expert of a mixture-of-experts layer as its own `Linear
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
+
+from t5lite.model.config import AnyConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +107,14 @@ def moe_entries(
             yield Entry(key, (*ours, "mlp", our_name), (d, f), "t", (j, e))
     for j in range(e):
         yield Entry(f"{expert.format(j=j)}.{wo}.weight", (*ours, "mlp", "wo"), (f, d), "t", (j, e))
+
+
+def check_moe_export(cfg: AnyConfig, want: Mapping[str, Any], architecture: str) -> None:
+    """One line naming the first of `want`'s fields on which `cfg` (a network config with
+    experts) differs: the settings `architecture` has no way to express."""
+    for field, value in want.items():
+        if getattr(cfg, field) != value:
+            raise ValueError(
+                f"export_hf: a {type(cfg).__name__} with experts maps to {architecture} only "
+                f"with {field}={value!r}, got {getattr(cfg, field)!r}"
+            )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from t5lite.hf.layout import Entry, attention_entries, mlp_entries, moe_entries
+from t5lite.hf.layout import Entry, attention_entries, check_moe_export, mlp_entries, moe_entries
 from t5lite.model import network
 from t5lite.model.config import is_moe_layer
 
@@ -199,12 +199,7 @@ def mixtral_config_to_hf(cfg: network.DecoderOnlyConfig) -> dict[str, Any]:
         "moe_dispatch": "dropless",
         "moe_shared_experts": 0,
     }
-    for field, value in want.items():
-        if getattr(cfg, field) != value:
-            raise ValueError(
-                f"export_hf: a DecoderOnlyConfig with experts maps to {MIXTRAL} only with "
-                f"{field}={value!r}, got {getattr(cfg, field)!r}"
-            )
+    check_moe_export(cfg, want, MIXTRAL)
     out = config_to_hf(cfg)
     del out["attention_bias"], out["mlp_bias"]
     out.update(

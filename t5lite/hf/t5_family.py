@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from t5lite.hf.layout import Entry, attention_entries, mlp_entries, moe_entries
+from t5lite.hf.layout import Entry, attention_entries, check_moe_export, mlp_entries, moe_entries
 from t5lite.model import network
 from t5lite.model.config import is_moe_layer
 
@@ -216,12 +216,7 @@ def switch_config_to_hf(cfg: network.T5Config) -> dict[str, Any]:
         "moe_dispatch": "capacity",
         "moe_shared_experts": 0,
     }
-    for field, value in want.items():
-        if getattr(cfg, field) != value:
-            raise ValueError(
-                f"export_hf: a T5Config with experts maps to {SWITCH} only with {field}="
-                f"{value!r}, got {getattr(cfg, field)!r}"
-            )
+    check_moe_export(cfg, want, SWITCH)
     if cfg.moe_every not in (1, 2):
         raise ValueError(
             f"export_hf: T5Config.moe_every={cfg.moe_every} has no {SWITCH} equivalent (its "

@@ -25,7 +25,49 @@ MOE_ROUTERS: tuple[str, ...] = ("softmax_then_topk", "topk_then_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
-class T5Config:
+class MoeFields:
+    """The mixture-of-experts fields that `T5Config` and `DecoderOnlyConfig` share (defaults:
+    Switch's; `DecoderOnlyConfig` overrides two with Mixtral's). Gin binds them under each
+    config's own name (`network.T5Config.moe_top_k`, `network.DecoderOnlyConfig.moe_top_k`).
+
+    NOTE: dataclasses list inherited fields first: these lead `fields()`, `asdict()` (the
+    checkpoint record, convert's model.gin) and reprs.
+    """
+
+    num_experts: int = 0
+    """E, experts per mixture-of-experts MLP (0: every MLP is dense); see model/moe.py."""
+    moe_every: int = 1
+    """Every k-th layer's MLP is a mixture of experts: layer i (from 0) when (i + 1) % k == 0,
+    in the encoder and the decoder alike (k=2: layers 1, 3, 5, ... as Switch / HF
+    `encoder_sparse_step=2`; k=1: every layer)."""
+    moe_top_k: int = 1
+    """Experts per token (1: Switch; 2: Mixtral)."""
+    moe_router: str = "softmax_then_topk"
+    """'softmax_then_topk' (Switch, Mixtral) or 'topk_then_softmax'."""
+    moe_normalize_top_k: bool = False
+    """Rescale the kept top-k router probabilities to sum to 1 (Mixtral: True; Switch: False)."""
+    moe_jitter_noise: float = 0.0
+    """Training only: the router input is multiplied by U(1 - eps, 1 + eps)."""
+    moe_dispatch: str = "capacity"
+    """'capacity' (GShard/Switch: fixed slots per expert, overflow dropped, expert parallelism
+    by the rules) or 'dropless' (sorted tokens, grouped matmul; no expert parallelism)."""
+    moe_capacity_factor: float = 1.25
+    """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
+    moe_eval_capacity_factor: float = 2.0
+    """'capacity': the factor for eval, scoring and decoding."""
+    moe_expert_capacity: int = 0
+    """'capacity': fixed slots per expert and sequence in training and eval alike (HF Switch's
+    `expert_capacity`), clipped to the sequence length; 0: from the capacity factors."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
+    moe_z_loss_coef: float = 0.001
+    """Weight of ST-MoE's router z-loss (mean over MoE layers) in the training loss."""
+    moe_shared_experts: int = 0
+    """Dense experts every token also goes through (their MLP is this many times mlp_dim)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config(MoeFields):
     """T5.1.1 encoder-decoder hyper-parameters (defaults: T5.1.1 small)."""
 
     vocab_size: int = 32128
@@ -72,36 +114,6 @@ class T5Config:
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""
-    num_experts: int = 0
-    """E, experts per mixture-of-experts MLP (0: every MLP is dense); see model/moe.py."""
-    moe_every: int = 1
-    """Every k-th layer's MLP is a mixture of experts: layer i (from 0) when (i + 1) % k == 0,
-    in the encoder and the decoder alike (k=2: layers 1, 3, 5, ... as Switch / HF
-    `encoder_sparse_step=2`; k=1: every layer)."""
-    moe_top_k: int = 1
-    """Experts per token (1: Switch; 2: Mixtral)."""
-    moe_router: str = "softmax_then_topk"
-    """'softmax_then_topk' (Switch, Mixtral) or 'topk_then_softmax'."""
-    moe_normalize_top_k: bool = False
-    """Rescale the kept top-k router probabilities to sum to 1 (Mixtral: True; Switch: False)."""
-    moe_jitter_noise: float = 0.0
-    """Training only: the router input is multiplied by U(1 - eps, 1 + eps)."""
-    moe_dispatch: str = "capacity"
-    """'capacity' (GShard/Switch: fixed slots per expert, overflow dropped, expert parallelism
-    by the rules) or 'dropless' (sorted tokens, grouped matmul; no expert parallelism)."""
-    moe_capacity_factor: float = 1.25
-    """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
-    moe_eval_capacity_factor: float = 2.0
-    """'capacity': the factor for eval, scoring and decoding."""
-    moe_expert_capacity: int = 0
-    """'capacity': fixed slots per expert and sequence in training and eval alike (HF Switch's
-    `expert_capacity`), clipped to the sequence length; 0: from the capacity factors."""
-    moe_aux_loss_coef: float = 0.01
-    """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
-    moe_z_loss_coef: float = 0.001
-    """Weight of ST-MoE's router z-loss (mean over MoE layers) in the training loss."""
-    moe_shared_experts: int = 0
-    """Dense experts every token also goes through (their MLP is this many times mlp_dim)."""
 
     # Uniform interface shared with DecoderOnlyConfig, read by the layer classes.
     @property
@@ -153,7 +165,7 @@ class T5Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderOnlyConfig:
+class DecoderOnlyConfig(MoeFields):
     """Decoder-only LM hyper-parameters (defaults: a Llama-style small model)."""
 
     vocab_size: int = 32000
@@ -203,36 +215,10 @@ class DecoderOnlyConfig:
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""
-    num_experts: int = 0
-    """E, experts per mixture-of-experts MLP (0: every MLP is dense); see model/moe.py."""
-    moe_every: int = 1
-    """Every k-th layer's MLP is a mixture of experts: layer i (from 0) when (i + 1) % k == 0,
-    in the encoder and the decoder alike (k=2: layers 1, 3, 5, ... as Switch / HF
-    `encoder_sparse_step=2`; k=1: every layer)."""
     moe_top_k: int = 2
-    """Experts per token (1: Switch; 2: Mixtral)."""
-    moe_router: str = "softmax_then_topk"
-    """'softmax_then_topk' (Switch, Mixtral) or 'topk_then_softmax'."""
+    """Experts per token (Mixtral's 2; see MoeFields)."""
     moe_normalize_top_k: bool = True
-    """Rescale the kept top-k router probabilities to sum to 1 (Mixtral: True; Switch: False)."""
-    moe_jitter_noise: float = 0.0
-    """Training only: the router input is multiplied by U(1 - eps, 1 + eps)."""
-    moe_dispatch: str = "capacity"
-    """'capacity' (GShard/Switch: fixed slots per expert, overflow dropped, expert parallelism
-    by the rules) or 'dropless' (sorted tokens, grouped matmul; no expert parallelism)."""
-    moe_capacity_factor: float = 1.25
-    """'capacity', training: slots per expert and sequence = ceil(factor * L * top_k / E)."""
-    moe_eval_capacity_factor: float = 2.0
-    """'capacity': the factor for eval, scoring and decoding."""
-    moe_expert_capacity: int = 0
-    """'capacity': fixed slots per expert and sequence in training and eval alike (HF Switch's
-    `expert_capacity`), clipped to the sequence length; 0: from the capacity factors."""
-    moe_aux_loss_coef: float = 0.01
-    """Weight of the Switch load-balancing loss (mean over MoE layers) in the training loss."""
-    moe_z_loss_coef: float = 0.001
-    """Weight of ST-MoE's router z-loss (mean over MoE layers) in the training loss."""
-    moe_shared_experts: int = 0
-    """Dense experts every token also goes through (their MLP is this many times mlp_dim)."""
+    """Rescale the kept top-k router probabilities to sum to 1 (Mixtral's; see MoeFields)."""
 
     @property
     def policy(self) -> Precision:

@@ -103,6 +103,19 @@ def make_evaluator(
     )
 
 
+def data_evaluator(model: BaseModel, data: DataConfig) -> seqio_lite.Evaluator:
+    """`make_evaluator` for `data`'s task, lengths, examples and batch size, on `data.split`
+    (default: 'validation')."""
+    return make_evaluator(
+        model,
+        data.task,
+        dict(data.task_feature_lengths),
+        split=split_of(data, "validation"),
+        num_examples=data.num_examples,
+        batch_size=data.batch_size,
+    )
+
+
 def run_evaluation(
     evaluator: seqio_lite.Evaluator,
     trainer: Trainer,
@@ -250,14 +263,7 @@ def _evaluate_task(
 ) -> dict[str, Any]:
     check_task_and_model(data.task, model, data.task_feature_lengths)
     trainer, params, step = restored_trainer(model, partitioner, data, model_dir, checkpoint_step)
-    evaluator = make_evaluator(
-        model,
-        data.task,
-        dict(data.task_feature_lengths),
-        split=split_of(data, "validation"),
-        num_examples=data.num_examples,
-        batch_size=data.batch_size,
-    )
+    evaluator = data_evaluator(model, data)
     writer = mw.MetricsWriter(model_dir, total_steps=step, enabled=jax.process_index() == 0)
     try:
         return run_evaluation(

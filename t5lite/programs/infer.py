@@ -12,8 +12,8 @@ import numpy as np
 
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
-from t5lite.programs.configs import DataConfig, split_of
-from t5lite.programs.evaluate import check_task_and_model, make_evaluator, restored_trainer
+from t5lite.programs.configs import DataConfig
+from t5lite.programs.evaluate import check_task_and_model, data_evaluator, restored_trainer
 
 MODES = ("predict", "score")
 
@@ -57,14 +57,7 @@ def infer(
     check_task_and_model(data.task, model, data.task_feature_lengths)
     is_chief = jax.process_index() == 0
     batch_size = data.batch_size
-    evaluator = make_evaluator(
-        model,
-        data.task,
-        dict(data.task_feature_lengths),
-        split=split_of(data, "validation"),
-        num_examples=data.num_examples,
-        batch_size=batch_size,
-    )
+    evaluator = data_evaluator(model, data)
     expected = [
         (t.name, _text(ex, "inputs")) for t in evaluator.tasks for ex in evaluator.examples(t.name)
     ]
