@@ -18,7 +18,7 @@ from t5lite.checkpoint import CheckpointManager, restore_checkpoint
 from t5lite.hf import tokens
 from t5lite.hf import weights as hf_convert
 from t5lite.model import lora, network
-from t5lite.model.config import config_from_record, config_record
+from t5lite.model.config import MoeFields, config_from_record, config_record
 
 _MODEL_OF = {"T5Config": "EncoderDecoderModel", "DecoderOnlyConfig": "DecoderOnlyModel"}
 
@@ -37,7 +37,10 @@ def model_gin(
         f"MODEL = @{model}()",
         f"{model}.network_config = @network.{kind}()",
     ]
-    for k, v in dataclasses.asdict(config).items():
+    # The model's own fields first, the mixture-of-experts ones (inherited, so first in
+    # `asdict`) after them: a dense model's file should not open with thirteen moe_* lines.
+    moe = {f.name for f in dataclasses.fields(MoeFields)}
+    for k, v in sorted(dataclasses.asdict(config).items(), key=lambda kv: kv[0] in moe):
         lines.append(f"network.{kind}.{k} = {v!r}")
     lines += ["", "# Special token ids from the Hugging Face config (decoding stops at eos_id)."]
     lines += [f"{model}.{k} = {v!r}" for k, v in dataclasses.asdict(ids).items()]

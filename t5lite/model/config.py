@@ -31,7 +31,7 @@ class MoeFields:
     config's own name (`network.T5Config.moe_top_k`, `network.DecoderOnlyConfig.moe_top_k`).
 
     NOTE: dataclasses list inherited fields first: these lead `fields()`, `asdict()` (the
-    checkpoint record, convert's model.gin) and reprs.
+    checkpoint record) and reprs; convert's model.gin writes them last.
     """
 
     num_experts: int = 0
