@@ -15,7 +15,7 @@ import pytest
 from conftest import require_devices
 from flax import linen as nn
 
-from t5lite import collectives
+from t5lite import collectives, context_parallel
 from t5lite.insight import context
 from t5lite.insight.hlo import parse_collectives
 from t5lite.model import layers, network, optimizers
@@ -188,7 +188,7 @@ def test_the_preset_selects_the_ring_and_an_unsplit_kv_length_the_all_gather():
             ("context_parallel", collectives.Strategy.CONTEXT_PARALLEL),
         ]:
             with nn.logical_axis_rules(preset_rules(preset)):
-                choice = collectives.select_attention_strategy(q, k, None, None, "kv_heads")
+                choice = context_parallel.select_attention_strategy(q, k, None, None, "kv_heads")
                 assert choice.strategy is want
                 assert choice.plan.cp == ("model",)
 
@@ -220,7 +220,7 @@ def test_masks_against_the_unsharded_layer(dtype, atol, with_prefix):
     rules = preset_rules("context_parallel_ring")
     with jax.set_mesh(create_mesh(4)), nn.logical_axis_rules(rules):
         q = jnp.zeros((2, L, 4, 8))
-        choice = collectives.select_attention_strategy(q, q[:, :, :2], None, None, "kv_heads")
+        choice = context_parallel.select_attention_strategy(q, q[:, :, :2], None, None, "kv_heads")
         assert choice.strategy is collectives.Strategy.RING_CONTEXT_PARALLEL
         got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

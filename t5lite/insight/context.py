@@ -3,7 +3,7 @@
 Both split the queries' `length` over the context axes (n devices). Per attention layer, with
 B' examples per device, S key positions, G key/value heads of width K in the compute dtype:
 
-- all-gather (`context_parallel`, `collectives.context_parallel_attention`): keys and values
+- all-gather (`context_parallel`, `context_parallel.context_parallel_attention`): keys and values
   all-gathered forward (2 all-gathers, results [B', S, G, K]); their gradients reduce-scattered
   backward (2 reduce-scatters, results [B', S/n, G, K]).
 - ring (`context_parallel_ring`, `model/ring_attention.py`): forward, keys and values make

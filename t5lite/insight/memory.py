@@ -84,7 +84,7 @@ def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
     """(sequence parallel, context parallel): whether the rules split activations' `length`
     and the blocks' features over the same mesh axes (Megatron-3's layout, where
     `collectives.sequence_parallel_gather` gathers each block's input), or split `length` and keep
-    `kv_length` whole (`collectives.context_parallel_attention` gathers keys and values)."""
+    `kv_length` whole (`context_parallel.context_parallel_attention` gathers keys and values)."""
 
     def axes(names: tuple[str | None, ...], dim: int) -> set[str]:
         spec, _ = resolve_logical_axes(names, partitioner.rules)

@@ -203,7 +203,7 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
 
     Queries, the MLP, norms and logits work on 1/model of the positions; keys and values
     (`kv_length`, replicated) are all-gathered inside attention and their gradients
-    reduce-scattered back (`collectives.context_parallel_attention`). Weights are replicated over
+    reduce-scattered back (`t5lite/context_parallel.py`). Weights are replicated over
     `model` (their gradients are summed over data and context, as in Megatron's context
     parallelism); with the length rule first, no activation dimension other than `length` can
     take `model`.
