@@ -304,7 +304,7 @@ def test_bf16_activations_are_fp32_on_cpu_only():
 _BF16_MATRIX = [
     (f, p, REMAT_POLICIES[(i + j) % len(REMAT_POLICIES)], (BF16, BF16_MASTERS)[(i + j) % 2])
     for j, f in enumerate(("t5", "lm"))
-    for i, p in enumerate(p for p in presets_for(0) if p != "context_parallel_ring")
+    for i, p in enumerate(x for x in presets_for(0) if x != "context_parallel_ring")
 ]
 
 
