@@ -23,9 +23,9 @@ Under remat (`remat_policy` minimal or full) each layer's ring forward runs agai
 backward pass, to rebuild what its custom_vjp keeps (`minimal` saves the projections only):
 the forward's key/value permutes and a balanced layer's zigzag sends (queries, keys, values,
 the bias's rows in, the output back) are sent again; the mask features are not (computed once
-outside the layers). With unscanned layers under `minimal`, XLA:CPU may reuse a layer's
-forward key/value sends instead (their inputs, the saved projections, are the same values):
-the model is then an upper bound.
+outside the layers). Exact for scanned layers and unscanned `full` on a decoder-only model;
+elsewhere (unscanned `minimal`, T5) XLA:CPU may reuse some of the forward's sends where the
+recomputed values equal them, and the model is an upper bound.
 """
 
 from __future__ import annotations
