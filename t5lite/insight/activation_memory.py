@@ -93,8 +93,10 @@ def _saved_unscanned(
             "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
             "norms+residual": 4 * a["x"],
         }
-    saved = _SCORES_SAVED if a.get("scores_saved") is None else a["scores_saved"]
-    scores = saved * a["scores"] if remat == "none" or scores_held else 0
+    ring = a.get("scores_saved") is not None
+    saved = a["scores_saved"] if ring else _SCORES_SAVED
+    # The ring's layers, recomputed ahead of the loss gradient, hold their block there too.
+    scores = saved * a["scores"] if remat == "none" or scores_held or ring else 0
     # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
