@@ -152,8 +152,6 @@ def _layer_bytes(
     sp, cp = _sequence_layout(partitioner)
     n = 0 if sp else _ring_size(partitioner)
     ring = n > 1
-    # one device's chunk of keys (or values) of each attention
-    kv_chunk = [of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens]
     balanced = ring and causal and q_len == kv_lens[0] and q_len % (2 * n) == 0
     moe = _moe_bytes(partitioner, cfg, b, q_len, act)
     # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
@@ -184,26 +182,7 @@ def _layer_bytes(
         # ring never holds [L/n, S]: one step's block [L/n, S/n] of the chunk in hand.
         "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens)
         // (n if ring else 1),
-        "scores_saved": RING_BLOCKS_SAVED if ring else None,
-        # What the ring's custom_vjp keeps beyond the layer's own q, k, v and context: a
-        # balanced (zigzag) layer's reordered copies of q, k, v and its output, and each
-        # attention's softmax statistics (max and sum, [B, H, L/n] fp32).
-        "ring_saved": (
-            (2 * of(("batch", "length", "heads", "kv"), (b, q_len, h, k)) + 2 * kv_chunk[0])
-            * balanced
-            + len(kv_lens) * 2 * of(("batch", "heads", "length"), (b, h, q_len), 4)
-            if ring
-            else 0
-        ),
-        # The ring's backward while a layer is differentiated: its stacked keys and values,
-        # the chunk in hand and the one arriving, and their fp32 gradients, in hand and in
-        # flight; the queries' fp32 gradient accumulator.
-        "ring_flight": (
-            max(2 * 2 * kv_s * (1 + 4 // act) for kv_s in kv_chunk)
-            + of(("batch", "length", "heads", "kv"), (b, q_len, h, k), 4)
-            if ring
-            else 0
-        ),
+        **_ring_bytes(partitioner, cfg, b, q_len, kv_lens, act, n if balanced else 0),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
         "moe": moe[0],  # a mixture of experts' MLP, saved values (0: dense)
         "moe_h": moe[1],  # one of its experts' hidden buffers
@@ -229,6 +208,41 @@ def _layer_bytes(
             of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim))
             < of(("batch", "length", None), (b, q_len, cfg.emb_dim))
         ),
+    }
+
+
+def _ring_bytes(
+    partitioner: Partitioner,
+    cfg: Any,
+    b: int,
+    q_len: int,
+    kv_lens: list[int],
+    act: int,
+    balanced: int,
+) -> dict[str, int | None]:
+    """Ring attention's own terms of one layer (`_layer_bytes`; `balanced`: the ring's size
+    when the self-attention is zigzag-balanced, else 0); none for other layouts."""
+    if not _ring_size(partitioner):
+        return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0}
+    h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
+        return _bytes_per_device(partitioner, axes, shape, itemsize)
+
+    q = of(("batch", "length", "heads", "kv"), (b, q_len, h, k))
+    # one device's chunk of keys (or values) of each attention
+    kv_chunk = [of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens]
+    return {
+        "scores_saved": RING_BLOCKS_SAVED,
+        # What the custom_vjp keeps beyond the layer's own q, k, v and context: a balanced
+        # (zigzag) layer's reordered copies of q, k, v and its output, and each attention's
+        # softmax statistics (max and sum, [B, H, L/n] fp32).
+        "ring_saved": (2 * q + 2 * kv_chunk[0]) * bool(balanced)
+        + len(kv_lens) * 2 * of(("batch", "heads", "length"), (b, h, q_len), 4),
+        # The ring's backward while a layer is differentiated: its stacked keys and values,
+        # the chunk in hand and the one arriving, and their fp32 gradients, in hand and in
+        # flight; the queries' fp32 gradient accumulator.
+        "ring_flight": max(4 * kv_s * (1 + 4 // act) for kv_s in kv_chunk) + q * 4 // act,
     }
 
 
