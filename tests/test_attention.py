@@ -18,7 +18,7 @@ import pytest
 from conftest import require_devices
 from flax import linen as nn
 
-from t5lite import collectives
+from t5lite import collectives, context_parallel
 from t5lite.model import attention, layers, network
 from t5lite.model.masks import MaskParts
 from t5lite.partitioning import create_mesh, preset_rules
@@ -300,7 +300,7 @@ def test_context_parallel_attention_goes_through_the_seam(cudnn_runs_as_jax_xla)
     want = mha.apply(params, x, x, mask)
     with jax.set_mesh(mesh), nn.logical_axis_rules(preset_rules("context_parallel")):
         q = jnp.zeros((2, 8, 4, 8), jnp.bfloat16)
-        choice = collectives.select_attention_strategy(q, q[:, :, :2], None, mask, "kv_heads")
+        choice = context_parallel.select_attention_strategy(q, q[:, :, :2], None, mask, "kv_heads")
         assert choice.strategy is collectives.Strategy.CONTEXT_PARALLEL
         got = jax.jit(lambda p, x, m: mha.apply(p, x, x, m))(params, x, mask)
     # Each device attends its 2 of 8 query positions (1 of 2 batch rows) to all 8 keys.

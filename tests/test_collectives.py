@@ -14,7 +14,7 @@ import pytest
 from conftest import require_devices
 from flax import linen as nn
 
-from t5lite import collectives
+from t5lite import collectives, context_parallel
 from t5lite.model import layers
 from t5lite.partitioning import create_mesh, preset_rules
 
@@ -33,7 +33,7 @@ def _picks() -> dict[str, collectives.Strategy]:
         "wi": collectives.select_strategy(x_BLD, BLD, [wi, wi], 1).strategy,
         "wo": collectives.select_strategy(x_BLF, BLF, [wo], 1).strategy,
         "out": collectives.select_strategy(x_BLHK, BLHK, [out], 2).strategy,
-        "attention": collectives.select_attention_strategy(
+        "attention": context_parallel.select_attention_strategy(
             x_BLHK, x_BLHK, None, mask, "heads"
         ).strategy,
     }

@@ -33,7 +33,10 @@ ALLOWED: dict[str, set[str]] = {
     # its mesh axis names (used by `partitioning/tensor_mesh.py`).
     "tensor_nd": {"constraints"},
     "collectives": {"constraints", "tensor_nd"},
-    "model": {"constraints", "collectives"},
+    # `context_parallel.py`: context parallelism's attention strategies (the all-gather and the
+    # ring's plan), on `collectives.py`'s `Strategy` and layout helpers.
+    "context_parallel": {"constraints", "collectives"},
+    "model": {"constraints", "collectives", "context_parallel"},
     "pytree": set(),
     "distributed": set(),
     "partitioning": {"pytree", "constraints", "tensor_nd"},

@@ -15,7 +15,7 @@ import pytest
 from conftest import require_devices
 from flax import linen as nn
 
-from t5lite import collectives
+from t5lite import collectives, context_parallel
 from t5lite.insight import context
 from t5lite.insight.hlo import parse_collectives
 from t5lite.model import layers, network, optimizers
@@ -62,22 +62,22 @@ def _t5_batch():
     }
 
 
-def _model(kind):
+def _model(kind, **kw):
     if kind == "lm":
         cfg = network.DecoderOnlyConfig(vocab_size=32, emb_dim=16, num_heads=4, num_kv_heads=2,
-                                        num_layers=2, head_dim=8, mlp_dim=32)  # fmt: skip
+                                        num_layers=2, head_dim=8, mlp_dim=32, **kw)  # fmt: skip
         return DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2)), {"targets": L}
     cfg = network.T5Config(vocab_size=32, emb_dim=16, num_heads=4, num_encoder_layers=1,
-                           num_decoder_layers=1, head_dim=4, mlp_dim=32)  # fmt: skip
+                           num_decoder_layers=1, head_dim=4, mlp_dim=32, **kw)  # fmt: skip
     return EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2)), {"inputs": L, "targets": L}
 
 
 @functools.cache
-def _run(kind, preset):
+def _run(kind, preset, remat="none", scan=False):
     """(loss, gradients, compiled HLO of the gradient step, trainer) under `preset`."""
     require_devices(8)
     part = Partitioner(create_mesh(4), logical_axis_rules=preset_rules(preset))
-    model, lengths = _model(kind)
+    model, lengths = _model(kind, remat_policy=remat, scan_layers=scan)
     tr = Trainer(model, part, batch_size=B, lengths=lengths)
     data = _lm_batch() if kind == "lm" else _t5_batch()
     batch = tr.global_batch({k: data.get(k, np.zeros((B, L), np.int32)) for k in tr.batch_abstract})
@@ -107,20 +107,23 @@ def test_ring_equals_data_parallel_and_all_gather(kind):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * scale)
 
 
-@pytest.mark.parametrize("kind", ["lm", "t5"])
-def test_compiled_permutes_equal_the_analytic_model(kind):
-    _, _, hlo, tr = _run(kind, "context_parallel_ring")
+def _compiled_permutes(hlo, mesh):
+    """(count, bytes) of the compiled permutes over `model`."""
     compiled = collections.Counter()
-    for c in parse_collectives(hlo, tr.partitioner.mesh):
+    for c in parse_collectives(hlo, mesh):
         if c.axes == ("model",):
             compiled[c.kind, "count"] += 1
             compiled[c.kind, "bytes"] += c.bytes
+    return compiled["collective-permute", "count"], compiled["collective-permute", "bytes"]
+
+
+@pytest.mark.parametrize("kind", ["lm", "t5"])
+def test_compiled_permutes_equal_the_analytic_model(kind):
+    _, _, hlo, tr = _run(kind, "context_parallel_ring")
     rows, masks = context.context_layer_collectives(tr), context.mask_collectives(tr)
     want = context.summary(rows, masks)
     assert set(want) == {"collective-permute"}
-    assert (compiled["collective-permute", "count"], compiled["collective-permute", "bytes"]) == (
-        want["collective-permute"]
-    )
+    assert _compiled_permutes(hlo, tr.partitioner.mesh) == want["collective-permute"]
     # Independently of the model's code, the per-layer figures for the decoder-only model:
     # n=4, B'=4, a chunk of keys [4, 4, 2, 8] fp32 (1 KiB), of queries [4, 4, 4, 8] (2 KiB).
     # Forward: k, v 3 hops each (6 KiB); backward: k, v stacked 3 hops (6 KiB) and their fp32
@@ -129,6 +132,48 @@ def test_compiled_permutes_equal_the_analytic_model(kind):
     if kind == "lm":
         assert sum(r.count for r in rows) == 6 + 3 + 4 + 16
         assert sum(r.bytes for r in rows) == (6 + 6 + 8) * 1024 + 2 * (2048 + 1024 + 1024 + 2048)
+
+
+def _remat_case(kind, remat, scan):
+    """(compiled permutes, the model's, without remat's compiled; the model's remat rows)."""
+    loss, grads, hlo, tr = _run(kind, "context_parallel_ring", remat, scan)
+    rows, masks = context.context_layer_collectives(tr), context.mask_collectives(tr)
+    again = [r for r in rows if r.why.startswith("remat")]
+    assert len(again) == len(context.attention_layers(tr, 4))
+    # The numerics stay data parallelism's (same parameters: same scan layout, remat none).
+    loss_dp, grads_dp, _, _ = _run(kind, "data_parallel", "none", scan)
+    np.testing.assert_allclose(loss, loss_dp, rtol=1e-6)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads_dp))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_dp)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * scale)
+    _, _, hlo_none, tr_none = _run(kind, "context_parallel_ring", "none", scan)
+    return (
+        _compiled_permutes(hlo, tr.partitioner.mesh),
+        context.summary(rows, masks)["collective-permute"],
+        _compiled_permutes(hlo_none, tr_none.partitioner.mesh),
+        again,
+    )
+
+
+@pytest.mark.parametrize("remat, scan", [("full", False), ("full", True), ("minimal", True)])
+def test_remat_sends_the_forward_ring_again(remat, scan):
+    """A rematerialised layer rebuilds its ring's residuals in the backward pass: its forward
+    permutes (keys and values around the ring, the zigzag) are sent again, exactly as the
+    analytic model's remat row says (the decoder-only model)."""
+    compiled, model, _, again = _remat_case("lm", remat, scan)
+    assert compiled == model
+    # Independently: per layer the forward's 6 key/value hops (1 KiB each) and 8 zigzag
+    # halves (q and out 1 KiB, k and v 512 B): 14 permutes, 12 KiB.
+    assert [(r.count, r.bytes) for r in again] == [(6 + 8, 6 * 1024 + 6 * 1024)]
+
+
+@pytest.mark.parametrize("kind, remat", [("lm", "minimal"), ("t5", "full"), ("t5", "minimal")])
+def test_remat_sends_at_most_the_model(kind, remat):
+    """Unscanned, XLA:CPU reuses some of the forward's sends where the rematerialised values
+    equal them (`minimal` saves the projections; T5's full recomputation): more permutes than
+    without remat, at most the model's."""
+    compiled, model, none, _ = _remat_case(kind, remat, False)
+    assert none[0] < compiled[0] <= model[0] and none[1] < compiled[1] <= model[1]
 
 
 def test_all_gather_context_parallel_matches_its_model():
@@ -188,7 +233,7 @@ def test_the_preset_selects_the_ring_and_an_unsplit_kv_length_the_all_gather():
             ("context_parallel", collectives.Strategy.CONTEXT_PARALLEL),
         ]:
             with nn.logical_axis_rules(preset_rules(preset)):
-                choice = collectives.select_attention_strategy(q, k, None, None, "kv_heads")
+                choice = context_parallel.select_attention_strategy(q, k, None, None, "kv_heads")
                 assert choice.strategy is want
                 assert choice.plan.cp == ("model",)
 
@@ -220,7 +265,7 @@ def test_masks_against_the_unsharded_layer(dtype, atol, with_prefix):
     rules = preset_rules("context_parallel_ring")
     with jax.set_mesh(create_mesh(4)), nn.logical_axis_rules(rules):
         q = jnp.zeros((2, L, 4, 8))
-        choice = collectives.select_attention_strategy(q, q[:, :, :2], None, None, "kv_heads")
+        choice = context_parallel.select_attention_strategy(q, q[:, :, :2], None, None, "kv_heads")
         assert choice.strategy is collectives.Strategy.RING_CONTEXT_PARALLEL
         got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -14,6 +14,11 @@ from __future__ import annotations
 # cotangents and the softmax's temporaries).
 _X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _HIDDEN = 4, 2, 1, 9
 _SCORES_SAVED, _SCORES_WORKING = 2, 3
+# Ring attention (model/ring_attention.py) saves no scores for its backward (its custom_vjp
+# keeps the softmax statistics and recomputes each block), but XLA:CPU keeps one
+# [B, H, L/n, S/n] block a layer beside its residuals: fitted on the compiled totals of the
+# decoder-only model at 512 and 1024 positions (docs/ring-attention.md).
+RING_BLOCKS_SAVED = 1
 # The loss: logits and softmax probabilities (their cotangent reuses the logits' buffer).
 _LOSS_BUFFERS = 2
 # Unscanned layers (`scan_layers=False`): no loop carries stacked copies of each layer's
@@ -52,11 +57,14 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
             "mlp": a["mlp_in"] * a["h"],
             "norms+residual": 2 * a["x"],
         }
+    if scores is None:
+        scores = _SCORES_SAVED if a.get("scores_saved") is None else a["scores_saved"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"]
         + _KV * a["kv"]
         + a["kv_gathered"]
-        + (_SCORES_SAVED if scores is None else scores) * a["scores"],
+        + a.get("ring_saved", 0)
+        + scores * a["scores"],
         "mlp": a["moe"] or _HIDDEN * a["h"],
         "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
     }
@@ -85,13 +93,20 @@ def _saved_unscanned(
             "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + 2 * a["scores"],
             "norms+residual": 4 * a["x"],
         }
-    scores = _SCORES_SAVED * a["scores"] if remat == "none" or scores_held else 0
+    # Unscanned, a ring layer holds two of its blocks (logits and probabilities) at the loss
+    # gradient whatever the policy: its recomputation is hoisted ahead of it (fitted on the
+    # decoder-only model at 1024 and 8192 positions).
+    ring = a.get("scores_saved") is not None
+    scores = _SCORES_SAVED * a["scores"] if remat == "none" or scores_held or ring else 0
     # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
     gathered = a["sp_gathered"]
     return {
-        "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
+        "attention": _Q_PER_ATTENTION * n * a["q"]
+        + _KV * a["kv"]
+        + a.get("ring_saved", 0)
+        + scores,
         "mlp": hidden * a["h"],
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
@@ -186,6 +201,8 @@ def scanned_backward(layers: list, remat: str, logits: int):
                 **a,
                 "x": a["x_gathered" if gathered else "x"],
                 "kv_gathered": 2 * a["kv_gathered"],
+                # the ring's chunks and gradients in hand and in flight
+                "ring_saved": a.get("ring_saved", 0) + a.get("ring_flight", 0),
                 "moe": int(moe * a["moe"]),
             },
             "none",

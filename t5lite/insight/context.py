@@ -3,7 +3,7 @@
 Both split the queries' `length` over the context axes (n devices). Per attention layer, with
 B' examples per device, S key positions, G key/value heads of width K in the compute dtype:
 
-- all-gather (`context_parallel`, `collectives.context_parallel_attention`): keys and values
+- all-gather (`context_parallel`, `context_parallel.context_parallel_attention`): keys and values
   all-gathered forward (2 all-gathers, results [B', S, G, K]); their gradients reduce-scattered
   backward (2 reduce-scatters, results [B', S/n, G, K]).
 - ring (`context_parallel_ring`, `model/ring_attention.py`): forward, keys and values make
@@ -19,7 +19,13 @@ B' examples per device, S key positions, G key/value heads of width K in the com
   reorders the queries' and keys' features, once per distinct mask (a stack's self-attention,
   the decoder's cross-attention): XLA computes them once for all layers of a stack.
 
-The model is for `remat_policy` none (a rematerialised layer sends its forward permutes again).
+Under remat (`remat_policy` minimal or full) each layer's ring forward runs again in the
+backward pass, to rebuild what its custom_vjp keeps (`minimal` saves the projections only):
+the forward's key/value permutes and a balanced layer's zigzag sends (queries, keys, values,
+the bias's rows in, the output back) are sent again; the mask features are not (computed once
+outside the layers). Exact for scanned layers and unscanned `full` on a decoder-only model;
+elsewhere (unscanned `minimal`, T5) XLA:CPU may reuse some of the forward's sends where the
+recomputed values equal them, and the model is an upper bound.
 """
 
 from __future__ import annotations
@@ -128,6 +134,7 @@ def context_layer_collectives(trainer: Trainer) -> list[LayerCollectives]:
         return []
     cp, ring = found
     n, b, h, g, k, it = _sizes(trainer, cp)
+    remat = trainer.model.network_config.remat_policy != "none"
     out = []
     for layer in attention_layers(trainer, n):
         kv = b * (layer.length_kv // n) * g * k  # elements of one device's keys (or values)
@@ -161,7 +168,28 @@ def context_layer_collectives(trainer: Trainer) -> list[LayerCollectives]:
                 LayerCollectives(layer, PERMUTE, count, moved,
                                  "zigzag: queries, keys, values, output (and bias rows) reordered")
             )  # fmt: skip
+        if remat:
+            out.append(_rematerialised(layer, n, b, h, kv, k, it))
     return out
+
+
+def _rematerialised(
+    layer: AttentionLayer, n: int, b: int, h: int, kv: int, k: int, it: int
+) -> LayerCollectives:
+    """The forward ring sent again by a rematerialised layer in the backward pass: keys and
+    values around the ring and, balanced, the zigzag's forward half (q, k, v in, the output
+    back, the bias's rows in)."""
+    count, size = 2 * (n - 1), 2 * (n - 1) * kv * it
+    if layer.balanced:
+        halves = 2 if n > 2 else 1
+        q = b * (layer.length_q // n) * h * k
+        count += 4 * halves
+        size += (2 * q + 2 * kv) * it * halves // 2
+        if layer.bias:
+            count += halves
+            size += h * (layer.length_q // n) * layer.length_kv * 4 * halves // 2
+    why = "remat: the forward ring (and zigzag) sent again in the backward pass"
+    return LayerCollectives(layer, PERMUTE, count, size, why)
 
 
 def mask_collectives(trainer: Trainer) -> list[LayerCollectives]:

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from t5lite.insight.activation_memory import (
+    RING_BLOCKS_SAVED,
     UNSCANNED_LOSS_BUFFERS,
     scanned_backward,
     unscanned_backward,
@@ -84,7 +85,7 @@ def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
     """(sequence parallel, context parallel): whether the rules split activations' `length`
     and the blocks' features over the same mesh axes (Megatron-3's layout, where
     `collectives.sequence_parallel_gather` gathers each block's input), or split `length` and keep
-    `kv_length` whole (`collectives.context_parallel_attention` gathers keys and values)."""
+    `kv_length` whole (`context_parallel.context_parallel_attention` gathers keys and values)."""
 
     def axes(names: tuple[str | None, ...], dim: int) -> set[str]:
         spec, _ = resolve_logical_axes(names, partitioner.rules)
@@ -97,6 +98,21 @@ def _sequence_layout(partitioner: Partitioner) -> tuple[bool, bool]:
     sp = length <= features
     cp = not sp and not axes(("batch", "kv_length", "kv_heads", "kv"), 1)
     return sp, cp
+
+
+def _ring_size(partitioner: Partitioner) -> int:
+    """The devices on the ring when attention runs it (`context_parallel_ring`: the rules split
+    `kv_length` over the axes that split activations' `length`, model/ring_attention.py), else
+    0."""
+
+    def axes(names: tuple[str | None, ...], dim: int) -> set[str]:
+        spec, _ = resolve_logical_axes(names, partitioner.rules)
+        return set(mesh_axes_of(spec[dim])) & set(partitioner.mesh.shape)
+
+    length = axes(("batch", "length", "embed"), 1)
+    if not length or axes(("batch", "kv_length", "kv_heads", "kv"), 1) != length:
+        return 0
+    return math.prod(partitioner.mesh.shape[t] for t in length)
 
 
 def activation_itemsize(cfg: Any, platform: str) -> int:
@@ -116,10 +132,17 @@ def _platform(trainer: Trainer) -> str:
 
 
 def _layer_bytes(
-    partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int], act: int
+    partitioner: Partitioner,
+    cfg: Any,
+    b: int,
+    q_len: int,
+    kv_lens: list[int],
+    act: int,
+    causal: bool = False,
 ):
     """Per-device bytes of one layer's activations (`act` bytes an element): {name: bytes} by
-    logical layout."""
+    logical layout. `causal`: the layer's self-attention (kv_lens[0]) is causal without a
+    prefix (the ring balances it: `ring_attention.is_balanced`)."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -127,6 +150,9 @@ def _layer_bytes(
 
     x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
     sp, cp = _sequence_layout(partitioner)
+    n = 0 if sp else _ring_size(partitioner)
+    ring = n > 1
+    balanced = ring and causal and q_len == kv_lens[0] and q_len % (2 * n) == 0
     moe = _moe_bytes(partitioner, cfg, b, q_len, act)
     # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
     # block's input whole over `length` and save it for the kernels' gradients: the
@@ -146,11 +172,17 @@ def _layer_bytes(
             else 0
         ),
         # a block's matmul input, gathered over whatever splits activations' length or embed
-        "x_gathered": x_gathered,
+        # (the ring's layers take theirs split by position: nothing gathers it)
+        "x_gathered": of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim))
+        if ring
+        else x_gathered,
         "q": of(("batch", "length", "heads", "kv"), (b, q_len, h, k)),
         "kv": sum(2 * of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens),
-        # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
-        "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens),
+        # NOTE: attention logits and probabilities are fp32 whatever the activation dtype. The
+        # ring never holds [L/n, S]: one step's block [L/n, S/n] of the chunk in hand.
+        "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens)
+        // (n if ring else 1),
+        **_ring_bytes(partitioner, cfg, b, q_len, kv_lens, act, n if balanced else 0),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
         "moe": moe[0],  # a mixture of experts' MLP, saved values (0: dense)
         "moe_h": moe[1],  # one of its experts' hidden buffers
@@ -176,6 +208,41 @@ def _layer_bytes(
             of(("batch", "length", "embed"), (b, q_len, cfg.emb_dim))
             < of(("batch", "length", None), (b, q_len, cfg.emb_dim))
         ),
+    }
+
+
+def _ring_bytes(
+    partitioner: Partitioner,
+    cfg: Any,
+    b: int,
+    q_len: int,
+    kv_lens: list[int],
+    act: int,
+    balanced: int,
+) -> dict[str, int | None]:
+    """Ring attention's own terms of one layer (`_layer_bytes`; `balanced`: the ring's size
+    when the self-attention is zigzag-balanced, else 0); none for other layouts."""
+    if not _ring_size(partitioner):
+        return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0}
+    h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
+        return _bytes_per_device(partitioner, axes, shape, itemsize)
+
+    q = of(("batch", "length", "heads", "kv"), (b, q_len, h, k))
+    # one device's chunk of keys (or values) of each attention
+    kv_chunk = [of(("batch", "length", "kv_heads", "kv"), (b, s, g, k)) for s in kv_lens]
+    return {
+        "scores_saved": RING_BLOCKS_SAVED,
+        # What the custom_vjp keeps beyond the layer's own q, k, v and context: a balanced
+        # (zigzag) layer's reordered copies of q, k, v and its output, and each attention's
+        # softmax statistics (max and sum, [B, H, L/n] fp32).
+        "ring_saved": (2 * q + 2 * kv_chunk[0]) * bool(balanced)
+        + len(kv_lens) * 2 * of(("batch", "heads", "length"), (b, h, q_len), 4),
+        # The ring's backward while a layer is differentiated: its stacked keys and values,
+        # the chunk in hand and the one arriving, and their fp32 gradients, in hand and in
+        # flight; the queries' fp32 gradient accumulator.
+        "ring_flight": max(4 * kv_s * (1 + 4 // act) for kv_s in kv_chunk) + q * 4 // act,
     }
 
 
@@ -272,11 +339,17 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     lt = trainer.lengths["targets"]
     if hasattr(cfg, "num_encoder_layers"):
         li = trainer.lengths["inputs"]
-        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
+        stacks = [
+            (cfg.num_encoder_layers, li, [li], False),
+            (cfg.num_decoder_layers, lt, [lt, li], True),
+        ]
     else:
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
-        stacks = [(cfg.num_layers, lt, [lt])]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
+        prefix = getattr(trainer.model, "feature_converter", "lm") == "prefix_lm" and getattr(
+            trainer.model, "inputs_bidirectional_attention", True
+        )
+        stacks = [(cfg.num_layers, lt, [lt], not prefix)]
+    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, c)) for n, q, kv, c in stacks]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)

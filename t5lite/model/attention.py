@@ -1,7 +1,7 @@
 """The attention core: `dot_product_attention`, one function with named implementations.
 
 Every attention layer (`layers.MultiHeadAttention`, also inside context parallelism's
-shard_map, `collectives.context_parallel_attention`) reaches the core through this function;
+shard_map, `context_parallel.context_parallel_attention`) reaches the core through this function;
 the network config's `attention_implementation` names which implementation runs it.
 
 - `xla`: two einsums around a materialised fp32 `[B, G, R, L, S]` score tensor; takes every

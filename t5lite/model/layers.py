@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from t5lite import collectives, constraints
+from t5lite import collectives, constraints, context_parallel
 from t5lite.model import ring_attention
 from t5lite.model.attention import Mask, dot_product_attention
 from t5lite.model.dense import (
@@ -210,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         choice = collectives.Choice(collectives.Strategy.PARTITIONER)
         dropout = not deterministic and self.dropout_rate > 0.0
         if not decode:
-            choice = collectives.select_attention_strategy(q, k, bias_bHLS, mask_B1LS, kv_axis)
+            choice = context_parallel.select_attention_strategy(q, k, bias_bHLS, mask_B1LS, kv_axis)
             if dropout and choice.strategy is collectives.Strategy.CONTEXT_PARALLEL:
                 choice = collectives.Choice(collectives.Strategy.PARTITIONER)
         if choice.strategy is collectives.Strategy.RING_CONTEXT_PARALLEL:
@@ -227,7 +227,7 @@ class MultiHeadAttention(nn.Module):
                 implementation=self.attention_implementation,
                 dtype=jnp.dtype(self.dtype),
             )
-            out_BLHK = collectives.context_parallel_attention(
+            out_BLHK = context_parallel.context_parallel_attention(
                 attend, q, k, v, bias_bHLS, mask_B1LS, choice.plan
             )
         else:

@@ -1,7 +1,7 @@
 """Ring attention: context parallelism with keys and values passed around the context axis.
 
 The `context_parallel_ring` preset splits the queries' `length` and the keys' `kv_length` over
-one mesh axis (the context axis, n devices); `collectives.select_attention_strategy` then picks
+one mesh axis (the context axis, n devices); `context_parallel.select_attention_strategy` then picks
 `ring_context_parallel`, and `ring_attention` runs it (Liu et al. 2023, "Ring Attention with
 Blockwise Transformers"): each device keeps its own queries, and its keys and values go once
 around the ring, one `ppermute` to the next device per step. At each of the n steps a device
@@ -51,7 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from t5lite import collectives
+from t5lite import collectives, context_parallel
 from t5lite.model.chunked_attention import (
     bias_grad,
     block_grads,
@@ -138,7 +138,7 @@ def ring_attention(
     v_BSGK: Array,
     bias_bHLS: Array | None,
     mask: MaskParts | None,
-    plan: collectives.ContextPlan,
+    plan: context_parallel.ContextPlan,
     *,
     dtype: jnp.dtype,
 ) -> Array:
@@ -150,7 +150,7 @@ def ring_attention(
         by position over `plan.cp` (dims `plan.dims`).
       bias_bHLS: an additive bias [b, H, L, S] split by query position, or None.
       mask: the mask by its parts, or None (`whole` is not read).
-      plan: from `collectives.select_attention_strategy` (strategy `ring_context_parallel`).
+      plan: from `context_parallel.select_attention_strategy` (strategy `ring_context_parallel`).
       dtype: the compute dtype of the probabilities-times-values product and the output.
 
     Returns:

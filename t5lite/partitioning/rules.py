@@ -170,20 +170,9 @@ EXPERT_PRESETS = ("expert_parallel",)
 """Presets that only differ from another for a model with experts (`num_experts > 0`)."""
 
 
-VARIANT_PRESETS = ("context_parallel_ring",)
-"""Presets that lay out parameters and activations as another does and differ only in how a
-layer communicates inside (the ring passes keys and values where `context_parallel` gathers
-them); `plan` searches the other one."""
-
-
 def presets_for(num_experts: int) -> tuple[str, ...]:
-    """The presets worth searching for a model: the expert layouts only when it has experts,
-    no `VARIANT_PRESETS`."""
-    return tuple(
-        p
-        for p in PRESETS
-        if (num_experts > 0 or p not in EXPERT_PRESETS) and p not in VARIANT_PRESETS
-    )
+    """The presets worth searching for a model: the expert layouts only when it has experts."""
+    return tuple(p for p in PRESETS if num_experts > 0 or p not in EXPERT_PRESETS)
 
 
 def _sequence_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, MeshAxis]]:
@@ -203,7 +192,7 @@ def _context_parallel(rules: list[tuple[str, MeshAxis]]) -> list[tuple[str, Mesh
 
     Queries, the MLP, norms and logits work on 1/model of the positions; keys and values
     (`kv_length`, replicated) are all-gathered inside attention and their gradients
-    reduce-scattered back (`collectives.context_parallel_attention`). Weights are replicated over
+    reduce-scattered back (`t5lite/context_parallel.py`). Weights are replicated over
     `model` (their gradients are summed over data and context, as in Megatron's context
     parallelism); with the length rule first, no activation dimension other than `length` can
     take `model`.
