@@ -46,9 +46,13 @@ def _rules(base: str, stages: int):
 
 
 @functools.cache
-def _trainer(base: str, stages: int, num_partitions: int, microbatches: int = 4) -> Trainer:
+def _trainer(
+    base: str, stages: int, num_partitions: int, microbatches: int = 4, schedule: str = "gpipe"
+) -> Trainer:
     require_devices(8)
-    cfg = network.DecoderOnlyConfig(**LM, pipeline_microbatches=microbatches)
+    cfg = network.DecoderOnlyConfig(
+        **LM, pipeline_microbatches=microbatches, pipeline_schedule=schedule
+    )
     part = partitioning.Partitioner(
         num_partitions=num_partitions, num_stages=stages, logical_axis_rules=_rules(base, stages)
     )
@@ -151,9 +155,16 @@ def _lower(base: str = "megatron", stages: int = 2, rules=None, **overrides) -> 
             "of 12 rows)",
         ),
         (
-            dict(pipeline_schedule="interleaved"),
+            dict(pipeline_schedule="zero_bubble"),
             ValueError,
-            "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe',), got 'interleaved'",
+            "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe', '1f1b'), got "
+            "'zero_bubble'",
+        ),
+        (
+            dict(pipeline_schedule="1f1b", pipeline_microbatches=1),
+            ValueError,
+            "DecoderOnlyConfig.pipeline_microbatches=1: schedule '1f1b' needs at least as many "
+            "microbatches as the 2 pipeline stages",
         ),
         (
             dict(rules=partitioning.preset_rules("fsdp")),
@@ -224,9 +235,12 @@ def test_compiled_permutes_and_bubble_equal_the_analytic_schedule():
 
 
 @EXECUTES
-def test_t5_encoder_and_decoder_are_each_pipelined():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_t5_encoder_and_decoder_are_each_pipelined(schedule):
     """T5's two stacks each run as a pipeline over the same stages (the decoder's microbatches
-    read their rows of the encoder's output): two steps equal the unpipelined ones."""
+    read their rows of the encoder's output; under 1F1B the encoder output's and the relative
+    position bias's gradients come out of the decoder's schedule): two steps equal the
+    unpipelined ones."""
     from conftest import reverse_batch
 
     from t5lite.model.models import EncoderDecoderModel
@@ -241,6 +255,7 @@ def test_t5_encoder_and_decoder_are_each_pipelined():
         mlp_dim=32,
         scan_layers=True,
         pipeline_microbatches=4,
+        pipeline_schedule=schedule,
     )
     runs = []
     for stages in (1, 2):
@@ -374,3 +389,65 @@ def test_plan_searches_stage_counts_and_ranks_them():
     pipe = next(c for c in valid if c.layout.stages == 4)
     assert "Partitioner.num_stages = 4" in pipe.layout.gin("DecoderOnlyConfig")
     assert "pipeline_rules.base = 'fsdp'" in pipe.layout.gin("DecoderOnlyConfig")
+
+
+@EXECUTES
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_1f1b_equals_unpipelined(base, stages, num_partitions):
+    """1F1B (the hand-written backward of model/schedules.py), stage=2 x data=2 x model=2
+    (Megatron) and stage=4 x data=2 (FSDP): three Adam steps give the unpipelined losses and
+    parameters, and the first step's gradients, to fp32 rounding (the microbatches' gradients
+    are summed in another order)."""
+    pp = _trainer(base, stages, num_partitions, schedule="1f1b")
+    ref = _trainer(base, 1, num_partitions)
+    losses, grads, state = _run(pp)
+    ref_losses, ref_grads, ref_state = _run(ref)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-6)
+    for p, r in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(ref_state.params)
+    ):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 5)])
+def test_1f1b_timeline_is_a_valid_schedule(p, m):
+    """The half-tick ops of model/schedules.py: every stage runs each microbatch's F then B
+    once; F(i, s) follows F(i, s - 1), B(i, s) follows B(i, s + 1) and F(i, s); stage s holds
+    at most min(p - s, m) microbatches (1F1B's bound, GPipe's is m); 2(m + p - 1) half-ticks,
+    so the idle share is (p - 1) / (m + p - 1); one permute pair set per half-tick parity moves
+    every send to the stage that consumes it next."""
+    from t5lite.model.schedules import half_tick_op, half_tick_pairs
+
+    n = 2 * (m + p - 1)
+    when = {}
+    for tau in range(n):
+        for s in range(p):
+            op, i = half_tick_op(tau, s, p, m)
+            if op != "idle":
+                assert (op, i, s) not in when
+                when[(op, i, s)] = tau
+    assert len(when) == 2 * m * p
+    for i in range(m):
+        for s in range(p):
+            assert when[("F", i, s)] < when[("B", i, s)]
+            if s:
+                assert when[("F", i, s)] == when[("F", i, s - 1)] + 1
+            if s < p - 1:
+                assert when[("B", i, s)] == when[("B", i, s + 1)] + 1
+    for s in range(p):
+        held = [
+            sum(when[("F", i, s)] <= tau < when[("B", i, s)] for i in range(m)) for tau in range(n)
+        ]
+        assert max(held) == min(p - s, m)
+        busy = sum(half_tick_op(tau, s, p, m)[0] != "idle" for tau in range(n))
+        assert 1 - busy / n == pytest.approx((p - 1) / (m + p - 1))
+    for tau in range(n - 1):
+        for src, dst in half_tick_pairs(p, tau % 2):
+            op, i = half_tick_op(tau, src, p, m)
+            nxt = half_tick_op(tau + 1, dst, p, m)
+            if op != "idle":
+                assert nxt == (op, i)
+    assert half_tick_pairs(4, 0) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert half_tick_pairs(4, 1) == [(1, 2), (2, 1)] and half_tick_pairs(2, 1) == []
