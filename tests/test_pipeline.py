@@ -451,3 +451,45 @@ def test_1f1b_timeline_is_a_valid_schedule(p, m):
                 assert nxt == (op, i)
     assert half_tick_pairs(4, 0) == [(0, 1), (1, 0), (2, 3), (3, 2)]
     assert half_tick_pairs(4, 1) == [(1, 2), (2, 1)] and half_tick_pairs(2, 1) == []
+
+
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_1f1b_permutes_bubble_memory_equal_the_analytic_model(base, stages, num_partitions):
+    """1F1B at m = 4 (T = 4 + p - 1 ticks, a = one microbatch's 1 KiB): the compiled step's
+    stage-to-stage permutes in loops are the forward pass's T plus one a half-tick of the
+    schedule (p = 2: the odd half-ticks move nothing), 2T at p = 2 and 3T at p = 4; the
+    bubble is GPipe's; the communication table's stage row agrees; the peak per device (p
+    stage-input slots, one microbatch's residuals of the stage's layers) is within 10% of
+    XLA's, and below GPipe's (which holds every tick's residuals)."""
+    from t5lite.insight.comparison import compare_communication
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.report import compile_train_step, step_report
+
+    tr = _trainer(base, stages, num_partitions, schedule="1f1b")
+    compiled = compile_train_step(tr)
+    f = insight_pipeline.pipeline_figures(tr, compiled.as_text())
+    t, a = 4 + stages - 1, 1024
+    assert f.permute_bytes == (a,) and f.in_flight_bytes == stages * a
+    assert f.compiled_permutes == f.permutes == t * (2 if stages == 2 else 3)
+    assert f.compiled_permute_bytes == f.permute_bytes_total == f.permutes * a
+    assert (f.compiled_ticks, f.bubble) == (t, pytest.approx((stages - 1) / t))
+    assert f.compiled_bubble == pytest.approx(f.bubble)
+    assert f"{stages} stage inputs per stack (1F1B's slots" in f.format()
+    step = step_report(tr, compiled=compiled)
+    mine = [e for e in step.analytic.expected if e.axes == ("stage",)]
+    assert [(e.kind, e.count, e.bytes) for e in mine] == [
+        ("collective-permute", f.permutes, f.permutes * a),
+        ("all-reduce", 1, 4 * a),
+        ("collective-permute", 1, t * a),
+        ("all-reduce", 1, 4 * a),
+    ]
+    (row,) = [
+        c for c in compare_communication(step.collectives, step.analytic) if c.axes == ("stage",)
+    ]
+    assert row.agrees, row
+    total = memory_report(compiled).total
+    pm = insight_pipeline.pipeline_memory(tr)
+    assert pm.stack_buffers == 3 * 4 * a
+    assert abs(total / pm.total - 1) <= 0.10, (total, pm)
+    gpipe = memory_report(compile_train_step(_trainer(base, stages, num_partitions))).total
+    assert total < gpipe
