@@ -493,3 +493,49 @@ def test_1f1b_permutes_bubble_memory_equal_the_analytic_model(base, stages, num_
     assert abs(total / pm.total - 1) <= 0.10, (total, pm)
     gpipe = memory_report(compile_train_step(_trainer(base, stages, num_partitions))).total
     assert total < gpipe
+
+
+def test_plan_searches_schedules_beside_stage_counts():
+    """`plan.schedules = ['gpipe', '1f1b']`: each pipelined layout once per schedule, 1F1B's
+    screened with its own memory (p stage-input slots, below GPipe's every-tick residuals) and
+    its gin naming the schedule; an unknown schedule is one line."""
+    import io
+
+    from t5lite.insight.plan import enumerate_layouts, plan
+
+    require_devices(8)
+    layouts = enumerate_layouts(
+        8, ["fsdp"], ["none"], stage_counts=(1, 2), batch_size=BATCH, schedules=("gpipe", "1f1b")
+    )
+    assert [(x.stages, x.data, x.schedule) for x in layouts if x.stages > 1] == [
+        (2, 4, "gpipe"),
+        (2, 4, "1f1b"),
+        (2, 2, "gpipe"),
+        (2, 2, "1f1b"),
+        (2, 1, "gpipe"),
+        (2, 1, "1f1b"),
+    ]
+    with pytest.raises(ValueError) as e:
+        enumerate_layouts(8, ["fsdp"], ["none"], stage_counts=(2,), schedules=("zb",))
+    assert str(e.value) == "plan: unknown schedule 'zb'; known: ('gpipe', '1f1b')"
+    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
+    out = io.StringIO()
+    ranked = plan(
+        model=model,
+        task_feature_lengths=LENGTHS,
+        batch_size=BATCH,
+        num_devices=8,
+        presets=["fsdp"],
+        remat_policies=["none"],
+        model_sizes=[2],
+        stage_counts=(2,),
+        schedules=("gpipe", "1f1b"),
+        top_k=1,
+        stream=out,
+        progress=io.StringIO(),
+    )
+    by = {c.layout.schedule: c for c in ranked}
+    assert set(by) == {"gpipe", "1f1b"}
+    assert by["1f1b"].predicted.total < by["gpipe"].predicted.total
+    assert "pipeline_schedule = '1f1b'" in by["1f1b"].layout.gin("DecoderOnlyConfig")
+    assert "fsdp data=2 model=2 remat=none stage=2 m=8 1f1b" in out.getvalue()
