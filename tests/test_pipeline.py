@@ -539,3 +539,19 @@ def test_plan_searches_schedules_beside_stage_counts():
     assert by["1f1b"].predicted.total < by["gpipe"].predicted.total
     assert "pipeline_schedule = '1f1b'" in by["1f1b"].layout.gin("DecoderOnlyConfig")
     assert "fsdp data=2 model=2 remat=none stage=2 m=8 1f1b" in out.getvalue()
+
+
+def test_docs_pipeline_inspect_1f1b():
+    """docs/pipeline.md's 1F1B inspect command as written: the bubble, the permutes (forward
+    pass plus schedule) equal to the compiled step's, the slots, the memory within 10%."""
+    import re
+
+    from readme_blocks import block, run
+
+    out = run(block("docs/pipeline.md", "pipeline-inspect-1f1b"), timeout=600).stdout
+    assert "pipeline (1f1b): 2 stages over stage, 4 microbatches, 5 ticks a pass" in out
+    assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in out
+    assert "analytic 10 x 16.00 KiB = 160.00 KiB; compiled 10 = 160.00 KiB" in out
+    assert "2 stage inputs per stack (1F1B's slots; GPipe: 5 ticks' residuals)" in out
+    (ratio,) = re.findall(r"memory per device: analytic .*\((\d\.\d\d)x\)", out)
+    assert abs(float(ratio) - 1) <= 0.10

@@ -310,8 +310,8 @@ def schedule_permutes(schedule: str, stages: int, microbatches: int) -> int:
 def _one_f_one_b_in_flight_line(f: PipelineFigures) -> str:
     return (
         f"  activations in flight per device: {f.stages} stage inputs per stack (1F1B's slots; "
-        f"GPipe holds {f.ticks} ticks' residuals) = {format_bytes(f.in_flight_bytes)}, plus one "
-        f"microbatch's residuals of the stage's layers while its backward recomputes them"
+        f"GPipe: {f.ticks} ticks' residuals) = {format_bytes(f.in_flight_bytes)}, and one "
+        f"microbatch's residuals while a backward recomputes them"
     )
 
 
