@@ -34,8 +34,10 @@ pairs per half-tick moves both directions ((0->1, 1->0, 2->3, 3->2, ...) on even
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -144,124 +146,176 @@ def one_f_one_b(
     return stack(stacked, x_BLD, key0, leaves)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What 1F1B's loop knows at trace time: the layer, the stack's other inputs' structure
+    (`cut`: cut into microbatches; `diff`: inexact, so differentiated), the stages."""
+
+    layer_fn: Callable[[PyTree, Array, tuple, Array | None], Array]
+    treedef: Any
+    cut: tuple[bool, ...]
+    diff: tuple[bool, ...]
+    axes: tuple[str, ...]
+    p: int
+    m: int
+    per_stage: int
+    dropout: bool
+
+    @property
+    def ax(self) -> str | tuple[str, ...]:
+        return self.axes if len(self.axes) > 1 else self.axes[0]
+
+    @property
+    def cut_wrt(self) -> list[bool]:
+        return [c for c, d in zip(self.cut, self.diff) if d]
+
+
+class _Local(NamedTuple):
+    """One stage's inside the shard_map: its index, its layers, the stack's whole inputs."""
+
+    stage: Array
+    stacked: PyTree
+    xs_MbLD: Array
+    dys_MbLD: Array
+    key: Array
+    leaves: list[Array]
+
+
+def _varying(st: _Static, x: Array) -> Array:
+    """`x` marked as differing between stages (for the axes it is not yet)."""
+    missing = tuple(a for a in st.axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _leaves_of(st: _Static, loc: _Local, i_mb: Array) -> list[Array]:
+    return [
+        jax.lax.dynamic_index_in_dim(v, i_mb, keepdims=False) if c else v
+        for v, c in zip(loc.leaves, st.cut)
+    ]
+
+
+def _stage_fn(st: _Static, loc: _Local, params: PyTree, x_bLD: Array, mb_leaves, i_mb) -> Array:
+    """The stage's `L/p` layers on microbatch `i_mb` (dropout keys as GPipe's loop folds them)."""
+    mb_args = jax.tree_util.tree_unflatten(st.treedef, mb_leaves)
+
+    def one_layer(x, j_params):
+        j, layer_params = j_params
+        k = None
+        if st.dropout:
+            k = jax.random.fold_in(jax.random.fold_in(loc.key, i_mb), loc.stage * st.per_stage + j)
+        return st.layer_fn(layer_params, x, mb_args, k), None
+
+    x_bLD, _ = jax.lax.scan(one_layer, x_bLD, (jnp.arange(st.per_stage), params))
+    return x_bLD
+
+
+def _idle(st: _Static, loc: _Local, carry, recv: Array, tau: Array):
+    return carry, jnp.zeros_like(recv)
+
+
+def _forward_op(st: _Static, loc: _Local, carry, recv: Array, tau: Array):
+    """F: the stage on what stage s - 1 sent (stage 0: the stack input), kept in its slot."""
+    slots, grads, dleaves, dxs = carry
+    i = (tau - loc.stage) // 2
+    fresh = jax.lax.dynamic_index_in_dim(loc.xs_MbLD, i, keepdims=False)
+    x_bLD = jnp.where(loc.stage == 0, fresh, recv)
+    y_bLD = _stage_fn(st, loc, loc.stacked, x_bLD, _leaves_of(st, loc, i), i)
+    slots = jax.lax.dynamic_update_index_in_dim(slots, x_bLD, i % st.p, 0)
+    return (slots, grads, dleaves, dxs), y_bLD
+
+
+def _backward_op(st: _Static, loc: _Local, carry, recv: Array, tau: Array):
+    """B: the stage recomputed from its slot under `jax.vjp`, pulling back what stage s + 1
+    sent (stage p - 1: the stack output's cotangent); gradients accumulated."""
+    slots, grads, dleaves, dxs = carry
+    i = (tau - 2 * st.p + 1 + loc.stage) // 2
+    given = jax.lax.dynamic_index_in_dim(loc.dys_MbLD, i, keepdims=False)
+    dy_bLD = jnp.where(loc.stage == st.p - 1, given, recv)
+    x_bLD = jax.lax.dynamic_index_in_dim(slots, i % st.p, keepdims=False)
+    mb = _leaves_of(st, loc, i)
+    # Pulled back through an input whole over the stages, a cotangent would be summed over
+    # them (psum) right here, inside this branch, which the stages take at different
+    # half-ticks: a collective that never completes. As varying inputs their cotangents stay
+    # per stage, summed once after the loop.
+    wrt = [_varying(st, v) for v, d in zip(mb, st.diff) if d]
+
+    def f(params, x, wrt):
+        it = iter(wrt)
+        full = [next(it) if d else v for v, d in zip(mb, st.diff)]
+        return _stage_fn(st, loc, params, x, full, i)
+
+    _, pull = jax.vjp(f, loc.stacked, x_bLD, wrt)
+    dparams, dx_bLD, dwrt = pull(dy_bLD)
+    grads = jax.tree_util.tree_map(jnp.add, grads, dparams)
+    new = []
+    for acc, g, c in zip(dleaves, dwrt, st.cut_wrt):
+        if c:
+            row = jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) + g
+            new.append(jax.lax.dynamic_update_index_in_dim(acc, row, i, 0))
+        else:
+            new.append(acc + g)
+    dxs = jax.lax.dynamic_update_index_in_dim(dxs, dx_bLD, i, 0)
+    return (slots, grads, new, dxs), dx_bLD
+
+
+def _half_tick(st: _Static, loc: _Local, carry, recv: Array, tau: Array, perm):
+    """One half-tick: F, B or nothing by `half_tick_op`'s rule, then its one permute."""
+    d = tau - loc.stage
+    f_mb, b_mb = d // 2, (tau - 2 * st.p + 1 + loc.stage) // 2
+    op = jnp.where(
+        d % 2 == 0,
+        jnp.where((f_mb >= 0) & (f_mb < st.m), 1, 0),
+        jnp.where((b_mb >= 0) & (b_mb < st.m), 2, 0),
+    )
+    ops = [functools.partial(f, st, loc) for f in (_idle, _forward_op, _backward_op)]
+    carry, send = jax.lax.switch(op, ops, carry, recv, tau)
+    if not perm:  # p = 2's odd half-ticks: every send has no receiver
+        return carry, jnp.zeros_like(send)
+    return carry, jax.lax.ppermute(send, st.ax, perm)
+
+
+def _schedule(st: _Static, stacked_local, xs_MbLD, dys_MbLD, key, *leaves_local):
+    """The shard_map body: one stage's `2(m + p - 1)` half-ticks, then the input gradients
+    summed over the stages."""
+    stage = jax.lax.axis_index(st.ax)
+    loc = _Local(stage, stacked_local, xs_MbLD, dys_MbLD, key, list(leaves_local))
+    pairs = (half_tick_pairs(st.p, 0), half_tick_pairs(st.p, 1))
+
+    def tick(state, k):
+        carry, recv = state
+        carry, recv = _half_tick(st, loc, carry, recv, 2 * k, pairs[0])
+        carry, recv = _half_tick(st, loc, carry, recv, 2 * k + 1, pairs[1])
+        return (carry, recv), None
+
+    def zeros(x):
+        return jax.lax.pcast(jnp.zeros(x.shape, x.dtype), st.axes, to="varying")
+
+    slots = zeros(jnp.zeros((st.p, *xs_MbLD.shape[1:]), xs_MbLD.dtype))
+    grads = jax.tree_util.tree_map(zeros, stacked_local)
+    dleaves = [zeros(v) for v, d in zip(leaves_local, st.diff) if d]
+    init = ((slots, grads, dleaves, zeros(xs_MbLD)), zeros(xs_MbLD[0]))
+    (carry, _), _ = jax.lax.scan(tick, init, jnp.arange(st.m + st.p - 1))
+    _, grads, dleaves, dxs = carry
+    # Stage 0 alone pulled back to the stack input; every stage added its layers' share to the
+    # other inputs' cotangents.
+    dxs = jax.lax.psum(jnp.where(stage == 0, dxs, jnp.zeros_like(dxs)), st.ax)
+    return grads, dxs, [jax.lax.psum(g, st.ax) for g in dleaves]
+
+
 def _backward(
     layer_fn, stacked, x_BLD, dy_BLD, key, leaves, treedef, cut, diff, axes, p, m, dropout
 ):
     """1F1B's loop (module docstring): the gradients of the stacked parameters, of the stack's
     input and of its other inputs' inexact leaves (None for the rest)."""
+    per_stage = jax.tree_util.tree_leaves(stacked)[0].shape[0] // p
+    st = _Static(layer_fn, treedef, tuple(cut), tuple(diff), tuple(axes), p, m, per_stage, dropout)
     xs_MbLD, dys_MbLD = _split(x_BLD, m), _split(dy_BLD, m)
     mb_leaves = [_split(v, m) if c else v for v, c in zip(leaves, cut)]
-    ax = axes if len(axes) > 1 else axes[0]
-    per_stage = jax.tree_util.tree_leaves(stacked)[0].shape[0] // p
-    pairs = (half_tick_pairs(p, 0), half_tick_pairs(p, 1))
-    cut_wrt = [c for c, d in zip(cut, diff) if d]
-
-    def body(stacked_local, xs_MbLD, dys_MbLD, key, *leaves_local):
-        stage = jax.lax.axis_index(ax)
-        varying = lambda x: jax.lax.pcast(x, tuple(axes), to="varying")
-
-        def to_varying(x):
-            missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-            return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-        def leaves_of(i_mb):
-            return [
-                jax.lax.dynamic_index_in_dim(v, i_mb, keepdims=False) if c else v
-                for v, c in zip(leaves_local, cut)
-            ]
-
-        def stage_fn(params, x_bLD, mb_leaves, i_mb):
-            mb_args = jax.tree_util.tree_unflatten(treedef, mb_leaves)
-
-            def one_layer(x, j_params):
-                j, layer_params = j_params
-                k = None
-                if dropout:
-                    k = jax.random.fold_in(jax.random.fold_in(key, i_mb), stage * per_stage + j)
-                return layer_fn(layer_params, x, mb_args, k), None
-
-            x_bLD, _ = jax.lax.scan(one_layer, x_bLD, (jnp.arange(per_stage), params))
-            return x_bLD
-
-        def idle(carry, recv, tau):
-            return carry, jnp.zeros_like(recv)
-
-        def fwd(carry, recv, tau):
-            slots, grads, dleaves, dxs = carry
-            i = (tau - stage) // 2
-            fresh = jax.lax.dynamic_index_in_dim(xs_MbLD, i, keepdims=False)
-            x_bLD = jnp.where(stage == 0, fresh, recv)
-            y_bLD = stage_fn(stacked_local, x_bLD, leaves_of(i), i)
-            slots = jax.lax.dynamic_update_index_in_dim(slots, x_bLD, i % p, 0)
-            return (slots, grads, dleaves, dxs), y_bLD
-
-        def bwd(carry, recv, tau):
-            slots, grads, dleaves, dxs = carry
-            i = (tau - 2 * p + 1 + stage) // 2
-            given = jax.lax.dynamic_index_in_dim(dys_MbLD, i, keepdims=False)
-            dy_bLD = jnp.where(stage == p - 1, given, recv)
-            x_bLD = jax.lax.dynamic_index_in_dim(slots, i % p, keepdims=False)
-            mb = leaves_of(i)
-            # Pulled back through an input whole over the stages, a cotangent would be summed
-            # over them (psum) right here, inside this branch, which the stages take at
-            # different half-ticks: a collective that never completes. As varying inputs their
-            # cotangents stay per stage, summed once after the loop.
-            wrt = [to_varying(v) for v, d in zip(mb, diff) if d]
-
-            def f(params, x, wrt):
-                it = iter(wrt)
-                full = [next(it) if d else v for v, d in zip(mb, diff)]
-                return stage_fn(params, x, full, i)
-
-            _, pull = jax.vjp(f, stacked_local, x_bLD, wrt)
-            dparams, dx_bLD, dwrt = pull(dy_bLD)
-            grads = jax.tree_util.tree_map(jnp.add, grads, dparams)
-            new = []
-            for acc, g, c in zip(dleaves, dwrt, cut_wrt):
-                if c:
-                    row = jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) + g
-                    new.append(jax.lax.dynamic_update_index_in_dim(acc, row, i, 0))
-                else:
-                    new.append(acc + g)
-            dxs = jax.lax.dynamic_update_index_in_dim(dxs, dx_bLD, i, 0)
-            return (slots, grads, new, dxs), dx_bLD
-
-        def half_tick(carry, recv, tau, perm):
-            d = tau - stage
-            f_mb, b_mb = d // 2, (tau - 2 * p + 1 + stage) // 2
-            op = jnp.where(
-                d % 2 == 0,
-                jnp.where((f_mb >= 0) & (f_mb < m), 1, 0),
-                jnp.where((b_mb >= 0) & (b_mb < m), 2, 0),
-            )
-            carry, send = jax.lax.switch(op, (idle, fwd, bwd), carry, recv, tau)
-            if not perm:  # p = 2's odd half-ticks: every send has no receiver
-                return carry, jnp.zeros_like(send)
-            return carry, jax.lax.ppermute(send, ax, perm)
-
-        def tick(state, k):
-            carry, recv = state
-            carry, recv = half_tick(carry, recv, 2 * k, pairs[0])
-            carry, recv = half_tick(carry, recv, 2 * k + 1, pairs[1])
-            return (carry, recv), None
-
-        zeros = lambda x: varying(jnp.zeros(x.shape, x.dtype))
-        slots = varying(jnp.zeros((p, *xs_MbLD.shape[1:]), xs_MbLD.dtype))
-        grads = jax.tree_util.tree_map(zeros, stacked_local)
-        dleaves = [zeros(v) for v, d in zip(leaves_local, diff) if d]
-        init = ((slots, grads, dleaves, zeros(xs_MbLD)), zeros(xs_MbLD[0]))
-        (carry, _), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
-        _, grads, dleaves, dxs = carry
-        # Stage 0 alone pulled back to the stack input; every stage added its layers' share to
-        # the other inputs' cotangents.
-        dxs = jax.lax.psum(jnp.where(stage == 0, dxs, jnp.zeros_like(dxs)), ax)
-        return grads, dxs, [jax.lax.psum(g, ax) for g in dleaves]
-
-    stage_specs = jax.tree_util.tree_map(lambda _: P(ax), stacked)
+    stage_specs = jax.tree_util.tree_map(lambda _: P(st.ax), stacked)
     grads, dxs_MbLD, dleaves = jax.shard_map(
-        body,
+        functools.partial(_schedule, st),
         in_specs=(stage_specs, P(), P(), P(), *[P()] * len(mb_leaves)),
-        out_specs=(stage_specs, P(), [P()] * len(cut_wrt)),
+        out_specs=(stage_specs, P(), [P()] * len(st.cut_wrt)),
         axis_names=set(axes),
     )(stacked, xs_MbLD, dys_MbLD, key, *mb_leaves)
     it = iter(dleaves)
