@@ -46,9 +46,13 @@ def _rules(base: str, stages: int):
 
 
 @functools.cache
-def _trainer(base: str, stages: int, num_partitions: int, microbatches: int = 4) -> Trainer:
+def _trainer(
+    base: str, stages: int, num_partitions: int, microbatches: int = 4, schedule: str = "gpipe"
+) -> Trainer:
     require_devices(8)
-    cfg = network.DecoderOnlyConfig(**LM, pipeline_microbatches=microbatches)
+    cfg = network.DecoderOnlyConfig(
+        **LM, pipeline_microbatches=microbatches, pipeline_schedule=schedule
+    )
     part = partitioning.Partitioner(
         num_partitions=num_partitions, num_stages=stages, logical_axis_rules=_rules(base, stages)
     )
@@ -151,9 +155,16 @@ def _lower(base: str = "megatron", stages: int = 2, rules=None, **overrides) -> 
             "of 12 rows)",
         ),
         (
-            dict(pipeline_schedule="interleaved"),
+            dict(pipeline_schedule="zero_bubble"),
             ValueError,
-            "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe',), got 'interleaved'",
+            "DecoderOnlyConfig.pipeline_schedule must be one of ('gpipe', '1f1b'), got "
+            "'zero_bubble'",
+        ),
+        (
+            dict(pipeline_schedule="1f1b", pipeline_microbatches=1),
+            ValueError,
+            "DecoderOnlyConfig.pipeline_microbatches=1: schedule '1f1b' needs at least as many "
+            "microbatches as the 2 pipeline stages",
         ),
         (
             dict(rules=partitioning.preset_rules("fsdp")),
@@ -224,9 +235,12 @@ def test_compiled_permutes_and_bubble_equal_the_analytic_schedule():
 
 
 @EXECUTES
-def test_t5_encoder_and_decoder_are_each_pipelined():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_t5_encoder_and_decoder_are_each_pipelined(schedule):
     """T5's two stacks each run as a pipeline over the same stages (the decoder's microbatches
-    read their rows of the encoder's output): two steps equal the unpipelined ones."""
+    read their rows of the encoder's output; under 1F1B the encoder output's and the relative
+    position bias's gradients come out of the decoder's schedule): two steps equal the
+    unpipelined ones."""
     from conftest import reverse_batch
 
     from t5lite.model.models import EncoderDecoderModel
@@ -241,6 +255,7 @@ def test_t5_encoder_and_decoder_are_each_pipelined():
         mlp_dim=32,
         scan_layers=True,
         pipeline_microbatches=4,
+        pipeline_schedule=schedule,
     )
     runs = []
     for stages in (1, 2):
@@ -374,3 +389,169 @@ def test_plan_searches_stage_counts_and_ranks_them():
     pipe = next(c for c in valid if c.layout.stages == 4)
     assert "Partitioner.num_stages = 4" in pipe.layout.gin("DecoderOnlyConfig")
     assert "pipeline_rules.base = 'fsdp'" in pipe.layout.gin("DecoderOnlyConfig")
+
+
+@EXECUTES
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_1f1b_equals_unpipelined(base, stages, num_partitions):
+    """1F1B (the hand-written backward of model/schedules.py), stage=2 x data=2 x model=2
+    (Megatron) and stage=4 x data=2 (FSDP): three Adam steps give the unpipelined losses and
+    parameters, and the first step's gradients, to fp32 rounding (the microbatches' gradients
+    are summed in another order)."""
+    pp = _trainer(base, stages, num_partitions, schedule="1f1b")
+    ref = _trainer(base, 1, num_partitions)
+    losses, grads, state = _run(pp)
+    ref_losses, ref_grads, ref_state = _run(ref)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-6)
+    for p, r in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(ref_state.params)
+    ):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 5)])
+def test_1f1b_timeline_is_a_valid_schedule(p, m):
+    """The half-tick ops of model/schedules.py: every stage runs each microbatch's F then B
+    once; F(i, s) follows F(i, s - 1), B(i, s) follows B(i, s + 1) and F(i, s); stage s holds
+    at most min(p - s, m) microbatches (1F1B's bound, GPipe's is m); 2(m + p - 1) half-ticks,
+    so the idle share is (p - 1) / (m + p - 1); one permute pair set per half-tick parity moves
+    every send to the stage that consumes it next."""
+    from t5lite.model.schedules import half_tick_op, half_tick_pairs
+
+    n = 2 * (m + p - 1)
+    when = {}
+    for tau in range(n):
+        for s in range(p):
+            op, i = half_tick_op(tau, s, p, m)
+            if op != "idle":
+                assert (op, i, s) not in when
+                when[(op, i, s)] = tau
+    assert len(when) == 2 * m * p
+    for i in range(m):
+        for s in range(p):
+            assert when[("F", i, s)] < when[("B", i, s)]
+            if s:
+                assert when[("F", i, s)] == when[("F", i, s - 1)] + 1
+            if s < p - 1:
+                assert when[("B", i, s)] == when[("B", i, s + 1)] + 1
+    for s in range(p):
+        held = [
+            sum(when[("F", i, s)] <= tau < when[("B", i, s)] for i in range(m)) for tau in range(n)
+        ]
+        assert max(held) == min(p - s, m)
+        busy = sum(half_tick_op(tau, s, p, m)[0] != "idle" for tau in range(n))
+        assert 1 - busy / n == pytest.approx((p - 1) / (m + p - 1))
+    for tau in range(n - 1):
+        for src, dst in half_tick_pairs(p, tau % 2):
+            op, i = half_tick_op(tau, src, p, m)
+            nxt = half_tick_op(tau + 1, dst, p, m)
+            if op != "idle":
+                assert nxt == (op, i)
+    assert half_tick_pairs(4, 0) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert half_tick_pairs(4, 1) == [(1, 2), (2, 1)] and half_tick_pairs(2, 1) == []
+
+
+@pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
+def test_1f1b_permutes_bubble_memory_equal_the_analytic_model(base, stages, num_partitions):
+    """1F1B at m = 4 (T = 4 + p - 1 ticks, a = one microbatch's 1 KiB): the compiled step's
+    stage-to-stage permutes in loops are the forward pass's T plus one a half-tick of the
+    schedule (p = 2: the odd half-ticks move nothing), 2T at p = 2 and 3T at p = 4; the
+    bubble is GPipe's; the communication table's stage row agrees; the peak per device (p
+    stage-input slots, one microbatch's residuals of the stage's layers) is within 10% of
+    XLA's, and below GPipe's (which holds every tick's residuals)."""
+    from t5lite.insight.comparison import compare_communication
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.report import compile_train_step, step_report
+
+    tr = _trainer(base, stages, num_partitions, schedule="1f1b")
+    compiled = compile_train_step(tr)
+    f = insight_pipeline.pipeline_figures(tr, compiled.as_text())
+    t, a = 4 + stages - 1, 1024
+    assert f.permute_bytes == (a,) and f.in_flight_bytes == stages * a
+    assert f.compiled_permutes == f.permutes == t * (2 if stages == 2 else 3)
+    assert f.compiled_permute_bytes == f.permute_bytes_total == f.permutes * a
+    assert (f.compiled_ticks, f.bubble) == (t, pytest.approx((stages - 1) / t))
+    assert f.compiled_bubble == pytest.approx(f.bubble)
+    assert f"{stages} stage inputs per stack (1F1B's slots" in f.format()
+    step = step_report(tr, compiled=compiled)
+    mine = [e for e in step.analytic.expected if e.axes == ("stage",)]
+    assert [(e.kind, e.count, e.bytes) for e in mine] == [
+        ("collective-permute", f.permutes, f.permutes * a),
+        ("all-reduce", 1, 4 * a),
+        ("collective-permute", 1, t * a),
+        ("all-reduce", 1, 4 * a),
+    ]
+    (row,) = [
+        c for c in compare_communication(step.collectives, step.analytic) if c.axes == ("stage",)
+    ]
+    assert row.agrees, row
+    total = memory_report(compiled).total
+    pm = insight_pipeline.pipeline_memory(tr)
+    assert pm.stack_buffers == 3 * 4 * a
+    assert abs(total / pm.total - 1) <= 0.10, (total, pm)
+    gpipe = memory_report(compile_train_step(_trainer(base, stages, num_partitions))).total
+    assert total < gpipe
+
+
+def test_plan_searches_schedules_beside_stage_counts():
+    """`plan.schedules = ['gpipe', '1f1b']`: each pipelined layout once per schedule, 1F1B's
+    screened with its own memory (p stage-input slots, below GPipe's every-tick residuals) and
+    its gin naming the schedule; an unknown schedule is one line."""
+    import io
+
+    from t5lite.insight.plan import enumerate_layouts, plan
+
+    require_devices(8)
+    layouts = enumerate_layouts(
+        8, ["fsdp"], ["none"], stage_counts=(1, 2), batch_size=BATCH, schedules=("gpipe", "1f1b")
+    )
+    assert [(x.stages, x.data, x.schedule) for x in layouts if x.stages > 1] == [
+        (2, 4, "gpipe"),
+        (2, 4, "1f1b"),
+        (2, 2, "gpipe"),
+        (2, 2, "1f1b"),
+        (2, 1, "gpipe"),
+        (2, 1, "1f1b"),
+    ]
+    with pytest.raises(ValueError) as e:
+        enumerate_layouts(8, ["fsdp"], ["none"], stage_counts=(2,), schedules=("zb",))
+    assert str(e.value) == "plan: unknown schedule 'zb'; known: ('gpipe', '1f1b')"
+    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
+    out = io.StringIO()
+    ranked = plan(
+        model=model,
+        task_feature_lengths=LENGTHS,
+        batch_size=BATCH,
+        num_devices=8,
+        presets=["fsdp"],
+        remat_policies=["none"],
+        model_sizes=[2],
+        stage_counts=(2,),
+        schedules=("gpipe", "1f1b"),
+        top_k=1,
+        stream=out,
+        progress=io.StringIO(),
+    )
+    by = {c.layout.schedule: c for c in ranked}
+    assert set(by) == {"gpipe", "1f1b"}
+    assert by["1f1b"].predicted.total < by["gpipe"].predicted.total
+    assert "pipeline_schedule = '1f1b'" in by["1f1b"].layout.gin("DecoderOnlyConfig")
+    assert "fsdp data=2 model=2 remat=none stage=2 m=8 1f1b" in out.getvalue()
+
+
+def test_docs_pipeline_inspect_1f1b():
+    """docs/pipeline.md's 1F1B inspect command as written: the bubble, the permutes (forward
+    pass plus schedule) equal to the compiled step's, the slots, the memory within 10%."""
+    import re
+
+    from readme_blocks import block, run
+
+    out = run(block("docs/pipeline.md", "pipeline-inspect-1f1b"), timeout=600).stdout
+    assert "pipeline (1f1b): 2 stages over stage, 4 microbatches, 5 ticks a pass" in out
+    assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in out
+    assert "analytic 10 x 16.00 KiB = 160.00 KiB; compiled 10 = 160.00 KiB" in out
+    assert "2 stage inputs per stack (1F1B's slots; GPipe: 5 ticks' residuals)" in out
+    (ratio,) = re.findall(r"memory per device: analytic .*\((\d\.\d\d)x\)", out)
+    assert abs(float(ratio) - 1) <= 0.10

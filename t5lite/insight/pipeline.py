@@ -58,12 +58,15 @@ class PipelineFigures:
 
     @property
     def permutes(self) -> int:
-        """Stage-to-stage collective-permutes per step: one per tick, forward and backward."""
-        return 2 * self.ticks * len(self.stacks)
+        """Stage-to-stage collective-permutes per step: one per tick, forward and backward
+        (GPipe); `schedule_permutes` for the others."""
+        return schedule_permutes(self.schedule, self.stages, self.microbatches) * len(self.stacks)
 
     @property
     def permute_bytes_total(self) -> int:
-        return 2 * self.ticks * sum(self.permute_bytes)
+        return schedule_permutes(self.schedule, self.stages, self.microbatches) * sum(
+            self.permute_bytes
+        )
 
     def format(self) -> str:
         axes = "x".join(self.stage_axes)
@@ -84,9 +87,13 @@ class PipelineFigures:
                 if self.compiled_permutes is not None
                 else ""
             ),
-            f"  activations in flight per device: {self.ticks} stack inputs per stack "
-            f"({self.microbatches} microbatches + the bubble) = "
-            f"{format_bytes(self.in_flight_bytes)} before each layer's saved residuals",
+            (
+                f"  activations in flight per device: {self.ticks} stack inputs per stack "
+                f"({self.microbatches} microbatches + the bubble) = "
+                f"{format_bytes(self.in_flight_bytes)} before each layer's saved residuals"
+                if self.schedule == "gpipe"
+                else _one_f_one_b_in_flight_line(self)
+            ),
         ]
         return "\n".join(lines)
 
@@ -117,8 +124,9 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
     stacks = _stacks(trainer)
     sizes = tuple(rows * s.length * cfg.emb_dim * itemsize for s in stacks)
     ticks = m + stages - 1
+    held = stages if cfg.pipeline_schedule == "1f1b" else ticks  # 1F1B: its p input slots
     figures = PipelineFigures(
-        tuple(axes), stages, m, cfg.pipeline_schedule, stacks, sizes, ticks * sum(sizes)
+        tuple(axes), stages, m, cfg.pipeline_schedule, stacks, sizes, held * sum(sizes)
     )
     if hlo_text is None:
         return figures
@@ -147,6 +155,8 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
     f = pipeline_figures(trainer)
     if f is None:
         return [], []
+    if f.schedule == "1f1b":
+        return _one_f_one_b_collectives(trainer, f)
     axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
     n = len(f.stacks)
     a = sum(f.permute_bytes)
@@ -184,8 +194,13 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
             "pipeline: the stack output (m microbatches) from the last stage to all",
         ),
     ]
-    # The embedding lookup runs outside the stages; the partitioner may split its rows over the
-    # stage devices as well and sum the lookup over them.
+    return expected, [_lookup_choice(trainer, f)]
+
+
+def _lookup_choice(trainer: Trainer, f: PipelineFigures) -> tuple:
+    """The embedding lookup runs outside the stages; the partitioner may split its rows over the
+    stage devices as well and sum the lookup over them."""
+    axes, p = f.stage_axes, f.stages
     cfg = trainer.model.network_config
     rows = trainer.batch_size // trainer.partitioner.data_parallel_size
     size = rows * sum(s.length for s in f.stacks[:1]) * cfg.emb_dim * 4
@@ -195,7 +210,7 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
         2 * (p - 1) / p * size,
         (("all-reduce", 1, size),),
     )
-    return expected, [lookup]
+    return lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +256,8 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     f = pipeline_figures(trainer)
     if f is None:
         return None
+    if f.schedule == "1f1b":
+        return one_f_one_b_memory(trainer, f)
     part, cfg = trainer.partitioner, trainer.model.network_config
     b = trainer.batch_size // f.microbatches
     if isinstance(cfg, T5Config):
@@ -274,4 +291,114 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         in_flight,
         stack_buffers,
         max(working, activation_memory._LOSS_BUFFERS * logits),
+    )
+
+
+# 1F1B (model/schedules.py): its figures and memory, apart from GPipe's.
+
+
+def schedule_permutes(schedule: str, stages: int, microbatches: int) -> int:
+    """Stage-to-stage collective-permutes of one stack per step. GPipe: one a tick each way,
+    `2T` (`T = m + p - 1`). 1F1B: the forward pass's `T`, then one a half-tick in the schedule,
+    whose odd half-ticks move nothing when `p = 2`: `T (2 + [p > 2])`."""
+    t = microbatches + stages - 1
+    if schedule == "1f1b":
+        return t * (2 + (stages > 2))
+    return 2 * t
+
+
+def _one_f_one_b_in_flight_line(f: PipelineFigures) -> str:
+    return (
+        f"  activations in flight per device: {f.stages} stage inputs per stack (1F1B's slots; "
+        f"GPipe: {f.ticks} ticks' residuals) = {format_bytes(f.in_flight_bytes)}, and one "
+        f"microbatch's residuals while a backward recomputes them"
+    )
+
+
+def _one_f_one_b_collectives(trainer: Trainer, f: PipelineFigures) -> tuple[list, list]:
+    """1F1B's collectives over the stage axes, per stack of `T = m + p - 1` ticks and one
+    microbatch's activations `a`: the schedule's permutes (`schedule_permutes`), the stack
+    input's gradient summed over the stages once after the schedule (`m a`; T5's decoder also
+    the encoder output's), and the output's hand-off (the last stage's `T` outputs permuted to
+    the first, its `m` microbatches all-reduced to all; the output's gradient reaches every
+    stage whole, so nothing goes back)."""
+    axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
+    n, a = len(f.stacks), sum(f.permute_bytes)
+    k = schedule_permutes("1f1b", p, m)
+    # T5's decoder reads the encoder output: its gradient comes out of the decoder's schedule.
+    cross = m * f.permute_bytes[0] if n > 1 else 0
+    expected = [
+        (
+            "collective-permute",
+            axes,
+            k * n,
+            k * a,
+            2,
+            "1F1B: the forward pass's ticks, then one permute a half-tick of the schedule",
+        ),
+        (
+            "all-reduce",
+            axes,
+            n + (n > 1),
+            m * a + cross,
+            p,
+            "1F1B: the stack input's gradient summed over stages once, after the schedule",
+        ),
+        (
+            "collective-permute",
+            axes,
+            n,
+            t * a,
+            2,
+            "pipeline: the last stage's outputs to the first",
+        ),
+        (
+            "all-reduce",
+            axes,
+            n,
+            m * a,
+            p,
+            "pipeline: the stack output (m microbatches) from the last stage to all",
+        ),
+    ]
+    return expected, [_lookup_choice(trainer, f)]
+
+
+def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
+    """1F1B's peak memory per device: the backward pass runs the schedule with `p` slots of
+    stage inputs, the stack's microbatched input, output gradient and input gradient, and one
+    microbatch's residuals of the stage's layers (recomputed by the B being run); the forward
+    pass kept nothing but the stack input."""
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    b = trainer.batch_size // f.microbatches
+    if isinstance(cfg, T5Config):
+        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
+    else:
+        lt = sum(trainer.lengths.values())
+        stacks = [(cfg.num_layers, lt, [lt])]
+    act = memory.activation_itemsize(cfg, memory._platform(trainer))
+    recompute, slots, stack_buffers = [], 0, 0
+    for n, q, kv in stacks:
+        a = memory._layer_bytes(part, cfg, b, q, kv, act)
+        saved = activation_memory._saved(a, cfg.remat_policy)
+        working = activation_memory._saved(a, "none", activation_memory._SCORES_WORKING)
+        # As GPipe's (fitted on XLA:CPU, tests/test_pipeline.py): with one layer a stage the
+        # backward works in the buffers of that layer's residuals.
+        extra = sum(working.values()) if n // f.stages > 1 else 0
+        recompute.append(n // f.stages * sum(saved.values()) + extra)
+        slots += f.stages * a["x"]
+        # its input, output's gradient and input's gradient, m microbatches each
+        stack_buffers += 3 * f.microbatches * a["x"]
+    logits = memory._bytes_per_device(
+        part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
+    )
+    predicted = memory.predict_memory(trainer)
+    return PipelineMemory(
+        predicted.state,
+        predicted.batch,
+        predicted.gradients,
+        slots + max(recompute),
+        stack_buffers,
+        activation_memory._LOSS_BUFFERS * logits,
     )

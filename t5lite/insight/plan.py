@@ -42,7 +42,7 @@ from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import ranking_lines, whole_step_lines
 from t5lite.insight.topology import get_topology
 from t5lite.insight.types import AnalyticFigures, Candidate, Layout
-from t5lite.model.config import REMAT_POLICIES
+from t5lite.model.config import PIPELINE_SCHEDULES, REMAT_POLICIES
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import (
     DATA,
@@ -72,14 +72,19 @@ def enumerate_layouts(
     model_sizes: Sequence[int] | None = None,
     stage_counts: Sequence[int] = (1,),
     batch_size: int | None = None,
+    schedules: Sequence[str] = ("gpipe",),
 ) -> list[Layout]:
     """Every distinct (stages, mesh, preset, remat) for `num_devices` devices.
 
     Data parallelism ignores the mesh shape (the batch takes every axis), so it is tried on one
     mesh; `model = 1` is kept only for presets where it differs from data parallelism (FSDP).
     Each stage count `p > 1` that divides the devices adds GPipe layouts: the rest of the
-    devices laid out as above in every stage, with `pipeline_microbatches(p, ...)`.
+    devices laid out as above in every stage, with `pipeline_microbatches(p, ...)`, once for
+    each of `schedules`.
     """
+    for name in schedules:
+        if name not in PIPELINE_SCHEDULES:
+            raise ValueError(f"plan: unknown schedule {name!r}; known: {PIPELINE_SCHEDULES}")
     for p in presets:
         if p not in PRESETS:
             raise ValueError(f"plan: unknown preset {p!r}; known: {', '.join(PRESETS)}")
@@ -102,8 +107,9 @@ def enumerate_layouts(
                 if m == 1 and preset not in ("data_parallel", "fsdp"):
                     continue
                 mb = pipeline_microbatches(p, batch_size, per_stage // m) if p > 1 else 0
-                for remat in remat_policies:
-                    out.append(Layout(per_stage // m, m, preset, remat, p, mb))
+                for schedule in schedules if p > 1 else ("gpipe",):
+                    for remat in remat_policies:
+                        out.append(Layout(per_stage // m, m, preset, remat, p, mb, schedule))
     return out
 
 
@@ -139,7 +145,10 @@ def build_trainer(
         mesh = Mesh(grid.reshape(layout.stages, layout.data, layout.model), (STAGE, DATA, MODEL))
         # A pipeline splits the scanned stack's `layers` dimension (model/pipeline.py).
         cfg = dataclasses.replace(
-            model.network_config, scan_layers=True, pipeline_microbatches=layout.microbatches
+            model.network_config,
+            scan_layers=True,
+            pipeline_microbatches=layout.microbatches,
+            pipeline_schedule=layout.schedule,
         )
         model = dataclasses.replace(model, network_config=cfg)
     part = Partitioner(mesh, logical_axis_rules=layout.rules())
@@ -178,9 +187,10 @@ def screen_layout(
 
 
 def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) -> AnalyticFigures:
-    """A pipelined layout's analytic figures: GPipe's memory (`pipeline_memory`: every tick's
-    residuals of one stage's layers) and a step whose compute runs `T / m` times the work of
-    the microbatches (every stage computes through the `p - 1` bubble ticks too)."""
+    """A pipelined layout's analytic figures: its schedule's memory (`pipeline_memory`; GPipe:
+    every tick's residuals of one stage's layers) and a step whose compute runs `T / m` times
+    the work of the microbatches (every stage computes through the `p - 1` bubble ticks too;
+    1F1B's is below)."""
     pm = pipeline_memory(trainer)
     f = pipeline_figures(trainer)
     if pm is None or f is None:
@@ -194,6 +204,11 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
     predicted = PredictedMemory(pm.state, pm.batch, pm.gradients, 0, activations, terms)
     est = estimate_step(trainer, predicted, a.communication, a.report, device)
     hardware = est.hardware_flops * f.ticks / f.microbatches
+    if f.schedule == "1f1b":
+        # 1F1B (model/schedules.py): the forward pass through the bubble ticks (a forward is
+        # about a third of a step's work), then the schedule's forwards and its backwards,
+        # each recomputing its forward; its idle half-ticks compute nothing.
+        hardware = est.hardware_flops * (f.ticks / f.microbatches + 4) / 3
     est = dataclasses.replace(
         est,
         hardware_flops=hardware,
@@ -378,6 +393,7 @@ def plan(
     stage_counts: Sequence[int] = (1,),
     num_microbatches: int = 1,
     top_k: int = 3,
+    schedules: Sequence[str] = ("gpipe",),
     output_gin: str | None = None,
     wide: bool = False,
     plot: str | None = None,
@@ -399,7 +415,8 @@ def plan(
       presets, remat_policies, model_sizes: restrict the search space (presets default:
         every preset that applies to the model, `presets_for`).
       stage_counts: pipeline stage counts to search (1: no pipeline); each `p > 1` adds GPipe
-        layouts with a `stage` axis of size `p` (the layers scanned).
+        layouts with a `stage` axis of size `p` (the layers scanned), one per schedule of
+        `schedules` ('gpipe', '1f1b'): each screened with its own memory and compute.
       top_k: how many of the analytically fastest fitting layouts to compile (more when their
         estimates are within 10% of the fastest, or when none of them fits once compiled).
       output_gin: where to write the winner's gin bindings.
@@ -419,7 +436,7 @@ def plan(
     if presets is None:
         presets = presets_for(getattr(model.network_config, "num_experts", 0))
     layouts = enumerate_layouts(
-        len(devices), presets, remat_policies, model_sizes, stage_counts, batch_size
+        len(devices), presets, remat_policies, model_sizes, stage_counts, batch_size, schedules
     )
     say = _progress(progress)
     say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")

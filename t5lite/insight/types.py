@@ -198,12 +198,15 @@ class Layout:
     remat: str
     stages: int = 1
     microbatches: int = 0  # pipeline microbatches (0: none, or as many as stages)
+    schedule: str = "gpipe"  # the pipeline's schedule (model/config.py PIPELINE_SCHEDULES)
 
     @property
     def name(self) -> str:
         name = f"{self.preset} data={self.data} model={self.model} remat={self.remat}"
         if self.stages > 1:
             name += f" stage={self.stages} m={self.microbatches}"
+            if self.schedule != "gpipe":
+                name += f" {self.schedule}"
         return name
 
     def rules(self) -> tuple[tuple[str, Any], ...]:
@@ -225,7 +228,7 @@ class Layout:
                 f"Partitioner.num_stages = {self.stages}",
                 f"network.{config_class}.scan_layers = True",
                 f"network.{config_class}.pipeline_microbatches = {self.microbatches}",
-                f"network.{config_class}.pipeline_schedule = 'gpipe'",
+                f"network.{config_class}.pipeline_schedule = '{self.schedule}'",
             ]
         mesh = f"stage={self.stages} x " if self.stages > 1 else ""
         return "\n".join(

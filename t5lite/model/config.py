@@ -104,7 +104,8 @@ class T5Config(MoeFields):
     """Microbatches per step when the rules split `layers` into pipeline stages (0: as many as
     stages); more shrink the bubble `(p - 1) / (m + p - 1)`; divides the batch."""
     pipeline_schedule: str = "gpipe"
-    """The pipeline's schedule (model/pipeline.py): 'gpipe' (all forward, then all backward)."""
+    """The pipeline's schedule: 'gpipe' (all forward, then all backward: model/pipeline.py) or
+    '1f1b' (forwards and backwards interleaved, `p` microbatches in flight: model/schedules.py)."""
     tie_logits: bool | None = None
     """Logits via the input embedding; None: the variant's choice (tied for 't5.1.0', a separate
     `logits_dense` for 't5.1.1'). transformers 5.x saves T5.1.1 with a tied head."""
@@ -211,7 +212,8 @@ class DecoderOnlyConfig(MoeFields):
     """Microbatches per step when the rules split `layers` into pipeline stages (0: as many as
     stages); more shrink the bubble `(p - 1) / (m + p - 1)`; divides the batch."""
     pipeline_schedule: str = "gpipe"
-    """The pipeline's schedule (model/pipeline.py): 'gpipe' (all forward, then all backward)."""
+    """The pipeline's schedule: 'gpipe' (all forward, then all backward: model/pipeline.py) or
+    '1f1b' (forwards and backwards interleaved, `p` microbatches in flight: model/schedules.py)."""
     attention_implementation: str = "xla"
     """The attention core's implementation: 'xla', 'cudnn' (NVIDIA GPUs) or 'auto' (see
     model/attention.py); decoding through the KV cache always runs 'xla'."""
@@ -263,7 +265,7 @@ class DecoderOnlyConfig(MoeFields):
 AnyConfig = T5Config | DecoderOnlyConfig
 
 
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe",)
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 """What `pipeline_schedule` accepts (see model/pipeline.py)."""
 
 

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5lite import constraints
 from t5lite.collectives import Choice, Strategy
+from t5lite.model import schedules
 
 Array = jax.Array
 PyTree = Any
@@ -145,7 +146,27 @@ def apply_stack(
         layer_fn = jax.checkpoint(layer_fn, policy=remat_policy)
     dropout = not layer_kwargs["deterministic"] and cfg.dropout_rate > 0
     rng = parent.make_rng("dropout") if dropout else None
-    return run(layer_fn, parent.variables["params"]["layers"], x_BLD, args, plan, m, rng)
+    stacked = parent.variables["params"]["layers"]
+    if cfg.pipeline_schedule == "1f1b":
+        check_schedule(cfg.pipeline_schedule, plan.num_stages, m, name)
+
+        def forward(stacked: PyTree, x: Array, args: tuple, key: Array | None) -> Array:
+            return run(layer_fn, stacked, x, args, plan, m, key)
+
+        return schedules.one_f_one_b(
+            forward, layer_fn, stacked, x_BLD, args, plan.axes, plan.num_stages, m, rng
+        )
+    return run(layer_fn, stacked, x_BLD, args, plan, m, rng)
+
+
+def check_schedule(schedule: str, num_stages: int, num_microbatches: int, where: str) -> None:
+    """One line naming the culprit when the schedule cannot run `num_microbatches` microbatches
+    over `num_stages` stages (1F1B's warm-up fills every stage before the first backward)."""
+    if schedule == "1f1b" and num_microbatches < num_stages:
+        raise ValueError(
+            f"{where}.pipeline_microbatches={num_microbatches}: schedule '1f1b' needs at least "
+            f"as many microbatches as the {num_stages} pipeline stages"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
