@@ -31,11 +31,6 @@ _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LA
 # part of XLA's figure that does not grow with depth is the same under every policy).
 _UNSCANNED_GELU_HIDDEN = 6
 
-# A mixture-of-experts layer's backward under remat holds its recomputed MLP values
-# (memory._moe_bytes) and part of their cotangents beside them: 1.3 times them, fitted on
-# XLA:CPU's compiled totals of both families under megatron and expert_parallel.
-_MOE_RECOMPUTED = 1.3
-
 # Kinds of activation a report breaks the total into (they add up to `activations`).
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
@@ -49,7 +44,9 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     if remat == "minimal":  # outputs of dots without batch dims (projections) + the input
         return {
             "attention": n * (a["q"] + a["x"]) + a["kv"],  # q, k, v and the out projection
-            "mlp": a["mlp_in"] * a["h"],
+            # A mixture of experts saves none of its MLP: its expert matmuls (batched over
+            # experts or groups, or ragged dots) are not dots without batch dims.
+            "mlp": 0 if a["moe"] else a["mlp_in"] * a["h"],
             "norms+residual": 2 * a["x"],
         }
     return {
@@ -179,14 +176,14 @@ def scanned_backward(layers: list, remat: str, logits: int):
     # (the cotangent is whole until the reduce-scatter); context parallelism's attention holds
     # the gathered keys and values and their whole cotangents.
     gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
-    moe = _MOE_RECOMPUTED if gathered else 1
     works = [
         _saved(
             {
                 **a,
                 "x": a["x_gathered" if gathered else "x"],
                 "kv_gathered": 2 * a["kv_gathered"],
-                "moe": int(moe * a["moe"]),
+                # a mixture of experts' backward: its own count (memory._moe_bytes)
+                "moe": a["moe_rework" if gathered else "moe_work"],
             },
             "none",
             _SCORES_WORKING,

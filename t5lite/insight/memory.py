@@ -116,10 +116,16 @@ def _platform(trainer: Trainer) -> str:
 
 
 def _layer_bytes(
-    partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int], act: int
+    partitioner: Partitioner,
+    cfg: Any,
+    b: int,
+    q_len: int,
+    kv_lens: list[int],
+    act: int,
+    platform: str = "cpu",
 ):
-    """Per-device bytes of one layer's activations (`act` bytes an element): {name: bytes} by
-    logical layout."""
+    """Per-device bytes of one layer's activations (`act` bytes an element) on `platform`:
+    {name: bytes} by logical layout."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -127,7 +133,6 @@ def _layer_bytes(
 
     x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
     sp, cp = _sequence_layout(partitioner)
-    moe = _moe_bytes(partitioner, cfg, b, q_len, act)
     # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
     # block's input whole over `length` and save it for the kernels' gradients: the
     # self-attention's and the MLP's input, and a cross-attention's query input and keys'
@@ -152,8 +157,9 @@ def _layer_bytes(
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
         "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
-        "moe": moe[0],  # a mixture of experts' MLP, saved values (0: dense)
-        "moe_h": moe[1],  # one of its experts' hidden buffers
+        # a mixture of experts' MLP (0: dense): "moe" its saved values, "moe_h" one of its
+        # expert hidden buffers, "moe_work" what its backward adds beside their cotangents
+        **_moe_bytes(partitioner, cfg, b, q_len, act, platform),
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
@@ -180,17 +186,16 @@ def _layer_bytes(
 
 
 def _moe_bytes(
-    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int
-) -> tuple[int, int]:
-    """Per-device bytes of what a mixture-of-experts MLP (model/moe.py, capacity dispatch)
-    keeps for its backward without remat, and of one [E, G, C, F] buffer; (0, 0) for a dense
-    model. Kept: the dispatch and combine masks
-    [G, S, E, C], the dispatched inputs and the experts' outputs [E, G, C, D], and six
-    [E, G, C, F] buffers of the experts' hidden layer (pre-activations, activation, product
-    and cotangents; the router's [T, E] temporaries are negligible), counted as XLA:CPU's
-    compiled totals of tests/test_insight_accuracy.py's MoE cases require."""
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str = "cpu"
+) -> dict[str, int]:
+    """Per-device bytes of a mixture-of-experts MLP (model/moe.py) of a layer of `b` rows of
+    `length` tokens: {"moe": what it keeps for its backward without remat, "moe_h": one of its
+    expert hidden buffers, "moe_work": what its backward holds beside those values'
+    cotangents}; zeros for a dense model."""
     if not getattr(cfg, "num_experts", 0):
-        return 0, 0
+        return dict.fromkeys(("moe", "moe_h", "moe_work", "moe_rework"), 0)
+    if cfg.moe_dispatch == "dropless":
+        return _dropless_bytes(partitioner, cfg, b, length, act, platform)
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -203,13 +208,68 @@ def _moe_bytes(
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
         return _bytes_per_device(partitioner, axes, shape, itemsize)
 
+    # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C], the dispatched
+    # inputs and the experts' outputs [E, G, C, D], and six [E, G, C, F] buffers of the
+    # experts' hidden layer (pre-activations, activation, product and cotangents); the
+    # router's [T, E] temporaries are negligible (XLA:CPU's buffer assignment).
     masks = of(("batch", None, None, None), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
-    return 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden, hidden
+    saved = 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden
+    # Its backward: the values' cotangents (as many again); under remat the recomputed values
+    # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
+    # totals of both families under megatron and expert_parallel).
+    work = {"moe_work": saved, "moe_rework": int(_MOE_RECOMPUTED * saved)}
+    return {"moe": saved, "moe_h": hidden, **work}
 
 
-_MOE_HIDDEN = 6
+_MOE_HIDDEN, _MOE_RECOMPUTED = 6, 1.3
+
+
+def _dropless_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str
+) -> dict[str, int]:
+    """`_moe_bytes` of dropless dispatch (MoeBlock._dropless).
+
+    Its M = B * L * k (token, choice) rows are sorted by expert globally, so GSPMD holds them
+    whole on every device (split only where a feature axis is: `embed`, `expert_mlp`). A
+    layer keeps the sorted inputs [M, D], six [M, F] hidden buffers (both pre-activations,
+    the activation, the product and the activation's derivative terms, as capacity's six
+    [E, G, C, F]) and the experts' outputs [B, L, k, D] for the combine (XLA:CPU's scan
+    carry). Its backward also holds the ragged dots' operands: on CPU JAX lowers
+    `ragged_dot` to a masked dense matmul over the experts on each device, so the
+    transposes of the larger ragged dot (the [E, M, D] masked inputs or the [E, M, F]
+    masked hidden layer, E split by the rules) are materialised four times, the masked
+    operand, its transposed copy, the masked cotangent and its copy. XLA's grouped
+    ragged dot on TPU and GPU builds none of them.
+    """
+    k = cfg.moe_top_k
+    m, d, f = b * length * k, cfg.emb_dim, cfg.mlp_dim
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> int:
+        return _bytes_per_device(partitioner, axes, shape, act)
+
+    rows = of((None, "embed"), (m, d))
+    hidden = of((None, "expert_mlp"), (m, f))
+    saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
+    masked = 0
+    if platform == "cpu":
+        e = cfg.num_experts
+        masked = _MASKED_COPIES * max(
+            of(("expert", None, "embed"), (e, m, d)), of(("expert", None, "expert_mlp"), (e, m, f))
+        )
+    # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
+    # cotangents (both pre-activations', the product's); under remat the six hidden buffers
+    # recomputed in their place.
+    return {
+        "moe": saved,
+        "moe_h": hidden,
+        "moe_work": masked + rows + 3 * hidden,
+        "moe_rework": masked + rows + _MOE_HIDDEN * hidden,
+    }
+
+
+_MASKED_COPIES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +326,8 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     """
     part = trainer.partitioner
     cfg = trainer.model.network_config
-    act = activation_itemsize(cfg, platform or _platform(trainer))
+    platform = platform or _platform(trainer)
+    act = activation_itemsize(cfg, platform)
     compute = np.dtype(cfg.policy.compute).itemsize
     b = trainer.batch_size // trainer.num_microbatches
     lt = trainer.lengths["targets"]
@@ -276,7 +337,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     else:
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
         stacks = [(cfg.num_layers, lt, [lt])]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
+    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, platform)) for n, q, kv in stacks]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)
