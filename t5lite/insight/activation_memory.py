@@ -87,9 +87,13 @@ def _saved_unscanned(
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
     gathered = a["sp_gathered"]
+    # A stack's mixtures of experts (every `moe_every`-th layer) hold their saved values in
+    # place of the dense MLP's: per layer, the stack's mean.
+    share = a.get("moe_share", 0)
+    mlp = share * a["moe"] + (1 - share) * hidden * a["h"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
-        "mlp": hidden * a["h"],
+        "mlp": int(mlp),
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
 
@@ -232,7 +236,10 @@ def unscanned_backward(
         for _, a in layers
         if not _gelu_2d(a, remat, gathered)
     )
-    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
+    # A mixture of experts' backward adds its temporaries that no dense layer has (CPU's
+    # masked ragged-dot operands, expert hidden layers resharded to the kernels' layout).
+    extra = max(a.get("moe_extra", 0) for _, a in layers)
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": (0 if sp else gelu) + extra}
     loss = {"logits+loss": loss_buffers * logits}
     at_loss = _add(saved, last, loss)
 

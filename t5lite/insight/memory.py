@@ -193,7 +193,7 @@ def _moe_bytes(
     expert hidden buffers, "moe_work": what its backward holds beside those values'
     cotangents}; zeros for a dense model."""
     if not getattr(cfg, "num_experts", 0):
-        return dict.fromkeys(("moe", "moe_h", "moe_work", "moe_rework"), 0)
+        return dict.fromkeys(("moe", "moe_h", "moe_work", "moe_rework", "moe_extra"), 0)
     if cfg.moe_dispatch == "dropless":
         return _dropless_bytes(partitioner, cfg, b, length, act, platform)
     # Imported here: the model package is only needed for a sparse model's shapes.
@@ -216,14 +216,43 @@ def _moe_bytes(
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
     saved = 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden
+    # Where the expert kernels keep `expert_mlp` whole while the hidden layer's rules split it
+    # (the 2D layouts: `embed` takes the axis first), the expert matmuls' outputs and their
+    # cotangents come in the kernels' layout and are resharded after: four [E, G, C, F]
+    # buffers of the backward are F-whole (the hidden layer and product gathered, both
+    # pre-activations' cotangents before their reduce-scatter).
+    f_split = _kernel_splits(partitioner)[2]
+    whole_f = of(HIDDEN_AXES[:3] + (None,), (e, b, c, cfg.mlp_dim)) // f_split
+    resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
-    work = {"moe_work": saved, "moe_rework": int(_MOE_RECOMPUTED * saved)}
+    work = {
+        "moe_work": saved + resharded,
+        "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
+        "moe_extra": resharded,
+    }
     return {"moe": saved, "moe_h": hidden, **work}
 
 
-_MOE_HIDDEN, _MOE_RECOMPUTED = 6, 1.3
+_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN = 6, 1.3, 4
+
+
+def _moe_share(cfg: Any, layers: int) -> float:
+    """The fraction of a stack's `layers` layers that are sparse (`moe_every`)."""
+    if not getattr(cfg, "num_experts", 0):
+        return 0.0
+    from t5lite.model.config import is_moe_layer
+
+    return sum(is_moe_layer(cfg, i) for i in range(layers)) / layers
+
+
+def _kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
+    """How many ways the rules split an expert kernel [E, D, F]'s three dimensions."""
+    spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    splits = [math.prod(mesh[t] for t in mesh_axes_of(e) if t in mesh) for e in spec]
+    return splits[0], splits[1], splits[2]
 
 
 def _dropless_bytes(
@@ -232,7 +261,7 @@ def _dropless_bytes(
     """`_moe_bytes` of dropless dispatch (MoeBlock._dropless).
 
     Its M = B * L * k (token, choice) rows are sorted by expert globally, so GSPMD holds them
-    whole on every device (split only where a feature axis is: `embed`, `expert_mlp`). A
+    whole on every device (their features split as the expert kernels' are). A
     layer keeps the sorted inputs [M, D], six [M, F] hidden buffers (both pre-activations,
     the activation, the product and the activation's derivative terms, as capacity's six
     [E, G, C, F]) and the experts' outputs [B, L, k, D] for the combine (XLA:CPU's scan
@@ -249,23 +278,24 @@ def _dropless_bytes(
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> int:
         return _bytes_per_device(partitioner, axes, shape, act)
 
-    rows = of((None, "embed"), (m, d))
-    hidden = of((None, "expert_mlp"), (m, f))
+    # No constraint names the sorted rows' layout: they take the expert kernels'.
+    e_split, d_split, f_split = _kernel_splits(partitioner)
+    rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
     masked = 0
     if platform == "cpu":
         e = cfg.num_experts
-        masked = _MASKED_COPIES * max(
-            of(("expert", None, "embed"), (e, m, d)), of(("expert", None, "expert_mlp"), (e, m, f))
-        )
+        masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
-    # cotangents (both pre-activations', the product's); under remat the six hidden buffers
-    # recomputed in their place.
+    # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
+    # recomputed hidden layer (both pre-activations, the activation, the product) and one
+    # cotangent at a time (XLA:CPU's totals under megatron, expert_parallel and fully_sharded).
     return {
         "moe": saved,
         "moe_h": hidden,
         "moe_work": masked + rows + 3 * hidden,
-        "moe_rework": masked + rows + _MOE_HIDDEN * hidden,
+        "moe_rework": masked + rows + 5 * hidden,
+        "moe_extra": masked,
     }
 
 
@@ -338,6 +368,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
         stacks = [(cfg.num_layers, lt, [lt])]
     layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, platform)) for n, q, kv in stacks]
+    layers = [(n, {**a, "moe_share": _moe_share(cfg, n)}) for n, a in layers]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)
@@ -474,14 +505,16 @@ def accuracy_trainer(
     layers: int = 2,
     precision: str = "float32",
     experts: int = 0,
+    dispatch: str = "capacity",
+    moe_every: int = 1,
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
     fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
     encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
     model parallelism), under the mixed-precision `precision` policy (precision.py); `experts`
-    > 0 makes every layer's MLP a mixture of that many experts (the family's default top-k and
-    capacity dispatch).
+    > 0 makes every `moe_every`-th layer's MLP a mixture of that many experts (the family's
+    default top-k, `dispatch` "capacity" or "dropless").
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -501,6 +534,8 @@ def accuracy_trainer(
             scan_layers=scan,
             precision=precision,
             num_experts=experts,
+            moe_dispatch=dispatch,
+            moe_every=moe_every,
         )
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
@@ -515,6 +550,8 @@ def accuracy_trainer(
             scan_layers=scan,
             precision=precision,
             num_experts=experts,
+            moe_dispatch=dispatch,
+            moe_every=moe_every,
         )
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:
