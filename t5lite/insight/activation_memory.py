@@ -90,7 +90,7 @@ def _saved_unscanned(
     # A stack's mixtures of experts (every `moe_every`-th layer) hold their saved values in
     # place of the dense MLP's: per layer, the stack's mean.
     share = a.get("moe_share", 0)
-    mlp = share * a["moe"] + (1 - share) * hidden * a["h"]
+    mlp = share * a["moe_held"] + (1 - share) * hidden * a["h"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
         "mlp": int(mlp),
@@ -231,16 +231,23 @@ def unscanned_backward(
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
+    # (a stack of mixtures of experts holds none: its GELU buffers are its experts' own)
     gelu = sum(
-        _UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"]
+        _UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] * (1 - a.get("moe_share", 0))
         for _, a in layers
         if not _gelu_2d(a, remat, gathered)
     )
-    # A mixture of experts' backward adds its temporaries that no dense layer has (CPU's
-    # masked ragged-dot operands, expert hidden layers resharded to the kernels' layout).
-    extra = max(a.get("moe_extra", 0) for _, a in layers)
-    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": (0 if sp else gelu) + extra}
+    last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": loss_buffers * logits}
+    # A mixture of experts' backward adds temporaries no dense layer has (CPU's masked
+    # ragged-dot operands, expert hidden layers resharded to the kernels' layout). Without
+    # remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are live;
+    # under remat it first recomputes the layer, after them.
+    extra = max(a.get("moe_extra", 0) for _, a in layers)
+    if remat == "none":
+        last["mlp"] += extra
+    elif extra > loss["logits+loss"]:
+        loss = {"logits+loss": 0, "mlp": extra}
     at_loss = _add(saved, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:

@@ -193,7 +193,8 @@ def _moe_bytes(
     expert hidden buffers, "moe_work": what its backward holds beside those values'
     cotangents}; zeros for a dense model."""
     if not getattr(cfg, "num_experts", 0):
-        return dict.fromkeys(("moe", "moe_h", "moe_work", "moe_rework", "moe_extra"), 0)
+        keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held")
+        return dict.fromkeys(keys, 0)
     if cfg.moe_dispatch == "dropless":
         return _dropless_bytes(partitioner, cfg, b, length, act, platform)
     # Imported here: the model package is only needed for a sparse model's shapes.
@@ -231,11 +232,14 @@ def _moe_bytes(
         "moe_work": saved + resharded,
         "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
         "moe_extra": resharded,
+        # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
+        # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
     }
     return {"moe": saved, "moe_h": hidden, **work}
 
 
-_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN = 6, 1.3, 4
+_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN = 6, 1.3, 4, 2
 
 
 def _moe_share(cfg: Any, layers: int) -> float:
@@ -282,10 +286,11 @@ def _dropless_bytes(
     e_split, d_split, f_split = _kernel_splits(partitioner)
     rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
-    masked = 0
+    masked = smaller = 0
     if platform == "cpu":
         e = cfg.num_experts
         masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
+        smaller = min(e * rows, e * hidden) // e_split
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
     # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
     # recomputed hidden layer (both pre-activations, the activation, the product) and one
@@ -295,11 +300,14 @@ def _dropless_bytes(
         "moe_h": hidden,
         "moe_work": masked + rows + 3 * hidden,
         "moe_rework": masked + rows + 5 * hidden,
-        "moe_extra": masked,
+        # Unscanned, the last layer's backward holds the smaller ragged dot's masked operands
+        # too, two of them, beside the larger one's four.
+        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
     }
 
 
-_MASKED_COPIES = 4
+_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED = 4, 2
 
 
 @dataclasses.dataclass(frozen=True)
