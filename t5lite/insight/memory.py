@@ -213,7 +213,8 @@ def _moe_bytes(
     # inputs and the experts' outputs [E, G, C, D], and six [E, G, C, F] buffers of the
     # experts' hidden layer (pre-activations, activation, product and cotangents); the
     # router's [T, E] temporaries are negligible (XLA:CPU's buffer assignment).
-    masks = of(("batch", None, None, None), (b, length, e, c), act)
+    # (the masks take the slots' split from the dispatched tokens they build)
+    masks = of(("batch", None, None, "expert_capacity"), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
     saved = 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden
