@@ -16,7 +16,8 @@ CASES = [
     ("lm", "megatron", "none", True, "dropless", 1),
     ("lm", "expert_parallel", "full", True, "dropless", 1),
     ("lm", "fully_sharded", "minimal", True, "capacity", 1),
-    ("t5", "expert_parallel", "none", False, "capacity", 1),
+    ("lm", "data_parallel", "none", False, "capacity", 1),
+    ("t5", "megatron", "minimal", False, "capacity", 1),
     ("lm", "megatron", "none", False, "capacity", 2),
 ]
 
@@ -51,6 +52,6 @@ def test_dropless_masked_matmuls_only_on_cpu():
     cpu, tpu = memory.predict_memory(tr, "cpu"), memory.predict_memory(tr, "tpu")
     assert cpu.total - tpu.total == 4 * 2 * (16 * 128 * 2) * 256 * 4 == 32 * 2**20
     capacity = _trainer("lm", "megatron", "none", True, "capacity", 1)
-    assert memory.predict_memory(capacity, "cpu").total == memory.predict_memory(
-        capacity, "tpu"
-    ).total
+    assert (
+        memory.predict_memory(capacity, "cpu").total == memory.predict_memory(capacity, "tpu").total
+    )

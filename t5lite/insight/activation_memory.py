@@ -90,7 +90,8 @@ def _saved_unscanned(
     # A stack's mixtures of experts (every `moe_every`-th layer) hold their saved values in
     # place of the dense MLP's: per layer, the stack's mean.
     share = a.get("moe_share", 0)
-    mlp = share * a["moe_held"] + (1 - share) * hidden * a["h"]
+    held = a["moe_held"] if remat == "none" else a.get("moe_held_remat", a["moe_held"])
+    mlp = share * held + (1 - share) * hidden * a["h"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"] + _KV * a["kv"] + scores,
         "mlp": int(mlp),
@@ -112,12 +113,12 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     if a["heads_split"] and not a["embed_split"]:
         return {
             "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
-            "mlp": (3 + a["gelu"]) * (a["moe_h"] or a["h"]),
+            "mlp": a.get("moe_recomputed") or (3 + a["gelu"]) * (a["moe_h"] or a["h"]),
             "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
         }
     return {
         "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
-        "mlp": 3 * (a["moe_h"] or a["h"]),
+        "mlp": a.get("moe_recomputed") or 3 * (a["moe_h"] or a["h"]),
         "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
     }
 
@@ -233,7 +234,7 @@ def unscanned_backward(
     sp = any(a["sp_gathered"] for _, a in layers)
     # (a stack of mixtures of experts holds none: its GELU buffers are its experts' own)
     gelu = sum(
-        _UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] * (1 - a.get("moe_share", 0))
+        int(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] * (1 - a.get("moe_share", 0)))
         for _, a in layers
         if not _gelu_2d(a, remat, gathered)
     )
@@ -255,6 +256,7 @@ def unscanned_backward(
         hold what they held at the loss gradient, the later ones are done."""
         n, a = layers[s]
         work = _add(_recomputed(a), scale=_RECOMPUTED_WORKING)
+        work["mlp"] += a.get("moe_extra", 0)  # the MoE backward's own temporaries
         earlier = (v for stack in held[:s] for v in stack)
         # A stack recomputed ahead of the loss gradient holds what it held there.
         own = held[s][0] if _hoisted(a, s, layers, gathered) == "all" else _recomputed(a)

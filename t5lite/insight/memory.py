@@ -157,8 +157,7 @@ def _layer_bytes(
         # NOTE: attention logits and probabilities are fp32 whatever the activation dtype.
         "scores": sum(of(("batch", "heads", "length", None), (b, h, q_len, s), 4) for s in kv_lens),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
-        # a mixture of experts' MLP (0: dense): "moe" its saved values, "moe_h" one of its
-        # expert hidden buffers, "moe_work" what its backward adds beside their cotangents
+        # a mixture of experts' MLP (zeros: dense), see _moe_bytes
         **_moe_bytes(partitioner, cfg, b, q_len, act, platform),
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
@@ -189,11 +188,12 @@ def _moe_bytes(
     partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str = "cpu"
 ) -> dict[str, int]:
     """Per-device bytes of a mixture-of-experts MLP (model/moe.py) of a layer of `b` rows of
-    `length` tokens: {"moe": what it keeps for its backward without remat, "moe_h": one of its
-    expert hidden buffers, "moe_work": what its backward holds beside those values'
-    cotangents}; zeros for a dense model."""
+    `length` tokens on `platform`, zeros for a dense model: "moe", what a scanned layer keeps
+    for its backward without remat; "moe_held", what an unscanned one holds at the loss
+    gradient; "moe_h", one expert hidden buffer; "moe_work" / "moe_rework", its backward's
+    working set without / with remat; "moe_extra", what of it no dense layer has."""
     if not getattr(cfg, "num_experts", 0):
-        keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held")
+        keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
         return dict.fromkeys(keys, 0)
     if cfg.moe_dispatch == "dropless":
         return _dropless_bytes(partitioner, cfg, b, length, act, platform)
@@ -209,11 +209,11 @@ def _moe_bytes(
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
         return _bytes_per_device(partitioner, axes, shape, itemsize)
 
-    # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C], the dispatched
-    # inputs and the experts' outputs [E, G, C, D], and six [E, G, C, F] buffers of the
-    # experts' hidden layer (pre-activations, activation, product and cotangents); the
-    # router's [T, E] temporaries are negligible (XLA:CPU's buffer assignment).
-    # (the masks take the slots' split from the dispatched tokens they build)
+    # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C] (their slots split
+    # as the dispatched tokens they build), the dispatched inputs and the experts' outputs
+    # [E, G, C, D], and six [E, G, C, F] buffers of the experts' hidden layer
+    # (pre-activations, activation, product and cotangents); the router's [T, E]
+    # temporaries are negligible (XLA:CPU's buffer assignment).
     masks = of(("batch", None, None, "expert_capacity"), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
@@ -224,7 +224,7 @@ def _moe_bytes(
     # buffers of the backward are F-whole (the hidden layer and product gathered, both
     # pre-activations' cotangents before their reduce-scatter).
     f_split = _kernel_splits(partitioner)[2]
-    whole_f = of(HIDDEN_AXES[:3] + (None,), (e, b, c, cfg.mlp_dim)) // f_split
+    whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
@@ -271,11 +271,12 @@ def _dropless_bytes(
     the activation, the product and the activation's derivative terms, as capacity's six
     [E, G, C, F]) and the experts' outputs [B, L, k, D] for the combine (XLA:CPU's scan
     carry). Its backward also holds the ragged dots' operands: on CPU JAX lowers
-    `ragged_dot` to a masked dense matmul over the experts on each device, so the
+    `ragged_dot(x [M, K], w [E, K, N])` to a broadcast of x to [E, M, K], a select that zeros
+    each expert's rows outside its group, and one dot contracting E and K, so the
     transposes of the larger ragged dot (the [E, M, D] masked inputs or the [E, M, F]
-    masked hidden layer, E split by the rules) are materialised four times, the masked
-    operand, its transposed copy, the masked cotangent and its copy. XLA's grouped
-    ragged dot on TPU and GPU builds none of them.
+    masked hidden layer, E split as the kernels) are materialised four times: the masked
+    operand, its transposed copy [M, E * K], the masked cotangent and its copy. XLA's
+    grouped ragged dot on TPU and GPU (`chlo.ragged_dot`) builds none of them.
     """
     k = cfg.moe_top_k
     m, d, f = b * length * k, cfg.emb_dim, cfg.mlp_dim
@@ -305,6 +306,14 @@ def _dropless_bytes(
         # too, two of them, beside the larger one's four.
         "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
         "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        # An unscanned `full` recomputation stops at the sorted rows: the ragged dots run
+        # inside the layer's backward, beside its masked operands.
+        "moe_recomputed": rows,
+        # Under remat its hidden layer is not saved (ragged dots are no dots without batch
+        # dims) and only partly hoisted ahead of the loss gradient: two [M, F] buffers a layer
+        # are held there (fitted on XLA:CPU's totals of megatron, data_parallel and T5
+        # expert_parallel `minimal`).
+        "moe_held_remat": saved - (_MOE_HIDDEN - 2) * hidden,
     }
 
 
