@@ -16,7 +16,7 @@ CASES = [
     ("lm", "megatron", "none", True, "dropless", 1),
     ("lm", "expert_parallel", "full", True, "dropless", 1),
     ("lm", "fully_sharded", "minimal", True, "capacity", 1),
-    ("lm", "data_parallel", "none", False, "capacity", 1),
+    ("lm", "data_parallel", "none", True, "dropless", 1),
     ("t5", "megatron", "minimal", False, "capacity", 1),
     ("lm", "megatron", "none", False, "capacity", 2),
 ]
