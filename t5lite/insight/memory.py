@@ -232,7 +232,8 @@ def _moe_bytes(
     work = {
         "moe_work": saved + resharded,
         "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
-        "moe_extra": resharded,
+        # (unscanned, beside the layer's held F-split values: whole copies, not the difference)
+        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
         "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
