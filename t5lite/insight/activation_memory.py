@@ -36,11 +36,6 @@ _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LA
 # part of XLA's figure that does not grow with depth is the same under every policy).
 _UNSCANNED_GELU_HIDDEN = 6
 
-# A mixture-of-experts layer's backward under remat holds its recomputed MLP values
-# (memory._moe_bytes) and part of their cotangents beside them: 1.3 times them, fitted on
-# XLA:CPU's compiled totals of both families under megatron and expert_parallel.
-_MOE_RECOMPUTED = 1.3
-
 # Kinds of activation a report breaks the total into (they add up to `activations`).
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
@@ -54,7 +49,9 @@ def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str
     if remat == "minimal":  # outputs of dots without batch dims (projections) + the input
         return {
             "attention": n * (a["q"] + a["x"]) + a["kv"],  # q, k, v and the out projection
-            "mlp": a["mlp_in"] * a["h"],
+            # A mixture of experts saves none of its MLP: its expert matmuls (batched over
+            # experts or groups, or ragged dots) are not dots without batch dims.
+            "mlp": 0 if a["moe"] else a["mlp_in"] * a["h"],
             "norms+residual": 2 * a["x"],
         }
     if scores is None:
@@ -102,12 +99,17 @@ def _saved_unscanned(
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
     gathered = a["sp_gathered"]
+    # A stack's mixtures of experts (every `moe_every`-th layer) hold their saved values in
+    # place of the dense MLP's: per layer, the stack's mean.
+    share = a.get("moe_share", 0)
+    held = a["moe_held"] if remat == "none" else a.get("moe_held_remat", a["moe_held"])
+    mlp = share * held + (1 - share) * hidden * a["h"]
     return {
         "attention": _Q_PER_ATTENTION * n * a["q"]
         + _KV * a["kv"]
         + a.get("ring_saved", 0)
         + scores,
-        "mlp": hidden * a["h"],
+        "mlp": int(mlp),
         "norms+residual": _UNSCANNED_X_PER_BLOCK * (n + 1) * a["x"] + gathered,
     }
 
@@ -126,12 +128,12 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     if a["heads_split"] and not a["embed_split"]:
         return {
             "attention": 2 * n * a["q"] + a["kv"] + 2 * a["scores"],
-            "mlp": (3 + a["gelu"]) * (a["moe_h"] or a["h"]),
+            "mlp": a.get("moe_recomputed") or (3 + a["gelu"]) * (a["moe_h"] or a["h"]),
             "norms+residual": 2 * (n + 1) * a["x"] + (n + 1) * a["x"],
         }
     return {
         "attention": n * a["q"] + a["kv"] + 2 * a["scores"],
-        "mlp": 3 * (a["moe_h"] or a["h"]),
+        "mlp": a.get("moe_recomputed") or 3 * (a["moe_h"] or a["h"]),
         "norms+residual": (n + 1) * a["x_gathered"] + 2 * a["x"],
     }
 
@@ -194,7 +196,6 @@ def scanned_backward(layers: list, remat: str, logits: int):
     # (the cotangent is whole until the reduce-scatter); context parallelism's attention holds
     # the gathered keys and values and their whole cotangents.
     gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
-    moe = _MOE_RECOMPUTED if gathered else 1
     works = [
         _saved(
             {
@@ -203,7 +204,8 @@ def scanned_backward(layers: list, remat: str, logits: int):
                 "kv_gathered": 2 * a["kv_gathered"],
                 # the ring's chunks and gradients in hand and in flight
                 "ring_saved": a.get("ring_saved", 0) + a.get("ring_flight", 0),
-                "moe": int(moe * a["moe"]),
+                # a mixture of experts' backward: its own count (memory._moe_bytes)
+                "moe": a["moe_rework" if gathered else "moe_work"],
             },
             "none",
             _SCORES_WORKING,
@@ -247,13 +249,23 @@ def unscanned_backward(
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
+    # (a stack of mixtures of experts holds none: its GELU buffers are its experts' own)
     gelu = sum(
-        _UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"]
+        int(_UNSCANNED_GELU_HIDDEN * a["gelu"] * a["h"] * (1 - a.get("moe_share", 0)))
         for _, a in layers
         if not _gelu_2d(a, remat, gathered)
     )
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": loss_buffers * logits}
+    # A mixture of experts' backward adds temporaries no dense layer has (CPU's masked
+    # ragged-dot operands, expert hidden layers resharded to the kernels' layout). Without
+    # remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are live;
+    # under remat it first recomputes the layer, after them.
+    extra = max(a.get("moe_extra", 0) for _, a in layers)
+    if remat == "none":
+        last["mlp"] += extra
+    elif extra > loss["logits+loss"]:
+        loss = {"logits+loss": 0, "mlp": extra}
     at_loss = _add(saved, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -261,6 +273,7 @@ def unscanned_backward(
         hold what they held at the loss gradient, the later ones are done."""
         n, a = layers[s]
         work = _add(_recomputed(a), scale=_RECOMPUTED_WORKING)
+        work["mlp"] += a.get("moe_extra", 0)  # the MoE backward's own temporaries
         earlier = (v for stack in held[:s] for v in stack)
         # A stack recomputed ahead of the loss gradient holds what it held there.
         own = held[s][0] if _hoisted(a, s, layers, gathered) == "all" else _recomputed(a)

@@ -139,10 +139,11 @@ def _layer_bytes(
     kv_lens: list[int],
     act: int,
     causal: bool = False,
+    platform: str = "cpu",
 ):
-    """Per-device bytes of one layer's activations (`act` bytes an element): {name: bytes} by
-    logical layout. `causal`: the layer's self-attention (kv_lens[0]) is causal without a
-    prefix (the ring balances it: `ring_attention.is_balanced`)."""
+    """Per-device bytes of one layer's activations (`act` bytes an element) on `platform`:
+    {name: bytes} by logical layout. `causal`: the layer's self-attention (kv_lens[0]) is
+    causal without a prefix (the ring balances it: `ring_attention.is_balanced`)."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -153,7 +154,6 @@ def _layer_bytes(
     n = 0 if sp else _ring_size(partitioner)
     ring = n > 1
     balanced = ring and causal and q_len == kv_lens[0] and q_len % (2 * n) == 0
-    moe = _moe_bytes(partitioner, cfg, b, q_len, act)
     # Sequence parallelism's column-parallel shard_maps (t5lite/collectives.py) gather each
     # block's input whole over `length` and save it for the kernels' gradients: the
     # self-attention's and the MLP's input, and a cross-attention's query input and keys'
@@ -184,8 +184,8 @@ def _layer_bytes(
         // (n if ring else 1),
         **_ring_bytes(partitioner, cfg, b, q_len, kv_lens, act, n if balanced else 0),
         "h": of(("batch", "length", "mlp"), (b, q_len, cfg.mlp_dim)),
-        "moe": moe[0],  # a mixture of experts' MLP, saved values (0: dense)
-        "moe_h": moe[1],  # one of its experts' hidden buffers
+        # a mixture of experts' MLP (zeros: dense), see _moe_bytes
+        **_moe_bytes(partitioner, cfg, b, q_len, act, platform),
         "attentions": len(kv_lens),
         "mlp_in": len(cfg.mlp_activations),
         "gelu": int("gelu" in cfg.mlp_activations),
@@ -247,17 +247,18 @@ def _ring_bytes(
 
 
 def _moe_bytes(
-    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int
-) -> tuple[int, int]:
-    """Per-device bytes of what a mixture-of-experts MLP (model/moe.py, capacity dispatch)
-    keeps for its backward without remat, and of one [E, G, C, F] buffer; (0, 0) for a dense
-    model. Kept: the dispatch and combine masks
-    [G, S, E, C], the dispatched inputs and the experts' outputs [E, G, C, D], and six
-    [E, G, C, F] buffers of the experts' hidden layer (pre-activations, activation, product
-    and cotangents; the router's [T, E] temporaries are negligible), counted as XLA:CPU's
-    compiled totals of tests/test_insight_accuracy.py's MoE cases require."""
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str = "cpu"
+) -> dict[str, int]:
+    """Per-device bytes of a mixture-of-experts MLP (model/moe.py) of a layer of `b` rows of
+    `length` tokens on `platform`, zeros for a dense model: "moe", what a scanned layer keeps
+    for its backward without remat; "moe_held", what an unscanned one holds at the loss
+    gradient; "moe_h", one expert hidden buffer; "moe_work" / "moe_rework", its backward's
+    working set without / with remat; "moe_extra", what of it no dense layer has."""
     if not getattr(cfg, "num_experts", 0):
-        return 0, 0
+        keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
+        return dict.fromkeys(keys, 0)
+    if cfg.moe_dispatch == "dropless":
+        return _dropless_bytes(partitioner, cfg, b, length, act, platform)
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -270,13 +271,116 @@ def _moe_bytes(
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
         return _bytes_per_device(partitioner, axes, shape, itemsize)
 
-    masks = of(("batch", None, None, None), (b, length, e, c), act)
+    # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C] (their slots split
+    # as the dispatched tokens they build), the dispatched inputs and the experts' outputs
+    # [E, G, C, D], and six [E, G, C, F] buffers of the experts' hidden layer
+    # (pre-activations, activation, product and cotangents); the router's [T, E]
+    # temporaries are negligible (XLA:CPU's buffer assignment).
+    masks = of(("batch", None, None, "expert_capacity"), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
-    return 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden, hidden
+    saved = 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden
+    # Where the expert kernels keep `expert_mlp` whole while the hidden layer's rules split it
+    # (the 2D layouts: `embed` takes the axis first), the expert matmuls' outputs and their
+    # cotangents come in the kernels' layout and are resharded after: four [E, G, C, F]
+    # buffers of the backward are F-whole (the hidden layer and product gathered, both
+    # pre-activations' cotangents before their reduce-scatter).
+    f_split = _kernel_splits(partitioner)[2]
+    whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
+    resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
+    # Its backward: the values' cotangents (as many again); under remat the recomputed values
+    # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
+    # totals of both families under megatron and expert_parallel).
+    work = {
+        "moe_work": saved + resharded,
+        "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
+        # (unscanned, beside the layer's held F-split values: whole copies, not the difference)
+        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
+        # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
+        # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+    }
+    return {"moe": saved, "moe_h": hidden, **work}
 
 
-_MOE_HIDDEN = 6
+_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN = 6, 1.3, 4, 2
+
+
+def _moe_share(cfg: Any, layers: int) -> float:
+    """The fraction of a stack's `layers` layers that are sparse (`moe_every`)."""
+    if not getattr(cfg, "num_experts", 0):
+        return 0.0
+    from t5lite.model.config import is_moe_layer
+
+    return sum(is_moe_layer(cfg, i) for i in range(layers)) / layers
+
+
+def _kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
+    """How many ways the rules split an expert kernel [E, D, F]'s three dimensions."""
+    spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    splits = [math.prod(mesh[t] for t in mesh_axes_of(e) if t in mesh) for e in spec]
+    return splits[0], splits[1], splits[2]
+
+
+def _dropless_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str
+) -> dict[str, int]:
+    """`_moe_bytes` of dropless dispatch (MoeBlock._dropless).
+
+    Its M = B * L * k (token, choice) rows are sorted by expert globally, so GSPMD holds them
+    whole on every device (their features split as the expert kernels' are). A
+    layer keeps the sorted inputs [M, D], six [M, F] hidden buffers (both pre-activations,
+    the activation, the product and the activation's derivative terms, as capacity's six
+    [E, G, C, F]) and the experts' outputs [B, L, k, D] for the combine (XLA:CPU's scan
+    carry). Its backward also holds the ragged dots' operands: on CPU JAX lowers
+    `ragged_dot(x [M, K], w [E, K, N])` to a broadcast of x to [E, M, K], a select that zeros
+    each expert's rows outside its group, and one dot contracting E and K, so the
+    transposes of the larger ragged dot (the [E, M, D] masked inputs or the [E, M, F]
+    masked hidden layer, E split as the kernels) are materialised four times: the masked
+    operand, its transposed copy [M, E * K], the masked cotangent and its copy. XLA's
+    grouped ragged dot on TPU and GPU (`chlo.ragged_dot`) builds none of them.
+    """
+    k = cfg.moe_top_k
+    m, d, f = b * length * k, cfg.emb_dim, cfg.mlp_dim
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> int:
+        return _bytes_per_device(partitioner, axes, shape, act)
+
+    # No constraint names the sorted rows' layout: they take the expert kernels'.
+    e_split, d_split, f_split = _kernel_splits(partitioner)
+    rows, hidden = m * d * act // d_split, m * f * act // f_split
+    saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
+    masked = smaller = 0
+    if platform == "cpu":
+        e = cfg.num_experts
+        masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
+        smaller = min(e * rows, e * hidden) // e_split
+    # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
+    # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
+    # recomputed hidden layer (both pre-activations, the activation, the product) and one
+    # cotangent at a time (XLA:CPU's totals under megatron, expert_parallel and fully_sharded).
+    return {
+        "moe": saved,
+        "moe_h": hidden,
+        "moe_work": masked + rows + 3 * hidden,
+        "moe_rework": masked + rows + 5 * hidden,
+        # Unscanned, the last layer's backward holds the smaller ragged dot's masked operands
+        # too, two of them, beside the larger one's four.
+        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        # An unscanned `full` recomputation stops at the sorted rows: the ragged dots run
+        # inside the layer's backward, beside its masked operands.
+        "moe_recomputed": rows,
+        # Under remat its hidden layer is not saved (ragged dots are no dots without batch
+        # dims) and only partly hoisted ahead of the loss gradient: two [M, F] buffers a layer
+        # are held there (fitted on XLA:CPU's totals of megatron, data_parallel and T5
+        # expert_parallel `minimal`).
+        "moe_held_remat": saved - (_MOE_HIDDEN - 2) * hidden,
+    }
+
+
+_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED = 4, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +437,8 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     """
     part = trainer.partitioner
     cfg = trainer.model.network_config
-    act = activation_itemsize(cfg, platform or _platform(trainer))
+    platform = platform or _platform(trainer)
+    act = activation_itemsize(cfg, platform)
     compute = np.dtype(cfg.policy.compute).itemsize
     b = trainer.batch_size // trainer.num_microbatches
     lt = trainer.lengths["targets"]
@@ -349,7 +454,8 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             trainer.model, "inputs_bidirectional_attention", True
         )
         stacks = [(cfg.num_layers, lt, [lt], not prefix)]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, c)) for n, q, kv, c in stacks]
+    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, c, platform)) for n, q, kv, c in stacks]
+    layers = [(n, {**a, "moe_share": _moe_share(cfg, n)}) for n, a in layers]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)
@@ -486,14 +592,16 @@ def accuracy_trainer(
     layers: int = 2,
     precision: str = "float32",
     experts: int = 0,
+    dispatch: str = "capacity",
+    moe_every: int = 1,
 ) -> Trainer:
     """A trainer of the small-but-not-tiny models `PredictedMemory`'s accuracy is measured on
     (tests/test_insight_accuracy.py, benchmarks/memory_accuracy.py): shapes dominate XLA's
     fixed overheads, `layers` a stack (two by default); `family` is "t5" (T5.1.1-like
     encoder-decoder) or "lm" (decoder-only), on data=2 x model=4 (data=8 for a preset without
     model parallelism), under the mixed-precision `precision` policy (precision.py); `experts`
-    > 0 makes every layer's MLP a mixture of that many experts (the family's default top-k and
-    capacity dispatch).
+    > 0 makes every `moe_every`-th layer's MLP a mixture of that many experts (the family's
+    default top-k, `dispatch` "capacity" or "dropless").
     """
     # Imported here: the models are only needed by whoever measures accuracy.
     from t5lite.model.models import DecoderOnlyModel, EncoderDecoderModel
@@ -513,6 +621,8 @@ def accuracy_trainer(
             scan_layers=scan,
             precision=precision,
             num_experts=experts,
+            moe_dispatch=dispatch,
+            moe_every=moe_every,
         )
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
@@ -527,6 +637,8 @@ def accuracy_trainer(
             scan_layers=scan,
             precision=precision,
             num_experts=experts,
+            moe_dispatch=dispatch,
+            moe_every=moe_every,
         )
         model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
     else:

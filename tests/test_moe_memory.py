@@ -1,0 +1,57 @@
+"""The memory prediction of mixture-of-experts models against XLA:CPU's compiled train step:
+expert weights, dispatch buffers and router temporaries, both dispatch modes, scanned and
+unscanned layers, on 8 fake devices (docs/performance.md has the whole matrix)."""
+
+import pytest
+from conftest import require_devices
+
+from t5lite.insight import memory
+from t5lite.insight.report import compile_train_step
+
+# (family, preset, remat, scan_layers, dispatch, moe_every): one case per way the model
+# differs (dropless's CPU masked matmuls by kernel layout, capacity's resharded hidden layer
+# under 2D layouts, unscanned held values, every other layer sparse, remat minimal); the rest
+# of the matrix is in docs/performance.md.
+CASES = [
+    ("lm", "megatron", "none", True, "dropless", 1),
+    ("lm", "expert_parallel", "full", True, "dropless", 1),
+    ("lm", "fully_sharded", "minimal", True, "capacity", 1),
+    ("lm", "data_parallel", "none", True, "dropless", 1),
+    ("t5", "megatron", "minimal", False, "capacity", 1),
+    ("lm", "megatron", "none", False, "capacity", 2),
+]
+
+
+def _trainer(family, preset, remat, scan, dispatch, every):
+    # data_parallel puts `expert` on data=8: it needs 8 experts.
+    experts = 8 if preset == "data_parallel" else 4
+    return memory.accuracy_trainer(
+        family, preset, remat, scan, experts=experts, dispatch=dispatch, moe_every=every
+    )
+
+
+@pytest.mark.parametrize("family,preset,remat,scan,dispatch,every", CASES)
+def test_moe_memory_within_ten_percent_of_compiled(family, preset, remat, scan, dispatch, every):
+    require_devices(8)
+    tr = _trainer(family, preset, remat, scan, dispatch, every)
+    compiled = memory.memory_report(compile_train_step(tr))
+    predicted = memory.predict_memory(tr)
+    # The state (expert kernels and router included) is exact.
+    assert predicted.state == compiled.aliased
+    ratio = predicted.total / compiled.total
+    assert abs(ratio - 1) < 0.10, (ratio, predicted, compiled)
+
+
+def test_dropless_masked_matmuls_only_on_cpu():
+    """On CPU `ragged_dot` is a masked dense matmul over each device's experts: the layer's
+    backward holds four masked operands [E / data, M, D] (megatron: 2 of 4 experts a device,
+    M = 16 * 128 * 2 rows, D = 256 > F / model = 192, fp32): 32 MiB that TPU and GPU's
+    grouped ragged dot does not build."""
+    require_devices(8)
+    tr = _trainer("lm", "megatron", "none", True, "dropless", 1)
+    cpu, tpu = memory.predict_memory(tr, "cpu"), memory.predict_memory(tr, "tpu")
+    assert cpu.total - tpu.total == 4 * 2 * (16 * 128 * 2) * 256 * 4 == 32 * 2**20
+    capacity = _trainer("lm", "megatron", "none", True, "capacity", 1)
+    assert (
+        memory.predict_memory(capacity, "cpu").total == memory.predict_memory(capacity, "tpu").total
+    )
