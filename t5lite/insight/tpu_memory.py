@@ -1,0 +1,88 @@
+"""What XLA:TPU keeps for the train step's backward, by kind, and the code it loads into HBM
+(`memory.predict_memory` on platform "tpu" sums them with the state, batch and gradients).
+
+The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that size the step:
+- Dots run in the compute dtype (the MXU takes bf16), so a bf16 policy's activations are bf16.
+- Elementwise work is fused into the dots' prologues and epilogues, forward and backward: what a
+  layer saves for its backward is the output of its dots and norms, not the elementwise values
+  between them (read from `--xla_dump_to`'s buffer assignment and live ranges, v5e ahead of
+  time, the test-size T5 of `memory.accuracy_trainer`). Per block the norm's output; per
+  attention q and the context, keys and values once, the fp32 logits once (the softmax is
+  recomputed from them in the backward's fusion); the MLP's pre-activations (one per input
+  projection: two for a gated MLP).
+- The gradient all-reduce runs in place and the optimizer's update is fused into the write of
+  the donated state: no parameter-sized update buffer.
+- The peak is at the loss gradient: every layer's saved values, the fp32 logits and their
+  cotangent. Gradients accumulate as the backward frees the saved values.
+- The executable itself lives in HBM and `memory_analysis` counts it (`generated_code`):
+  unrolled layers each add their own kernels.
+"""
+
+from __future__ import annotations
+
+# Saved per layer without remat (see above), in units of the layer dict's buffers
+# (memory._layer_bytes).
+_X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _SCORES = 1, 2, 1, 1
+# The loss at its gradient: fp32 logits and their cotangent.
+_LOSS_BUFFERS = 2
+# Generated code in HBM: a fixed part (the loss, the embedding, the optimizer's fused updates)
+# and each unrolled block's kernels (forward and backward); remat adds the recomputation's.
+# Measured on v5e ahead of time (libtpu): test-size T5 (10 blocks) 14.6 MiB, decoder-only
+# (4 blocks) 9.6 MiB, megatron, no remat; `full` 1.1-1.4 MiB more on 10 blocks.
+_CODE_FIXED = 6.25 * 2**20
+_CODE_PER_BLOCK = 0.85 * 2**20
+_CODE_REMAT = 0.1  # the recomputation's share of a block's code under remat
+
+KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
+
+
+def saved(a: dict[str, int], remat: str) -> dict[str, int]:
+    """What one layer keeps for its backward on TPU under a remat policy, by kind."""
+    n = a["attentions"]
+    if remat == "full":
+        return {"norms+residual": a["x"]}  # the layer input; the rest is recomputed
+    if remat == "minimal":  # outputs of dots without batch dims (projections) + the input
+        return {
+            "attention": n * (a["q"] + a["x"]) + a["kv"],
+            "mlp": a["mlp_in"] * a["h"],
+            "norms+residual": a["x"],
+        }
+    return {
+        "attention": _Q_PER_ATTENTION * n * a["q"]
+        + _KV * a["kv"]
+        + a["kv_gathered"]
+        + _SCORES * a["scores"],
+        "mlp": a["moe"] or a["mlp_in"] * a["h"],
+        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x"] + a["sp_gathered"],
+    }
+
+
+def _add(*parts: dict[str, int]) -> dict[str, int]:
+    out = dict.fromkeys(KINDS, 0)
+    for part in parts:
+        for k, v in part.items():
+            out[k] += v
+    return out
+
+
+def backward(layers: list, remat: str, logits: int):
+    """The loss gradient's activations by kind, and its terms: every layer's saved values, the
+    first differentiated layer's recomputation under remat (its no-remat set) and the loss."""
+    kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
+    # Under remat the last layer is recomputed before its backward: its whole saved set is
+    # live beside the loss's buffers.
+    work = saved(layers[-1][1], "none") if remat != "none" else {}
+    loss = {"logits+loss": _LOSS_BUFFERS * logits}
+    terms = (
+        ("saved activations", sum(kept.values())),
+        ("layer working set", sum(work.values())),
+        ("loss temporaries", loss["logits+loss"]),
+    )
+    return _add(kept, work, loss), terms
+
+
+def code_bytes(blocks: int, remat: str) -> int:
+    """Bytes of the TPU executable: `blocks` the blocks compiled as their own kernels (every
+    block of unrolled layers, one layer's per stack when scanned)."""
+    per_block = _CODE_PER_BLOCK * (1 + (_CODE_REMAT if remat != "none" else 0))
+    return int(_CODE_FIXED + blocks * per_block)
