@@ -18,6 +18,7 @@ from t5lite.insight.activation_memory import (
     scanned_backward,
     unscanned_backward,
 )
+from t5lite.insight.hardware import vmem_bytes_of_kind
 from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
@@ -358,10 +359,14 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     saved values are gone by then), beside the state, the batch and the executable."""
     cfg = trainer.model.network_config
     state, batch = _state_and_batch(trainer)
-    grads = _unreduced_gradient_bytes(trainer)
-    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits)
+    kind = trainer.partitioner.mesh.devices.flat[0].device_kind
+    vmem = int(tpu_memory.VMEM_SHARE * vmem_bytes_of_kind(kind))
+    # Gradients on their way through the all-reduce stay in VMEM up to the budget.
+    grads = max(0, _unreduced_gradient_bytes(trainer) - vmem)
+    gathered = _gathered_layer_bytes(trainer)
+    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered)
     blocks = sum((a["attentions"] + 1) * (1 if cfg.scan_layers else n) for n, a in layers)
-    code = tpu_memory.code_bytes(blocks, cfg.remat_policy)
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathered > 0)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

@@ -12,10 +12,19 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   projection: two for a gated MLP).
 - The gradient all-reduce runs in place and the optimizer's update is fused into the write of
   the donated state: no parameter-sized update buffer.
-- The peak is at the loss gradient: every layer's saved values, the fp32 logits and their
-  cotangent. Gradients accumulate as the backward frees the saved values.
+- Without remat the peak is at the loss gradient: every layer's saved values, the fp32 logits
+  and their cotangent. Gradients accumulate as the backward frees the saved values. Under
+  remat the peak is inside the backward: the scheduler overlaps the stacks' backward passes, so
+  one recomputed layer of each stack is live beside every layer's saved inputs, and under FSDP
+  every layer's weights gathered again for the recomputation (live-range dumps, `full`).
+- Memory-space assignment keeps short-lived buffers in the core's VMEM (on chip, not counted
+  in HBM): the loss's logits and cotangent, and the gradients on their way through the
+  all-reduce (whose operands the compiled HLO places in `S(1)`), up to a budget of a quarter
+  of VMEM (`VMEM_SHARE`; the gradients of the test-size models, up to 34 MiB on v5e's 128,
+  stayed on chip). Long-lived saved activations stay in HBM. At T5.1.1-small sizes these
+  buffers are hundreds of MiB and mostly in HBM; at test sizes this decides the figure.
 - The executable itself lives in HBM and `memory_analysis` counts it (`generated_code`):
-  unrolled layers each add their own kernels.
+  unrolled layers each add their own kernels, FSDP's gathers and reduce-scatters theirs.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ _LOSS_BUFFERS = 2
 _CODE_FIXED = 6.25 * 2**20
 _CODE_PER_BLOCK = 0.85 * 2**20
 _CODE_REMAT = 0.1  # the recomputation's share of a block's code under remat
+# FSDP: each block's weight gathers and gradient reduce-scatters (twice under remat: the
+# recomputation gathers again); test-size T5 18.8 / 22.5 MiB (`none` / `full`) against
+# megatron's 14.6 / 16.0.
+_CODE_GATHERED_BLOCK = 0.4 * 2**20
+VMEM_SHARE = 0.25
 
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
@@ -65,24 +79,27 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def backward(layers: list, remat: str, logits: int):
-    """The loss gradient's activations by kind, and its terms: every layer's saved values, the
-    first differentiated layer's recomputation under remat (its no-remat set) and the loss."""
+def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0):
+    """The backward's peak activations in HBM by kind, and its terms: every layer's saved
+    values; under remat one recomputed layer of each stack and (FSDP) every layer's gathered
+    weights; the loss's buffers beyond what VMEM holds (`vmem`: the budget, bytes)."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
-    # Under remat the last layer is recomputed before its backward: its whole saved set is
-    # live beside the loss's buffers.
-    work = saved(layers[-1][1], "none") if remat != "none" else {}
-    loss = {"logits+loss": _LOSS_BUFFERS * logits}
+    work = _add(*(saved(a, "none") for _, a in layers)) if remat != "none" else {}
+    loss = {"logits+loss": max(0, _LOSS_BUFFERS * logits - vmem)}
+    regathered = {"gathered weights": gathered} if remat != "none" and gathered else {}
     terms = (
         ("saved activations", sum(kept.values())),
         ("layer working set", sum(work.values())),
         ("loss temporaries", loss["logits+loss"]),
     )
-    return _add(kept, work, loss), terms
+    return {**_add(kept, work, loss), **regathered}, terms
 
 
-def code_bytes(blocks: int, remat: str) -> int:
+def code_bytes(blocks: int, remat: str, gathered: bool = False) -> int:
     """Bytes of the TPU executable: `blocks` the blocks compiled as their own kernels (every
-    block of unrolled layers, one layer's per stack when scanned)."""
-    per_block = _CODE_PER_BLOCK * (1 + (_CODE_REMAT if remat != "none" else 0))
+    block of unrolled layers, one layer's per stack when scanned); `gathered`: FSDP's weights
+    gathered over the batch axes."""
+    remat_on = remat != "none"
+    per_block = _CODE_PER_BLOCK * (1 + (_CODE_REMAT if remat_on else 0))
+    per_block += _CODE_GATHERED_BLOCK * (1 + remat_on) if gathered else 0
     return int(_CODE_FIXED + blocks * per_block)
