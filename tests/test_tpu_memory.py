@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(
 
 BF16 = "params=bfloat16,compute=bfloat16,output=float32"
 BF16_MASTERS = BF16 + ",master=bfloat16"
-# (family, preset, remat, precision), layers unrolled as shipped: one of each family, policy
-# and remat policy, Megatron, FSDP and data parallel.
+# (family, preset, remat, precision), layers unrolled as shipped: both families, each policy
+# and remat policy once, Megatron, FSDP and data parallel.
 _CASES = [
-    ("t5", "megatron", "none", "float32"),
-    ("t5", "fsdp", "full", BF16),
+    ("t5", "megatron", "none", BF16),
+    ("t5", "fsdp", "full", "float32"),
     ("lm", "data_parallel", "minimal", BF16_MASTERS),
 ]
 
