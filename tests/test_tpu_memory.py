@@ -28,7 +28,7 @@ BF16_MASTERS = BF16 + ",master=bfloat16"
 # and remat policy once, Megatron, FSDP and data parallel.
 _CASES = [
     ("t5", "megatron", "none", BF16),
-    ("t5", "fsdp", "full", "float32"),
+    ("lm", "fsdp", "full", "float32"),
     ("lm", "data_parallel", "minimal", BF16_MASTERS),
 ]
 
@@ -74,8 +74,9 @@ def test_predicted_memory_within_ten_percent_on_tpu():
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     for case, r in zip(_CASES, json.loads(line.removeprefix("RESULT "))):
         assert r["platform"] == "tpu"
-        # The train state is exact: the donated buffers the new state aliases.
-        assert r["state"] == r["aliased"], case
+        # The train state is exact but for the tiles' padding of the smallest arrays (scalars
+        # take 512 bytes in HBM): the donated buffers the new state aliases.
+        assert 0 <= r["aliased"] - r["state"] < r["state"] // 1000, (case, r)
         # The executable is counted and estimated (a fixed part and each unrolled block's).
         assert abs(r["predicted_code"] / r["code"] - 1) < 0.35, (case, r)
         ratio = r["predicted"] / r["compiled"]
