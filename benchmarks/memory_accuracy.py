@@ -180,7 +180,7 @@ def main() -> None:
     layers += ("/small" if args.small else "") + (f"/{args.topology}" if args.topology else "")
     print(
         f"{'policy':12} {'model':5} {'preset':17} {'remat':8} {'compiled':>9} {'predicted':>9} "
-        f"{'ratio':>6}   (MiB per device; terms: state, saved, working set, loss, update)"
+        f"{'ratio':>6}   (MiB per device; terms: state, saved, working set, loss, update[, code])"
     )
     for fam, preset, remat, pol in combos:
         # fp32 keeps the names of the records before the policies were measured
@@ -206,7 +206,8 @@ def main() -> None:
             f"{m['predicted'] / MiB:9.2f}"
             f" {ratio:6.3f}   {m['state'] / MiB:.2f}, {t['saved activations'] / MiB:.2f}, "
             f"{t['layer working set'] / MiB:.2f}, {t['loss temporaries'] / MiB:.2f}, "
-            f"{t['optimizer update'] / MiB:.2f}",
+            f"{t['optimizer update'] / MiB:.2f}"
+            + (f", {t['generated code'] / MiB:.2f}" if "generated code" in t else ""),
             flush=True,
         )
         figures.append({
