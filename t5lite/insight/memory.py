@@ -365,7 +365,11 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     grads = max(0, _unreduced_gradient_bytes(trainer) - vmem)
     gathered = _gathered_layer_bytes(trainer)
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered)
-    blocks = sum((a["attentions"] + 1) * (1 if cfg.scan_layers else n) for n, a in layers)
+    itemsize = activation_itemsize(cfg, "tpu")
+    blocks = [
+        ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
+        for n, a in layers
+    ]
     code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathered > 0)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
