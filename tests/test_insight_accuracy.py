@@ -291,10 +291,15 @@ def test_bf16_activations_are_fp32_on_cpu_only():
     cpu, tpu = (
         dict(memory.predict_memory(tr, p).terms)["saved activations"] for p in ("cpu", "tpu")
     )
-    # Two layers' saved values halve in bf16, all but their two fp32 [B, H, L, L] score buffers
-    # each (batch 8 a device, 4 heads split over model=4, 128 tokens).
-    scores = 2 * 2 * (8 * 1 * 128 * 128 * 4)
-    assert cpu - tpu == (cpu - scores) // 2
+    # XLA:CPU: two layers' saved values, all but their two fp32 [B, H, L, L] score buffers
+    # each, would halve in bf16 (batch 8 a device, 4 heads split over model=4, 128 tokens).
+    scores = 8 * 1 * 128 * 128 * 4
+    # XLA:TPU (tpu_memory) keeps, per layer, bf16: q and the context [8, 128, 1, 64], keys
+    # and values, the MLP's two pre-activations [8, 128, 192] and each block's norm output
+    # [8, 128, 256]; fp32: one score buffer.
+    q, h, x = 8 * 128 * 64 * 2, 8 * 128 * 192 * 2, 8 * 128 * 256 * 2
+    assert tpu == 2 * (2 * q + 2 * q + scores + 2 * h + 2 * x)
+    assert cpu > 2 * tpu > 2 * 2 * scores
 
 
 # Every preset in both families, each with one remat policy and one bf16 policy in rotation

@@ -27,6 +27,9 @@ class ChipSpec:
     hbm_bytes_per_s: float  # HBM bandwidth of one chip
     source: str  # the data sheet or page each figure was read from (printed with --device)
     cores_per_chip: int = 1  # JAX devices per chip (TPU v4 exposes its two cores)
+    # TPU: on-chip vector memory per core, where XLA's memory-space assignment keeps buffers
+    # out of HBM (jax/_src/pallas/mosaic/tpu_info.py's `vmem_capacity_bytes`); 0 elsewhere
+    vmem_bytes: int = 0
 
 
 _TPU_DOCS = "https://cloud.google.com/tpu/docs/"
@@ -48,6 +51,7 @@ _CHIPS = (
         _TPU_DOCS + "v4 (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps); ICI: Jouppi et al., "
         "'TPU v4', ISCA 2023 (6 links x 400 Gbit/s each way)",
         cores_per_chip=2,
+        vmem_bytes=16 * 2**20,
     ),
     ChipSpec(
         "v5e",
@@ -57,6 +61,7 @@ _CHIPS = (
         400e9 / 2,
         819e9,
         _TPU_DOCS + "v5e (197 TFLOPs bf16; HBM2 16 GB, 819 GBps; ICI 400 GBps bidirectional)",
+        vmem_bytes=128 * 2**20,
     ),
     ChipSpec(
         "v5p",
@@ -67,6 +72,7 @@ _CHIPS = (
         2765e9,
         _TPU_DOCS + "v5p-training (459 TFLOPs bf16; HBM2e 95 GiB, 2765 GBps; ICI 1200 GBps "
         "bidirectional)",
+        vmem_bytes=64 * 2**20,
     ),
     ChipSpec(
         "v6e",
@@ -76,6 +82,7 @@ _CHIPS = (
         800e9 / 2,
         1638e9,
         _TPU_DOCS + "v6e (918 TFLOPs bf16; HBM 32 GB, 1638 GBps; ICI 800 GBps bidirectional)",
+        vmem_bytes=128 * 2**20,
     ),
     ChipSpec(
         "a100-40gb",
@@ -165,6 +172,12 @@ def device_spec_of_kind(device_kind: str, cores_per_chip: int | None = None) -> 
         chip.hbm_bytes_per_s / n,
         chip.source,
     )
+
+
+def vmem_bytes_of_kind(device_kind: str) -> int:
+    """On-chip vector memory per core of a TPU `device_kind` (0: not a TPU, or unknown)."""
+    chip = _BY_KIND.get(device_kind)
+    return chip.vmem_bytes if chip else 0
 
 
 def device_spec_named(name: str) -> DeviceSpec:

@@ -12,12 +12,14 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from t5lite.insight import tpu_memory
 from t5lite.insight.activation_memory import (
     RING_BLOCKS_SAVED,
     UNSCANNED_LOSS_BUFFERS,
     scanned_backward,
     unscanned_backward,
 )
+from t5lite.insight.hardware import vmem_bytes_of_kind
 from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
 
@@ -422,10 +424,12 @@ class PredictedMemory:
     terms: tuple[tuple[str, int], ...] = ()  # every modelled buffer group, for reports
     # `activations` by kind (activation_memory.KINDS)
     activation_kinds: tuple[tuple[str, int], ...] = ()
+    # The executable in device memory (TPU: `memory_analysis` counts it; 0 elsewhere)
+    code: int = 0
 
     @property
     def total(self) -> int:
-        return self.state + self.batch + self.gradients + self.update + self.activations
+        return self.state + self.batch + self.gradients + self.update + self.activations + self.code
 
 
 def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMemory:
@@ -433,7 +437,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
 
     `platform` ("cpu", "tpu", "gpu"; default: that of the trainer's mesh) is the backend whose
     compiler is modelled: XLA:CPU stores a bf16 policy's activations in fp32
-    (`activation_itemsize`).
+    (`activation_itemsize`); XLA:TPU fuses more and keeps fewer buffers (`tpu_memory`).
     """
     part = trainer.partitioner
     cfg = trainer.model.network_config
@@ -457,6 +461,8 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, c, platform)) for n, q, kv, c in stacks]
     layers = [(n, {**a, "moe_share": _moe_share(cfg, n)}) for n, a in layers]
     logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
+    if platform == "tpu":
+        return _predict_tpu(trainer, layers, logits)
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)
     else:
@@ -510,6 +516,44 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, grads, 0, total, terms, kinds)
     return PredictedMemory(state, batch, grads, update, 0, terms)
+
+
+def _state_and_batch(trainer: Trainer) -> tuple[int, int]:
+    """Exact bytes per device of the train state and of the batch (their shardings)."""
+    state = _tree_bytes_per_device(trainer.abstract_state())
+    batch = _tree_bytes_per_device(
+        jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            trainer.batch_abstract,
+            trainer.batch_shardings,
+        )
+    )
+    return state, batch
+
+
+def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory:
+    """`predict_memory` for XLA:TPU (tpu_memory): the larger of the loss gradient's moment
+    (saved activations and the loss) and the backward's end (every gradient, unreduced: the
+    saved values are gone by then), beside the state, the batch and the executable."""
+    cfg = trainer.model.network_config
+    state, batch = _state_and_batch(trainer)
+    kind = trainer.partitioner.mesh.devices.flat[0].device_kind
+    vmem = int(tpu_memory.VMEM_SHARE * vmem_bytes_of_kind(kind))
+    # Gradients on their way through the all-reduce stay in VMEM up to the budget.
+    grads = max(0, _unreduced_gradient_bytes(trainer) - vmem)
+    gathered = _gathered_layer_bytes(trainer)
+    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered)
+    itemsize = activation_itemsize(cfg, "tpu")
+    blocks = [
+        ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
+        for n, a in layers
+    ]
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathered > 0)
+    terms = (*terms, ("optimizer update", 0), ("generated code", code))
+    if sum(backward.values()) >= grads:
+        kinds = tuple(backward.items())
+        return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)
+    return PredictedMemory(state, batch, grads, 0, 0, terms, code=code)
 
 
 def _gathered_layer_bytes(trainer: Trainer) -> int:

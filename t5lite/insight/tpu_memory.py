@@ -1,0 +1,122 @@
+"""What XLA:TPU keeps for the train step's backward, by kind, and the code it loads into HBM
+(`memory.predict_memory` on platform "tpu" sums them with the state, batch and gradients).
+
+The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that size the step:
+- Dots run in the compute dtype (the MXU takes bf16), so a bf16 policy's activations are bf16.
+- Elementwise work is fused into the dots' prologues and epilogues, forward and backward: what a
+  layer saves for its backward is the output of its dots and norms, not the elementwise values
+  between them (read from `--xla_dump_to`'s buffer assignment and live ranges, v5e ahead of
+  time, the test-size T5 of `memory.accuracy_trainer`). Per block the norm's output; per
+  attention q and the context, keys and values once, the fp32 logits once (the softmax is
+  recomputed from them in the backward's fusion); the MLP's pre-activations (one per input
+  projection: two for a gated MLP).
+- The gradient all-reduce runs in place and the optimizer's update is fused into the write of
+  the donated state: no parameter-sized update buffer.
+- Without remat the peak is at the loss gradient: every layer's saved values, the fp32 logits
+  and their cotangent. Gradients accumulate as the backward frees the saved values. Under
+  remat the peak is inside the backward: the scheduler overlaps the stacks' backward passes, so
+  one recomputed layer of each stack is live beside every layer's saved inputs, and under FSDP
+  every layer's weights gathered again for the recomputation (live-range dumps, `full`).
+- Memory-space assignment keeps short-lived buffers in the core's VMEM (on chip, not counted
+  in HBM): the loss's logits and cotangent, and the gradients on their way through the
+  all-reduce (whose operands the compiled HLO places in `S(1)`), up to a budget of a quarter
+  of VMEM (`VMEM_SHARE`; the gradients of the test-size models, up to 34 MiB on v5e's 128,
+  stayed on chip). Long-lived saved activations stay in HBM. At T5.1.1-small sizes these
+  buffers are hundreds of MiB and mostly in HBM; at test sizes this decides the figure.
+- The executable itself lives in HBM and `memory_analysis` counts it (`generated_code`):
+  unrolled layers each add their own kernels, FSDP's gathers and reduce-scatters theirs.
+"""
+
+from __future__ import annotations
+
+# Saved per layer without remat (see above), in units of the layer dict's buffers
+# (memory._layer_bytes).
+_X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _SCORES = 1, 2, 1, 1
+# The loss at its gradient: fp32 logits and their cotangent.
+_LOSS_BUFFERS = 2
+# Generated code in HBM: a fixed part (the loss, the embedding, the optimizer's fused updates)
+# and each unrolled block's kernels (forward and backward); remat adds the recomputation's.
+# Measured on v5e ahead of time (libtpu): test-size T5 (10 blocks) 14.6 MiB, decoder-only
+# (4 blocks) 9.6 MiB, megatron, no remat; `full` 1.1-1.4 MiB more on 10 blocks.
+_CODE_FIXED = 6.25 * 2**20
+_CODE_PER_BLOCK = 0.85 * 2**20
+_CODE_REMAT = 0.1  # the recomputation's share of a block's code under remat
+# FSDP: each block's weight gathers and gradient reduce-scatters (twice under remat: the
+# recomputation gathers again); test-size T5 18.8 / 22.5 MiB (`none` / `full`) against
+# megatron's 14.6 / 16.0.
+_CODE_GATHERED_BLOCK = 0.4 * 2**20
+VMEM_SHARE = 0.25
+# Code per block at T5.1.1-small's sizes (8x the test-size [B, L, D] a device): 4.2 MiB a T5
+# block, 5.6 an FSDP decoder-only one; growth exponent 0.8 (fitted on those two programs,
+# which it leaves 6-10% under).
+_CODE_ELEMENTS = 8 * 128 * 256
+_CODE_GROWTH = 0.8
+
+KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
+
+
+def saved(a: dict[str, int], remat: str) -> dict[str, int]:
+    """What one layer keeps for its backward on TPU under a remat policy, by kind."""
+    n = a["attentions"]
+    if remat == "full":
+        return {"norms+residual": a["x"]}  # the layer input; the rest is recomputed
+    if remat == "minimal":  # outputs of dots without batch dims (projections) + the input
+        return {
+            "attention": n * (a["q"] + a["x"]) + a["kv"],
+            "mlp": a["mlp_in"] * a["h"],
+            "norms+residual": a["x"],
+        }
+    return {
+        "attention": _Q_PER_ATTENTION * n * a["q"]
+        + _KV * a["kv"]
+        + a["kv_gathered"]
+        + _SCORES * a["scores"],
+        "mlp": a["moe"] or a["mlp_in"] * a["h"],
+        # The norm's output as the block's dots read it: gathered over whatever splits
+        # activations' `embed` or `length` (2D activations, fully sharded).
+        "norms+residual": _X_PER_BLOCK * (n + 1) * a["x_gathered"] + a["sp_gathered"],
+    }
+
+
+def _add(*parts: dict[str, int]) -> dict[str, int]:
+    out = dict.fromkeys(KINDS, 0)
+    for part in parts:
+        for k, v in part.items():
+            out[k] += v
+    return out
+
+
+def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0):
+    """The backward's peak activations in HBM by kind, and its terms: every layer's saved
+    values; under `full` one recomputed layer of each stack and (FSDP) every layer's gathered
+    weights; the loss's buffers beyond what VMEM holds (`vmem`: the budget, bytes)."""
+    kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
+    # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
+    # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
+    # 14.3).
+    work = _add(*(saved(a, "none") for _, a in layers)) if remat == "full" else {}
+    loss = {"logits+loss": max(0, _LOSS_BUFFERS * logits - vmem)}
+    regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
+    terms = (
+        ("saved activations", sum(kept.values())),
+        ("layer working set", sum(work.values())),
+        ("loss temporaries", loss["logits+loss"]),
+    )
+    return {**_add(kept, work, loss), **regathered}, terms
+
+
+def code_bytes(blocks: list[tuple[int, int]], remat: str, gathered: bool = False) -> int:
+    """Bytes of the TPU executable. `blocks`: (count, elements) per stack, `count` the blocks
+    compiled as their own kernels (every block of unrolled layers, one layer's per stack when
+    scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: FSDP's weights
+    gathered over the batch axes."""
+    remat_on = remat == "full"  # `minimal` recomputes only what is fused anyway
+    total = _CODE_FIXED
+    for count, elements in blocks:
+        # Kernels unroll over their tiles: a block's code grows with its activations beyond
+        # the test-size models' (_CODE_ELEMENTS) sublinearly (_CODE_GROWTH, T5.1.1-small).
+        scale = max(1.0, elements / _CODE_ELEMENTS) ** _CODE_GROWTH
+        per_block = _CODE_PER_BLOCK * scale * (1 + (_CODE_REMAT if remat_on else 0))
+        per_block += _CODE_GATHERED_BLOCK * (1 + remat_on) if gathered else 0
+        total += count * per_block
+    return int(total)
