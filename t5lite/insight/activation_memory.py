@@ -13,9 +13,9 @@ from __future__ import annotations
 # keeps two (logits, probabilities); the layer being differentiated three more (their
 # cotangents and the softmax's temporaries).
 _X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _HIDDEN = 4, 2, 1, 9
-_SCORES_SAVED, _SCORES_WORKING = 2, 3
+_SCORES_SAVED, SCORES_WORKING = 2, 3
 # The loss: logits and softmax probabilities (their cotangent reuses the logits' buffer).
-_LOSS_BUFFERS = 2
+LOSS_BUFFERS = 2
 # Unscanned layers (`scan_layers=False`): no loop carries stacked copies of each layer's
 # values, so a layer keeps fewer [B, L, D] and [B, L, F] buffers (3 a block, 5 of the MLP's);
 # and the backward's peak is at the loss gradient, with the logits, their softmax and
@@ -40,7 +40,7 @@ _MOE_RECOMPUTED = 1.3
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
 
-def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str, int]:
+def layer_saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str, int]:
     """What one layer keeps for its backward pass under a remat policy, by kind (`scores`: how
     many [B, H, L, L] buffers without remat; default: those every layer keeps)."""
     n = a["attentions"]
@@ -171,7 +171,7 @@ def _gelu_2d(a: dict[str, int], remat: str, gathered: int) -> bool:
 
 def scanned_backward(layers: list, remat: str, logits: int):
     """The backward moment's activations by kind, and its terms, for scanned layers."""
-    saved = _add(*(_saved(a, remat) for n, a in layers for _ in range(n)))
+    saved = _add(*(layer_saved(a, remat) for n, a in layers for _ in range(n)))
     # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
     # inputs are gathered over the axes that split activations (2D activations, sequence
     # parallelism), so its [B, L, D] buffers are counted at their gathered size.
@@ -181,7 +181,7 @@ def scanned_backward(layers: list, remat: str, logits: int):
     gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
     moe = _MOE_RECOMPUTED if gathered else 1
     works = [
-        _saved(
+        layer_saved(
             {
                 **a,
                 "x": a["x_gathered" if gathered else "x"],
@@ -189,12 +189,12 @@ def scanned_backward(layers: list, remat: str, logits: int):
                 "moe": int(moe * a["moe"]),
             },
             "none",
-            _SCORES_WORKING,
+            SCORES_WORKING,
         )
         for _, a in layers
     ]
     work = max(works, key=lambda w: sum(w.values()))
-    loss = {"logits+loss": _LOSS_BUFFERS * logits}
+    loss = {"logits+loss": LOSS_BUFFERS * logits}
     # Under remat the compiler recomputes the last layer's forward (half its working set: the
     # values, not yet their cotangents) while the loss's [B, L, V] buffers are still live.
     with_loss = _add(loss, _add(work, scale=0.5 if gathered else 0))

@@ -70,7 +70,7 @@ def _tree_bytes_per_device(tree: Any, min_itemsize: int = 0) -> int:
 # --- the analytic model ---------------------------------------------------------------------
 
 
-def _bytes_per_device(
+def bytes_per_device(
     partitioner: Partitioner, axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int
 ) -> int:
     """Bytes one device holds of an array with these logical axes under the rules table."""
@@ -111,19 +111,20 @@ def activation_itemsize(cfg: Any, platform: str) -> int:
     return max(compute, 4) if platform == "cpu" else compute
 
 
-def _platform(trainer: Trainer) -> str:
+def platform_of(trainer: Trainer) -> str:
+    """The platform ('cpu', 'tpu', 'gpu') of `trainer`'s devices."""
     return str(trainer.partitioner.mesh.devices.flat[0].platform)
 
 
-def _layer_bytes(
+def layer_bytes(
     partitioner: Partitioner, cfg: Any, b: int, q_len: int, kv_lens: list[int], act: int
-):
+) -> dict[str, int]:
     """Per-device bytes of one layer's activations (`act` bytes an element): {name: bytes} by
     logical layout."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
-        return _bytes_per_device(partitioner, axes, shape, itemsize)
+        return bytes_per_device(partitioner, axes, shape, itemsize)
 
     x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
     sp, cp = _sequence_layout(partitioner)
@@ -201,7 +202,7 @@ def _moe_bytes(
     c = max(1, min(length, c))
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
-        return _bytes_per_device(partitioner, axes, shape, itemsize)
+        return bytes_per_device(partitioner, axes, shape, itemsize)
 
     masks = of(("batch", None, None, None), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
@@ -266,7 +267,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     """
     part = trainer.partitioner
     cfg = trainer.model.network_config
-    act = activation_itemsize(cfg, platform or _platform(trainer))
+    act = activation_itemsize(cfg, platform or platform_of(trainer))
     compute = np.dtype(cfg.policy.compute).itemsize
     b = trainer.batch_size // trainer.num_microbatches
     lt = trainer.lengths["targets"]
@@ -276,8 +277,8 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     else:
         lt += trainer.lengths.get("inputs", 0)  # a prefix-LM's row
         stacks = [(cfg.num_layers, lt, [lt])]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
-    logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
+    layers = [(n, layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
+    logits = bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)
     else:
@@ -297,7 +298,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             math.prod(x.shape) * np.dtype(x.dtype).itemsize
             for x in jax.tree_util.tree_leaves(params)
         )
-        unsplit = _bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
+        unsplit = bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
         replicated = _tree_bytes_per_device(params) == whole and logits == unsplit
         loss_buffers = UNSCANNED_LOSS_BUFFERS - replicated
         backward, terms = unscanned_backward(layers, remat, logits, gathered, loss_buffers)

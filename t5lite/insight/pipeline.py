@@ -250,16 +250,16 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         lt = sum(trainer.lengths.values())
         stacks = [(cfg.num_layers, lt, [lt])]
     in_flight, works, stack_buffers = 0, [], 0
-    act = memory.activation_itemsize(cfg, memory._platform(trainer))
+    act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
     for n, q, kv in stacks:
-        a = memory._layer_bytes(part, cfg, b, q, kv, act)
-        saved = activation_memory._saved(a, cfg.remat_policy)
+        a = memory.layer_bytes(part, cfg, b, q, kv, act)
+        saved = activation_memory.layer_saved(a, cfg.remat_policy)
         in_flight += n // f.stages * f.ticks * sum(saved.values())
         works.append(
-            sum(activation_memory._saved(a, "none", activation_memory._SCORES_WORKING).values())
+            sum(activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING).values())
         )
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
-    logits = memory._bytes_per_device(
+    logits = memory.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     # Fitted on XLA:CPU's figure (tests/test_pipeline.py, 4-layer LM, p = 2 and 4): with one
@@ -273,5 +273,5 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         predicted.gradients,
         in_flight,
         stack_buffers,
-        max(working, activation_memory._LOSS_BUFFERS * logits),
+        max(working, activation_memory.LOSS_BUFFERS * logits),
     )
