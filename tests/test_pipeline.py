@@ -47,9 +47,11 @@ def _rules(base: str, stages: int):
 
 
 @functools.cache
-def _trainer(base: str, stages: int, num_partitions: int, microbatches: int = 4) -> Trainer:
+def _trainer(
+    base: str, stages: int, num_partitions: int, microbatches: int = 4, remat: str = "none"
+) -> Trainer:
     require_devices(8)
-    cfg = network.DecoderOnlyConfig(**LM, pipeline_microbatches=microbatches)
+    cfg = network.DecoderOnlyConfig(**LM, pipeline_microbatches=microbatches, remat_policy=remat)
     part = partitioning.Partitioner(
         num_partitions=num_partitions, num_stages=stages, logical_axis_rules=_rules(base, stages)
     )
@@ -299,24 +301,33 @@ def test_stage_row_of_the_communication_table_agrees(base, stages, num_partition
 
 
 @pytest.mark.parametrize(
-    "base, stages, num_partitions, microbatches",
-    [("megatron", 2, 2, 4), ("fsdp", 4, 1, 4), ("fsdp", 2, 1, 4)],
+    "base, stages, num_partitions, microbatches, remat",
+    [
+        ("megatron", 2, 2, 4, "none"),
+        ("fsdp", 4, 1, 4, "none"),
+        ("fsdp", 2, 1, 4, "none"),
+        ("megatron", 2, 2, 4, "minimal"),
+        ("fsdp", 4, 1, 4, "minimal"),
+        ("fsdp", 4, 1, 4, "full"),
+    ],
 )
 def test_memory_with_microbatches_in_flight_within_10_percent(
-    base, stages, num_partitions, microbatches
+    base, stages, num_partitions, microbatches, remat
 ):
     """GPipe's analytic peak per device (every tick's residuals of the stage's layers live, at
-    one microbatch each) is within 10% of XLA's memory analysis of the compiled step."""
+    one microbatch each, under the remat policy) is within 10% of XLA's memory analysis of the
+    compiled step."""
     from t5lite.insight.memory import memory_report
     from t5lite.insight.report import compile_train_step
 
-    tr = _trainer(base, stages, num_partitions, microbatches)
+    tr = _trainer(base, stages, num_partitions, microbatches, remat)
     compiled = memory_report(compile_train_step(tr)).total
     pm = insight_pipeline.pipeline_memory(tr)
     ticks = microbatches + stages - 1
     (a,) = insight_pipeline.pipeline_figures(tr).permute_bytes  # one microbatch's [b, L, D]
     assert pm.stack_buffers == (2 * microbatches + ticks) * a
-    assert pm.in_flight > 0.6 * (pm.total - pm.state - pm.gradients)
+    if remat == "none":
+        assert pm.in_flight > 0.6 * (pm.total - pm.state - pm.gradients)
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
     assert f"compiled {compiled / 1024:.2f} KiB" in pm.format(compiled)
 

@@ -255,17 +255,19 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         a = memory.layer_bytes(part, cfg, b, q, kv, act)
         saved = activation_memory.layer_saved(a, cfg.remat_policy)
         in_flight += n // f.stages * f.ticks * sum(saved.values())
-        works.append(
-            sum(activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING).values())
-        )
+        work = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
+        # With one layer a stage the backward of a tick works in the buffers of the residuals
+        # that tick saved and allocates only what it recomputes beside them (under remat
+        # 'none' almost nothing; under 'full' the whole layer). With more layers a stage, a
+        # layer's backward runs while the other layers' residuals of the tick are held, so
+        # its whole working set is live on top of them.
+        kept = sum(saved.values()) if n // f.stages == 1 else 0
+        works.append(sum(work.values()) - kept)
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
     logits = memory.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
-    # Fitted on XLA:CPU's figure (tests/test_pipeline.py, 4-layer LM, p = 2 and 4): with one
-    # layer a stage the layer loop has a single trip, and the backward of a tick works in the
-    # buffers of that tick's residuals, so no further working set is live at the peak.
-    working = max(works) if any(n // f.stages > 1 for n, _, _ in stacks) else 0
+    working = max(works)
     predicted = memory.predict_memory(trainer)
     return PipelineMemory(
         predicted.state,
