@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import numpy as np
 
 from t5lite.insight import activation_memory, memory
@@ -206,7 +205,7 @@ class PipelineMemory:
 
     state: int  # parameters and optimizer state (this stage's layers)
     batch: int
-    gradients: int  # unreduced, plus the tick loop's accumulator of this stage's layers
+    gradients: int  # unreduced, this stage's layers
     in_flight: int  # each of this stage's layers' saved residuals, for each of the T ticks
     stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
     working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
@@ -233,18 +232,6 @@ class PipelineMemory:
         if compiled:
             line += f"; compiled {format_bytes(compiled)} ({compiled / self.total:.2f}x)"
         return line
-
-
-def _stacked_leaves(trainer: Trainer) -> list[tuple]:
-    """(path, abstract parameter, sharding) of each parameter of the scanned layer stacks."""
-    params = trainer.state_abstract.params
-    shardings = trainer.state_shardings.params
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    return [
-        (path, v, s)
-        for (path, v), s in zip(leaves, jax.tree_util.tree_leaves(shardings))
-        if "layers" in jax.tree_util.keystr(path)
-    ]
 
 
 def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
@@ -282,17 +269,10 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     )
     working = max(works)
     predicted = memory.predict_memory(trainer)
-    # The tick loop's backward sums each tick's gradient of the stage's layers into a carry
-    # that XLA keeps apart from the step's gradient buffers until the loop ends, so the
-    # stage's layer gradients are live twice at the peak.
-    stage_grads = sum(
-        math.prod(s.shard_shape(v.shape)) * v.dtype.itemsize
-        for path, v, s in _stacked_leaves(trainer)
-    )
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients + stage_grads,
+        predicted.gradients,
         in_flight,
         stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
