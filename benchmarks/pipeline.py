@@ -21,6 +21,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA:CPU pool thread per fake device runs dry under pipelined steps (docs/pipeline.md, Limits).
+os.environ.setdefault("PJRT_NPROC", "32")
 
 import argparse
 import dataclasses

@@ -9,6 +9,13 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs a collective by blocking a thread of one pool, sized max(cores, devices): 8 threads
+# for 8 fake devices on a small host. A scanned loop whose body holds collectives lets the step
+# go on to the next collective while the loop's are pending, so a device can hold two or three
+# threads at once and the pool runs dry with peers' collectives still queued (an abort at XLA's
+# rendezvous timeout). PJRT_NPROC (read by XLA's DefaultThreadPoolSize) sizes the pool; the CLI's
+# --host_device_count sets the same (t5lite/cli/main.py).
+os.environ.setdefault("PJRT_NPROC", str(4 * 8))
 # Compiled programs go to an on-disk cache shared by every test, xdist worker and CLI subprocess
 # (they inherit the environment): most tests compile the same few small models, and compiling
 # is most of the suite's time. Entries are keyed by the program, the XLA flags and the jaxlib

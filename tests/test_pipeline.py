@@ -2,7 +2,8 @@
 stage-to-stage permutes match the analytic schedule, and bad input is refused in one line."""
 
 import functools
-import os
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -47,28 +48,22 @@ def _rules(base: str, stages: int):
 
 @functools.cache
 def _trainer(
-    base: str, stages: int, num_partitions: int, microbatches: int = 4, schedule: str = "gpipe"
+    base: str,
+    stages: int,
+    num_partitions: int,
+    microbatches: int = 4,
+    schedule: str = "gpipe",
+    remat: str = "none",
 ) -> Trainer:
     require_devices(8)
     cfg = network.DecoderOnlyConfig(
-        **LM, pipeline_microbatches=microbatches, pipeline_schedule=schedule
+        **LM, pipeline_microbatches=microbatches, pipeline_schedule=schedule, remat_policy=remat
     )
     part = partitioning.Partitioner(
         num_partitions=num_partitions, num_stages=stages, logical_axis_rules=_rules(base, stages)
     )
     model = DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-2))
     return Trainer(model, part, batch_size=BATCH, lengths=LENGTHS)
-
-
-# Running a pipelined step on XLA:CPU's fake devices aborts the process now and then (about half
-# of the runs on a loaded 2-core host, 2026-11-26): a stage's collective-permute and an
-# all-reduce within a stage wait on each other until XLA's collective timeout. Compiling is
-# unaffected. Until that is understood, the tests that execute pipelined steps run only with
-# T5LITE_RUN_PIPELINE=1, so an abort cannot take the suite's worker down.
-EXECUTES = pytest.mark.skipif(
-    os.environ.get("T5LITE_RUN_PIPELINE") != "1",
-    reason="executes pipelined steps (XLA:CPU abort, see EXECUTES); T5LITE_RUN_PIPELINE=1 runs it",
-)
 
 
 def _run(tr: Trainer, steps: int = 3):
@@ -83,7 +78,6 @@ def _run(tr: Trainer, steps: int = 3):
     return losses, grads, state
 
 
-@EXECUTES
 @pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
 def test_gpipe_equals_unpipelined(base, stages, num_partitions):
     """stage=2 x data=2 x model=2 (Megatron) and stage=4 x data=2 (FSDP): three Adam steps give
@@ -189,7 +183,6 @@ def test_explicit_axes_refuse_stages():
     assert str(e.value) == "Partitioner.num_stages=2: pipeline stages need shard_mode='auto'"
 
 
-@EXECUTES
 def test_checkpoints_restore_across_pipelined_and_unpipelined_meshes(tmp_path):
     """The on-disk layout is the scanned tree whatever the mesh: a state saved with stages
     restores bit for bit without them (and back), laid out by the restoring trainer."""
@@ -234,7 +227,6 @@ def test_compiled_permutes_and_bubble_equal_the_analytic_schedule():
     assert "bubble: analytic (p-1)/(m+p-1) = 20.0%; compiled schedule (5 ticks) 20.0%" in f.format()
 
 
-@EXECUTES
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_t5_encoder_and_decoder_are_each_pipelined(schedule):
     """T5's two stacks each run as a pipeline over the same stages (the decoder's microbatches
@@ -275,6 +267,23 @@ def test_t5_encoder_and_decoder_are_each_pipelined(schedule):
         np.testing.assert_allclose(np.asarray(p), np.asarray(r), atol=5e-5)
 
 
+def test_docs_pipeline_train():
+    """docs/pipeline.md's train command as written: 20 pipelined steps (stage=2 x data=4, GPipe
+    over 4 microbatches) run through the CLI, the loss falls and the last checkpoint is written."""
+    import json
+
+    from readme_blocks import block, run
+
+    model_dir = Path("/tmp/t5lite_pipeline")  # MODEL_DIR of configs/examples/pipeline_lm.gin
+    shutil.rmtree(model_dir, ignore_errors=True)
+    run(block("docs/pipeline.md", "pipeline-train"), timeout=600)
+    lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in map(json.loads, lines) if r["split"] == "train"]
+    assert [r["step"] for r in train][-1] == 20
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0, (train[0], train[-1])
+    assert (model_dir / "checkpoint_20").is_dir()
+
+
 def test_docs_pipeline_inspect():
     """docs/pipeline.md's inspect command as written: gin alone shows the bubble and the
     permutes, analytic beside compiled."""
@@ -310,26 +319,74 @@ def test_stage_row_of_the_communication_table_agrees(base, stages, num_partition
 
 
 @pytest.mark.parametrize(
-    "base, stages, num_partitions, microbatches",
-    [("megatron", 2, 2, 4), ("fsdp", 4, 1, 4), ("fsdp", 2, 1, 4)],
+    "base, stages, num_partitions, microbatches, remat",
+    [
+        ("megatron", 2, 2, 4, "none"),
+        ("fsdp", 4, 1, 4, "none"),
+        ("fsdp", 2, 1, 4, "none"),
+        ("megatron", 2, 2, 4, "minimal"),
+        ("fsdp", 4, 1, 4, "minimal"),
+        ("fsdp", 4, 1, 4, "full"),
+    ],
 )
 def test_memory_with_microbatches_in_flight_within_10_percent(
-    base, stages, num_partitions, microbatches
+    base, stages, num_partitions, microbatches, remat
 ):
     """GPipe's analytic peak per device (every tick's residuals of the stage's layers live, at
-    one microbatch each) is within 10% of XLA's memory analysis of the compiled step."""
+    one microbatch each, under the remat policy) is within 10% of XLA's memory analysis of the
+    compiled step."""
     from t5lite.insight.memory import memory_report
     from t5lite.insight.report import compile_train_step
 
-    tr = _trainer(base, stages, num_partitions, microbatches)
+    tr = _trainer(base, stages, num_partitions, microbatches, remat)
     compiled = memory_report(compile_train_step(tr)).total
     pm = insight_pipeline.pipeline_memory(tr)
     ticks = microbatches + stages - 1
     (a,) = insight_pipeline.pipeline_figures(tr).permute_bytes  # one microbatch's [b, L, D]
     assert pm.stack_buffers == (2 * microbatches + ticks) * a
-    assert pm.in_flight > 0.6 * (pm.total - pm.state - pm.gradients)
+    if remat == "none":
+        assert pm.in_flight > 0.6 * (pm.total - pm.state - pm.gradients)
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
     assert f"compiled {compiled / 1024:.2f} KiB" in pm.format(compiled)
+
+
+@pytest.mark.parametrize(
+    "base, stages, num_partitions, remat",
+    [
+        ("fsdp", 4, 1, "none"),
+        ("fsdp", 4, 1, "minimal"),
+    ],
+)
+def test_t5_memory_within_10_percent(base, stages, num_partitions, remat):
+    """T5's two pipelined stacks (4 + 4 layers, 4 microbatches): GPipe's analytic peak per
+    device is within 10% of XLA's memory analysis of the compiled step."""
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.report import compile_train_step
+    from t5lite.model.models import EncoderDecoderModel
+
+    require_devices(8)
+    cfg = network.T5Config(
+        vocab_size=32,
+        emb_dim=16,
+        num_heads=2,
+        num_encoder_layers=4,
+        num_decoder_layers=4,
+        head_dim=8,
+        mlp_dim=32,
+        scan_layers=True,
+        pipeline_microbatches=4,
+        remat_policy=remat,
+    )
+    part = partitioning.Partitioner(
+        num_partitions=num_partitions,
+        num_stages=stages,
+        logical_axis_rules=_rules(base, stages),
+    )
+    model = EncoderDecoderModel(cfg, optimizer=optimizers.AdamW(1e-2))
+    tr = Trainer(model, part, batch_size=BATCH, lengths={"inputs": 8, "targets": 8})
+    compiled = memory_report(compile_train_step(tr)).total
+    pm = insight_pipeline.pipeline_memory(tr)
+    assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
 
 
 def test_plan_searches_stage_counts_and_ranks_them():
@@ -391,7 +448,6 @@ def test_plan_searches_stage_counts_and_ranks_them():
     assert "pipeline_rules.base = 'fsdp'" in pipe.layout.gin("DecoderOnlyConfig")
 
 
-@EXECUTES
 @pytest.mark.parametrize("base, stages, num_partitions", [("megatron", 2, 2), ("fsdp", 4, 1)])
 def test_1f1b_equals_unpipelined(base, stages, num_partitions):
     """1F1B (the hand-written backward of model/schedules.py), stage=2 x data=2 x model=2

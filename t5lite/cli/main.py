@@ -290,6 +290,11 @@ def _fake_host_devices(args: argparse.Namespace) -> None:
             f"{flags} --xla_force_host_platform_device_count={args.host_device_count}"
         )
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # XLA:CPU blocks one thread of a pool of max(cores, devices) per collective in flight,
+        # and a scanned loop holding collectives (a pipeline's ticks, scanned layers) can keep
+        # two or three in flight per device: a pool of one thread per fake device runs dry and
+        # the step aborts at XLA's rendezvous timeout. PJRT_NPROC sizes that pool.
+        os.environ.setdefault("PJRT_NPROC", str(4 * args.host_device_count))
 
 
 def _insight_flags(args: argparse.Namespace) -> dict:

@@ -13,14 +13,14 @@ from __future__ import annotations
 # keeps two (logits, probabilities); the layer being differentiated three more (their
 # cotangents and the softmax's temporaries).
 _X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _HIDDEN = 4, 2, 1, 9
-_SCORES_SAVED, _SCORES_WORKING = 2, 3
+_SCORES_SAVED, SCORES_WORKING = 2, 3
 # Ring attention (model/ring_attention.py) saves no scores for its backward (its custom_vjp
 # keeps the softmax statistics and recomputes each block), but XLA:CPU keeps one
 # [B, H, L/n, S/n] block a layer beside its residuals: fitted on the compiled totals of the
 # decoder-only model at 512 and 1024 positions (docs/ring-attention.md).
 RING_BLOCKS_SAVED = 1
 # The loss: logits and softmax probabilities (their cotangent reuses the logits' buffer).
-_LOSS_BUFFERS = 2
+LOSS_BUFFERS = 2
 # Unscanned layers (`scan_layers=False`): no loop carries stacked copies of each layer's
 # values, so a layer keeps fewer [B, L, D] and [B, L, F] buffers (3 a block, 5 of the MLP's);
 # and the backward's peak is at the loss gradient, with the logits, their softmax and
@@ -40,7 +40,7 @@ _UNSCANNED_GELU_HIDDEN = 6
 KINDS = ("attention", "mlp", "norms+residual", "logits+loss")
 
 
-def _saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str, int]:
+def layer_saved(a: dict[str, int], remat: str, scores: int | None = None) -> dict[str, int]:
     """What one layer keeps for its backward pass under a remat policy, by kind (`scores`: how
     many [B, H, L, L] buffers without remat; default: those every layer keeps)."""
     n = a["attentions"]
@@ -188,7 +188,7 @@ def _gelu_2d(a: dict[str, int], remat: str, gathered: int) -> bool:
 
 def scanned_backward(layers: list, remat: str, logits: int):
     """The backward moment's activations by kind, and its terms, for scanned layers."""
-    saved = _add(*(_saved(a, remat) for n, a in layers for _ in range(n)))
+    saved = _add(*(layer_saved(a, remat) for n, a in layers for _ in range(n)))
     # One layer's backward, all of it. Under remat it recomputes the layer's matmuls, whose
     # inputs are gathered over the axes that split activations (2D activations, sequence
     # parallelism), so its [B, L, D] buffers are counted at their gathered size.
@@ -197,7 +197,7 @@ def scanned_backward(layers: list, remat: str, logits: int):
     # the gathered keys and values and their whole cotangents.
     gathered = remat != "none" or any(a["sp_gathered"] for _, a in layers)
     works = [
-        _saved(
+        layer_saved(
             {
                 **a,
                 "x": a["x_gathered" if gathered else "x"],
@@ -208,12 +208,12 @@ def scanned_backward(layers: list, remat: str, logits: int):
                 "moe": a["moe_rework" if gathered else "moe_work"],
             },
             "none",
-            _SCORES_WORKING,
+            SCORES_WORKING,
         )
         for _, a in layers
     ]
     work = max(works, key=lambda w: sum(w.values()))
-    loss = {"logits+loss": _LOSS_BUFFERS * logits}
+    loss = {"logits+loss": LOSS_BUFFERS * logits}
     # Under remat the compiler recomputes the last layer's forward (half its working set: the
     # values, not yet their cotangents) while the loss's [B, L, V] buffers are still live.
     with_loss = _add(loss, _add(work, scale=0.5 if gathered else 0))

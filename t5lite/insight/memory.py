@@ -73,7 +73,7 @@ def _tree_bytes_per_device(tree: Any, min_itemsize: int = 0) -> int:
 # --- the analytic model ---------------------------------------------------------------------
 
 
-def _bytes_per_device(
+def bytes_per_device(
     partitioner: Partitioner, axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int
 ) -> int:
     """Bytes one device holds of an array with these logical axes under the rules table."""
@@ -129,11 +129,12 @@ def activation_itemsize(cfg: Any, platform: str) -> int:
     return max(compute, 4) if platform == "cpu" else compute
 
 
-def _platform(trainer: Trainer) -> str:
+def platform_of(trainer: Trainer) -> str:
+    """The platform ('cpu', 'tpu', 'gpu') of `trainer`'s devices."""
     return str(trainer.partitioner.mesh.devices.flat[0].platform)
 
 
-def _layer_bytes(
+def layer_bytes(
     partitioner: Partitioner,
     cfg: Any,
     b: int,
@@ -142,14 +143,14 @@ def _layer_bytes(
     act: int,
     causal: bool = False,
     platform: str = "cpu",
-):
+) -> dict[str, int]:
     """Per-device bytes of one layer's activations (`act` bytes an element) on `platform`:
     {name: bytes} by logical layout. `causal`: the layer's self-attention (kv_lens[0]) is
     causal without a prefix (the ring balances it: `ring_attention.is_balanced`)."""
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
-        return _bytes_per_device(partitioner, axes, shape, itemsize)
+        return bytes_per_device(partitioner, axes, shape, itemsize)
 
     x_gathered = of(("batch", None, None), (b, q_len, cfg.emb_dim))
     sp, cp = _sequence_layout(partitioner)
@@ -222,14 +223,14 @@ def _ring_bytes(
     act: int,
     balanced: int,
 ) -> dict[str, int | None]:
-    """Ring attention's own terms of one layer (`_layer_bytes`; `balanced`: the ring's size
+    """Ring attention's own terms of one layer (`layer_bytes`; `balanced`: the ring's size
     when the self-attention is zigzag-balanced, else 0); none for other layouts."""
     if not _ring_size(partitioner):
         return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0}
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
-        return _bytes_per_device(partitioner, axes, shape, itemsize)
+        return bytes_per_device(partitioner, axes, shape, itemsize)
 
     q = of(("batch", "length", "heads", "kv"), (b, q_len, h, k))
     # one device's chunk of keys (or values) of each attention
@@ -271,7 +272,7 @@ def _moe_bytes(
     c = max(1, min(length, c))
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
-        return _bytes_per_device(partitioner, axes, shape, itemsize)
+        return bytes_per_device(partitioner, axes, shape, itemsize)
 
     # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C] (their slots split
     # as the dispatched tokens they build), the dispatched inputs and the experts' outputs
@@ -347,7 +348,7 @@ def _dropless_bytes(
     m, d, f = b * length * k, cfg.emb_dim, cfg.mlp_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> int:
-        return _bytes_per_device(partitioner, axes, shape, act)
+        return bytes_per_device(partitioner, axes, shape, act)
 
     # No constraint names the sorted rows' layout: they take the expert kernels'.
     e_split, d_split, f_split = _kernel_splits(partitioner)
@@ -441,7 +442,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     """
     part = trainer.partitioner
     cfg = trainer.model.network_config
-    platform = platform or _platform(trainer)
+    platform = platform or platform_of(trainer)
     act = activation_itemsize(cfg, platform)
     compute = np.dtype(cfg.policy.compute).itemsize
     b = trainer.batch_size // trainer.num_microbatches
@@ -458,9 +459,9 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             trainer.model, "inputs_bidirectional_attention", True
         )
         stacks = [(cfg.num_layers, lt, [lt], not prefix)]
-    layers = [(n, _layer_bytes(part, cfg, b, q, kv, act, c, platform)) for n, q, kv, c in stacks]
+    layers = [(n, layer_bytes(part, cfg, b, q, kv, act, c, platform)) for n, q, kv, c in stacks]
     layers = [(n, {**a, "moe_share": _moe_share(cfg, n)}) for n, a in layers]
-    logits = _bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
+    logits = bytes_per_device(part, ("batch", "length", "vocab"), (b, lt, cfg.vocab_size), 4)
     if platform == "tpu":
         return _predict_tpu(trainer, layers, logits)
     if cfg.scan_layers:
@@ -482,7 +483,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             math.prod(x.shape) * np.dtype(x.dtype).itemsize
             for x in jax.tree_util.tree_leaves(params)
         )
-        unsplit = _bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
+        unsplit = bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
         replicated = _tree_bytes_per_device(params) == whole and logits == unsplit
         loss_buffers = UNSCANNED_LOSS_BUFFERS - replicated
         backward, terms = unscanned_backward(layers, remat, logits, gathered, loss_buffers)

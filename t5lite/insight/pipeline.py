@@ -267,22 +267,24 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         lt = sum(trainer.lengths.values())
         stacks = [(cfg.num_layers, lt, [lt])]
     in_flight, works, stack_buffers = 0, [], 0
-    act = memory.activation_itemsize(cfg, memory._platform(trainer))
+    act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
     for n, q, kv in stacks:
-        a = memory._layer_bytes(part, cfg, b, q, kv, act)
-        saved = activation_memory._saved(a, cfg.remat_policy)
+        a = memory.layer_bytes(part, cfg, b, q, kv, act)
+        saved = activation_memory.layer_saved(a, cfg.remat_policy)
         in_flight += n // f.stages * f.ticks * sum(saved.values())
-        works.append(
-            sum(activation_memory._saved(a, "none", activation_memory._SCORES_WORKING).values())
-        )
+        work = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
+        # With one layer a stage the backward of a tick works in the buffers of the residuals
+        # that tick saved and allocates only what it recomputes beside them (under remat
+        # 'none' almost nothing; under 'full' the whole layer). With more layers a stage, a
+        # layer's backward runs while the other layers' residuals of the tick are held, so
+        # its whole working set is live on top of them.
+        kept = sum(saved.values()) if n // f.stages == 1 else 0
+        works.append(sum(work.values()) - kept)
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
-    logits = memory._bytes_per_device(
+    logits = memory.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
-    # Fitted on XLA:CPU's figure (tests/test_pipeline.py, 4-layer LM, p = 2 and 4): with one
-    # layer a stage the layer loop has a single trip, and the backward of a tick works in the
-    # buffers of that tick's residuals, so no further working set is live at the peak.
-    working = max(works) if any(n // f.stages > 1 for n, _, _ in stacks) else 0
+    working = max(works)
     predicted = memory.predict_memory(trainer)
     return PipelineMemory(
         predicted.state,
@@ -290,7 +292,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         predicted.gradients,
         in_flight,
         stack_buffers,
-        max(working, activation_memory._LOSS_BUFFERS * logits),
+        max(working, activation_memory.LOSS_BUFFERS * logits),
     )
 
 
@@ -377,12 +379,12 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     else:
         lt = sum(trainer.lengths.values())
         stacks = [(cfg.num_layers, lt, [lt])]
-    act = memory.activation_itemsize(cfg, memory._platform(trainer))
+    act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
     recompute, slots, stack_buffers = [], 0, 0
     for n, q, kv in stacks:
-        a = memory._layer_bytes(part, cfg, b, q, kv, act)
-        saved = activation_memory._saved(a, cfg.remat_policy)
-        working = activation_memory._saved(a, "none", activation_memory._SCORES_WORKING)
+        a = memory.layer_bytes(part, cfg, b, q, kv, act)
+        saved = activation_memory.layer_saved(a, cfg.remat_policy)
+        working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
         # As GPipe's (fitted on XLA:CPU, tests/test_pipeline.py): with one layer a stage the
         # backward works in the buffers of that layer's residuals.
         extra = sum(working.values()) if n // f.stages > 1 else 0
@@ -390,7 +392,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
-    logits = memory._bytes_per_device(
+    logits = memory.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     predicted = memory.predict_memory(trainer)
@@ -400,5 +402,5 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         predicted.gradients,
         slots + max(recompute),
         stack_buffers,
-        activation_memory._LOSS_BUFFERS * logits,
+        activation_memory.LOSS_BUFFERS * logits,
     )

@@ -30,7 +30,7 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
 from __future__ import annotations
 
 # Saved per layer without remat (see above), in units of the layer dict's buffers
-# (memory._layer_bytes).
+# (memory.layer_bytes).
 _X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _SCORES = 1, 2, 1, 1
 # The loss at its gradient: fp32 logits and their cotangent.
 _LOSS_BUFFERS = 2
