@@ -48,10 +48,15 @@ def test_dropless_masked_matmuls_only_on_cpu():
     M = 16 * 128 * 2 rows, D = 256 > F / model = 192, fp32): 32 MiB that TPU and GPU's
     grouped ragged dot does not build."""
     require_devices(8)
+
+    def work(trainer, platform):  # a layer's MoE backward working set (moe_memory.moe_bytes)
+        cfg, length = trainer.model.network_config, trainer.lengths["targets"]
+        a = memory.layer_bytes(
+            trainer.partitioner, cfg, trainer.batch_size, length, [length], 4, platform=platform
+        )
+        return a["moe_work"]
+
     tr = _trainer("lm", "megatron", "none", True, "dropless", 1)
-    cpu, tpu = memory.predict_memory(tr, "cpu"), memory.predict_memory(tr, "tpu")
-    assert cpu.total - tpu.total == 4 * 2 * (16 * 128 * 2) * 256 * 4 == 32 * 2**20
+    assert work(tr, "cpu") - work(tr, "tpu") == 4 * 2 * (16 * 128 * 2) * 256 * 4 == 32 * 2**20
     capacity = _trainer("lm", "megatron", "none", True, "capacity", 1)
-    assert (
-        memory.predict_memory(capacity, "cpu").total == memory.predict_memory(capacity, "tpu").total
-    )
+    assert work(capacity, "cpu") == work(capacity, "tpu") > 0

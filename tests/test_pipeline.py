@@ -338,7 +338,7 @@ def test_memory_with_microbatches_in_flight_within_10_percent(
     from t5lite.insight.memory import memory_report
     from t5lite.insight.report import compile_train_step
 
-    tr = _trainer(base, stages, num_partitions, microbatches, remat)
+    tr = _trainer(base, stages, num_partitions, microbatches, remat=remat)
     compiled = memory_report(compile_train_step(tr)).total
     pm = insight_pipeline.pipeline_memory(tr)
     ticks = microbatches + stages - 1

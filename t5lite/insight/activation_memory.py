@@ -204,7 +204,7 @@ def scanned_backward(layers: list, remat: str, logits: int):
                 "kv_gathered": 2 * a["kv_gathered"],
                 # the ring's chunks and gradients in hand and in flight
                 "ring_saved": a.get("ring_saved", 0) + a.get("ring_flight", 0),
-                # a mixture of experts' backward: its own count (memory._moe_bytes)
+                # a mixture of experts' backward: its own count (moe_memory.moe_bytes)
                 "moe": a["moe_rework" if gathered else "moe_work"],
             },
             "none",

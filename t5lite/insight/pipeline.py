@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from t5lite.insight import activation_memory, memory
+from t5lite.insight import activation_memory, memory, sharded_bytes
 from t5lite.insight.hlo import collective_ops
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -281,7 +281,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         kept = sum(saved.values()) if n // f.stages == 1 else 0
         works.append(sum(work.values()) - kept)
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
-    logits = memory.bytes_per_device(
+    logits = sharded_bytes.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     working = max(works)
@@ -392,7 +392,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
-    logits = memory.bytes_per_device(
+    logits = sharded_bytes.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     predicted = memory.predict_memory(trainer)

@@ -1,0 +1,148 @@
+"""Per-device bytes of a mixture-of-experts MLP (model/moe.py) for the analytic memory model
+(memory.layer_bytes): capacity dispatch's masks, dispatched tokens and expert hidden buffers,
+dropless dispatch's sorted rows and, on CPU, its ragged dots' masked operands."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from t5lite.insight.sharded_bytes import bytes_per_device
+from t5lite.partitioning import Partitioner, mesh_axes_of, resolve_logical_axes
+
+
+def moe_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str = "cpu"
+) -> dict[str, int]:
+    """Per-device bytes of a mixture-of-experts MLP (model/moe.py) of a layer of `b` rows of
+    `length` tokens on `platform`, zeros for a dense model: "moe", what a scanned layer keeps
+    for its backward without remat; "moe_held", what an unscanned one holds at the loss
+    gradient; "moe_h", one expert hidden buffer; "moe_work" / "moe_rework", its backward's
+    working set without / with remat; "moe_extra", what of it no dense layer has."""
+    if not getattr(cfg, "num_experts", 0):
+        keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
+        return dict.fromkeys(keys, 0)
+    if cfg.moe_dispatch == "dropless":
+        return dropless_bytes(partitioner, cfg, b, length, act, platform)
+    # Imported here: the model package is only needed for a sparse model's shapes.
+    from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
+
+    e = cfg.num_experts
+    c = cfg.moe_expert_capacity or expert_capacity(
+        length, e, cfg.moe_top_k, cfg.moe_capacity_factor
+    )
+    c = max(1, min(length, c))
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
+        return bytes_per_device(partitioner, axes, shape, itemsize)
+
+    # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C] (their slots split
+    # as the dispatched tokens they build), the dispatched inputs and the experts' outputs
+    # [E, G, C, D], and six [E, G, C, F] buffers of the experts' hidden layer
+    # (pre-activations, activation, product and cotangents); the router's [T, E]
+    # temporaries are negligible (XLA:CPU's buffer assignment).
+    masks = of(("batch", None, None, "expert_capacity"), (b, length, e, c), act)
+    dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
+    hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
+    saved = 2 * masks + 2 * dispatched + _MOE_HIDDEN * hidden
+    # Where the expert kernels keep `expert_mlp` whole while the hidden layer's rules split it
+    # (the 2D layouts: `embed` takes the axis first), the expert matmuls' outputs and their
+    # cotangents come in the kernels' layout and are resharded after: four [E, G, C, F]
+    # buffers of the backward are F-whole (the hidden layer and product gathered, both
+    # pre-activations' cotangents before their reduce-scatter).
+    f_split = kernel_splits(partitioner)[2]
+    whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
+    resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
+    # Its backward: the values' cotangents (as many again); under remat the recomputed values
+    # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
+    # totals of both families under megatron and expert_parallel).
+    work = {
+        "moe_work": saved + resharded,
+        "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
+        # (unscanned, beside the layer's held F-split values: whole copies, not the difference)
+        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
+        # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
+        # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+    }
+    return {"moe": saved, "moe_h": hidden, **work}
+
+
+_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN = 6, 1.3, 4, 2
+
+
+def moe_share(cfg: Any, layers: int) -> float:
+    """The fraction of a stack's `layers` layers that are sparse (`moe_every`)."""
+    if not getattr(cfg, "num_experts", 0):
+        return 0.0
+    from t5lite.model.config import is_moe_layer
+
+    return sum(is_moe_layer(cfg, i) for i in range(layers)) / layers
+
+
+def kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
+    """How many ways the rules split an expert kernel [E, D, F]'s three dimensions."""
+    spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    splits = [math.prod(mesh[t] for t in mesh_axes_of(e) if t in mesh) for e in spec]
+    return splits[0], splits[1], splits[2]
+
+
+def dropless_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str
+) -> dict[str, int]:
+    """`moe_bytes` of dropless dispatch (MoeBlock._dropless).
+
+    Its M = B * L * k (token, choice) rows are sorted by expert globally, so GSPMD holds them
+    whole on every device (their features split as the expert kernels' are). A
+    layer keeps the sorted inputs [M, D], six [M, F] hidden buffers (both pre-activations,
+    the activation, the product and the activation's derivative terms, as capacity's six
+    [E, G, C, F]) and the experts' outputs [B, L, k, D] for the combine (XLA:CPU's scan
+    carry). Its backward also holds the ragged dots' operands: on CPU JAX lowers
+    `ragged_dot(x [M, K], w [E, K, N])` to a broadcast of x to [E, M, K], a select that zeros
+    each expert's rows outside its group, and one dot contracting E and K, so the
+    transposes of the larger ragged dot (the [E, M, D] masked inputs or the [E, M, F]
+    masked hidden layer, E split as the kernels) are materialised four times: the masked
+    operand, its transposed copy [M, E * K], the masked cotangent and its copy. XLA's
+    grouped ragged dot on TPU and GPU (`chlo.ragged_dot`) builds none of them.
+    """
+    k = cfg.moe_top_k
+    m, d, f = b * length * k, cfg.emb_dim, cfg.mlp_dim
+
+    def of(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> int:
+        return bytes_per_device(partitioner, axes, shape, act)
+
+    # No constraint names the sorted rows' layout: they take the expert kernels'.
+    e_split, d_split, f_split = kernel_splits(partitioner)
+    rows, hidden = m * d * act // d_split, m * f * act // f_split
+    saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
+    masked = smaller = 0
+    if platform == "cpu":
+        e = cfg.num_experts
+        masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
+        smaller = min(e * rows, e * hidden) // e_split
+    # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
+    # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
+    # recomputed hidden layer (both pre-activations, the activation, the product) and one
+    # cotangent at a time (XLA:CPU's totals under megatron, expert_parallel and fully_sharded).
+    return {
+        "moe": saved,
+        "moe_h": hidden,
+        "moe_work": masked + rows + 3 * hidden,
+        "moe_rework": masked + rows + 5 * hidden,
+        # Unscanned, the last layer's backward holds the smaller ragged dot's masked operands
+        # too, two of them, beside the larger one's four.
+        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        # An unscanned `full` recomputation stops at the sorted rows: the ragged dots run
+        # inside the layer's backward, beside its masked operands.
+        "moe_recomputed": rows,
+        # Under remat its hidden layer is not saved (ragged dots are no dots without batch
+        # dims) and only partly hoisted ahead of the loss gradient: two [M, F] buffers a layer
+        # are held there (fitted on XLA:CPU's totals of megatron, data_parallel and T5
+        # expert_parallel `minimal`).
+        "moe_held_remat": saved - (_MOE_HIDDEN - 2) * hidden,
+    }
+
+
+_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED = 4, 2
