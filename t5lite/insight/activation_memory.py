@@ -36,10 +36,9 @@ _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LA
 _HOISTED_SAVING = 1
 # Context parallelism (keys and values gathered, queries split by position): every layer
 # also holds a transposed copy of its probabilities ([B, H, S, L/n], for the values'
-# gradient, which contracts the split positions), whatever the policy, and the last layer
-# one more score buffer at the loss gradient (XLA:CPU's buffer assignment, decoder-only at
-# 4096 positions; the totals fit from 1024 to 8192 positions).
-_CP_SCORES_HELD, _CP_LAST_SCORES = 1, 1
+# gradient, which contracts the split positions), whatever the policy (XLA:CPU's buffer
+# assignment, decoder-only at 4096 positions; fitted on the totals from 1024 to 8192).
+_CP_SCORES_HELD = 1
 # T5.1.1's gated GELU (tanh form): six [B, L, F] buffers of a layer of each stack at the loss
 # gradient, whatever the depth and the remat policy (between 2 and 4 layers a stack, the
 # part of XLA's figure that does not grow with depth is the same under every policy).
@@ -268,8 +267,6 @@ def unscanned_backward(
         if not _gelu_2d(a, remat, gathered)
     )
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
-    if remat in ("none", "full") and first["kv_gathered"] and first.get("scores_saved") is None:
-        last["attention"] = _CP_LAST_SCORES * first["scores"]
     loss = {"logits+loss": loss_buffers * logits}
     at_loss = _add(saved, last, loss)
 
