@@ -36,8 +36,7 @@ def _trainer(preset: str, remat: str) -> Trainer:
 def test_unscanned_full_remat_keeps_the_scores_at_long_sequences(preset):
     """Unscanned, XLA:CPU hoists every layer's `full` recomputation ahead of the loss gradient,
     scores included: `full` compiles to within 5% of `none`, and the prediction of each is
-    within 10% of the compiled step (it once took `full` to drop the scores: 0.7x here, 0.27x
-    at 8192 positions)."""
+    within 10% of the compiled step (docs/performance.md has the figures)."""
     require_devices(8)
     compiled, predicted = {}, {}
     for remat in ("none", "full"):
