@@ -28,9 +28,17 @@ LOSS_BUFFERS = 2
 # values. Fitted on the CPU compiler's totals over FSDP configurations of both families
 # (2 to 4 layers, several widths and lengths). Remat: under FSDP the scheduler hoists every
 # layer's recomputation ahead of the loss gradient (no loop orders it), so the recomputed
-# values are live together and the only saving is the [B, H, L, S] scores, which the
-# recomputation fuses away; other layouts hoist less (unscanned_backward).
+# values are live together, the [B, H, L, S] logits and probabilities too, and the only
+# saving is one [B, L, F] buffer a layer (_HOISTED_SAVING): `full` compiles to about
+# `none`'s memory (decoder-only, 128 to 8192 positions, 2 and 4 layers, data parallel, FSDP
+# and context parallel); other layouts hoist less (unscanned_backward).
 _UNSCANNED_X_PER_BLOCK, _UNSCANNED_HIDDEN, UNSCANNED_LOSS_BUFFERS, _UNSCANNED_LAST_X = 3, 5, 3, 3
+_HOISTED_SAVING = 1
+# Context parallelism (keys and values gathered, queries split by position): every layer
+# also holds a transposed copy of its probabilities ([B, H, S, L/n], for the values'
+# gradient, which contracts the split positions), whatever the policy (XLA:CPU's buffer
+# assignment, decoder-only at 4096 positions; fitted on the totals from 1024 to 8192).
+_CP_SCORES_HELD = 1
 # T5.1.1's gated GELU (tanh form): six [B, L, F] buffers of a layer of each stack at the loss
 # gradient, whatever the depth and the remat policy (between 2 and 4 layers a stack, the
 # part of XLA's figure that does not grow with depth is the same under every policy).
@@ -92,9 +100,15 @@ def _saved_unscanned(
         }
     # Unscanned, a ring layer holds two of its blocks (logits and probabilities) at the loss
     # gradient whatever the policy: its recomputation is hoisted ahead of it (fitted on the
-    # decoder-only model at 1024 and 8192 positions).
+    # decoder-only model at 1024 and 8192 positions). So does a layer whose whole `full`
+    # recomputation is hoisted, less one [B, L, F] buffer.
     ring = a.get("scores_saved") is not None
-    scores = _SCORES_SAVED * a["scores"] if remat == "none" or scores_held or ring else 0
+    hoisted_full = remat == "full" and hoisted == "all"
+    held = remat == "none" or scores_held or ring or hoisted_full
+    scores = _SCORES_SAVED * a["scores"] if held else 0
+    if remat in ("none", "full") and a["kv_gathered"] and not ring:
+        scores += _CP_SCORES_HELD * a["scores"]
+    hidden -= _HOISTED_SAVING if hoisted_full else 0
     # Sequence parallelism gathers each block's input (collectives.sequence_parallel_gather),
     # and those whole-length copies are live with the rest at the loss gradient whatever the
     # policy.
@@ -272,11 +286,14 @@ def unscanned_backward(
         """Stack `s`'s backward (stacks are differentiated last to first): the earlier stacks
         hold what they held at the loss gradient, the later ones are done."""
         n, a = layers[s]
-        work = _add(_recomputed(a), scale=_RECOMPUTED_WORKING)
+        hoisted = _hoisted(a, s, layers, gathered) == "all"
+        # A hoisted layer's logits and probabilities are already among what it holds (and
+        # their cotangents take the loss buffers' place).
+        work = _add(_recomputed({**a, "scores": 0} if hoisted else a), scale=_RECOMPUTED_WORKING)
         work["mlp"] += a.get("moe_extra", 0)  # the MoE backward's own temporaries
         earlier = (v for stack in held[:s] for v in stack)
         # A stack recomputed ahead of the loss gradient holds what it held there.
-        own = held[s][0] if _hoisted(a, s, layers, gathered) == "all" else _recomputed(a)
+        own = held[s][0] if hoisted else _recomputed(a)
         return _add(*earlier, *[own] * n, work), work
 
     moments = [inside(s) for s in range(len(layers))]
