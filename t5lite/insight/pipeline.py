@@ -433,14 +433,14 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     predicted = memory.predict_memory(trainer)
-    # A B reduces its layers' gradients inside the layer scan (FSDP: reduce-scatters them), so
-    # no unreduced copy of the stage's layer gradients is held; two accumulators in the
-    # parameters' sharding are, the schedule loop's and the layer scan's (the loops' carries).
+    # A B reduces its layers' gradients inside the layer scan (FSDP: reduce-scatters them),
+    # so the stage's layer gradients are held in the parameters' sharding (the schedule
+    # loop's accumulator), never unreduced.
     gradients = predicted.gradients - _layer_gradients(trainer, unreduced=True)
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        gradients + 2 * _layer_gradients(trainer),
+        gradients + _layer_gradients(trainer),
         slots + max(recompute),
         stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
