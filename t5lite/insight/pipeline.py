@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import activation_memory, memory, sharded_bytes
 from t5lite.insight.hlo import collective_ops
@@ -213,6 +215,30 @@ def _lookup_choice(trainer: Trainer, f: PipelineFigures) -> tuple:
     return lookup
 
 
+def _layer_gradients(trainer: Trainer, unreduced: bool = False) -> int:
+    """Bytes per device of the stage's layer gradients (at least fp32: XLA:CPU differentiates
+    bf16 masters in fp32), in the parameters' sharding, or `unreduced`: whole over the batch's
+    mesh axes (before FSDP's reduce-scatter)."""
+    part = trainer.partitioner
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
+    total = 0
+    for x, s, names in zip(
+        jax.tree_util.tree_leaves(trainer.state_abstract.params),
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+    ):
+        if "layers" not in names:
+            continue
+        split = math.prod(
+            part.mesh.shape[t]
+            for e in s.spec
+            for t in mesh_axes_of(e)
+            if not (unreduced and t in batch_axes)
+        )
+        total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, 4) // split
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineMemory:
     """A pipelined train step's peak bytes per device, by term (GPipe: every tick's residuals
@@ -220,7 +246,7 @@ class PipelineMemory:
 
     state: int  # parameters and optimizer state (this stage's layers)
     batch: int
-    gradients: int  # unreduced, this stage's layers
+    gradients: int  # unreduced, and the schedule loop's accumulator of this stage's layers'
     in_flight: int  # each of this stage's layers' saved residuals, for each of the T ticks
     stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
     working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
@@ -266,7 +292,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     else:
         lt = sum(trainer.lengths.values())
         stacks = [(cfg.num_layers, lt, [lt])]
-    in_flight, works, stack_buffers = 0, [], 0
+    in_flight, works, stack_buffers, encoder_x = 0, [], 0, 0
     act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
     for n, q, kv in stacks:
         a = memory.layer_bytes(part, cfg, b, q, kv, act)
@@ -281,15 +307,23 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         kept = sum(saved.values()) if n // f.stages == 1 else 0
         works.append(sum(work.values()) - kept)
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
+        # T5's decoder reads the encoder output at every tick: its loop stashes the tick's
+        # encoder microbatch for the backward pass (T of them) and its backward accumulates
+        # the encoder output's gradient (m microbatches), both seen in the loops' carries.
+        stack_buffers += (f.ticks + f.microbatches) * encoder_x if len(kv) > 1 else 0
+        encoder_x = a["x"]
     logits = sharded_bytes.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     working = max(works)
     predicted = memory.predict_memory(trainer)
+    # The tick loop's backward carries the stage's layer gradients summed over the ticks (in
+    # the parameters' sharding: FSDP reduce-scatters each tick's) beside the tick's own
+    # unreduced gradients, which predict_memory's `gradients` count.
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients,
+        predicted.gradients + _layer_gradients(trainer),
         in_flight,
         stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
@@ -380,7 +414,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         lt = sum(trainer.lengths.values())
         stacks = [(cfg.num_layers, lt, [lt])]
     act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
-    recompute, slots, stack_buffers = [], 0, 0
+    recompute, slots, stack_buffers, encoder_x = [], 0, 0, 0
     for n, q, kv in stacks:
         a = memory.layer_bytes(part, cfg, b, q, kv, act)
         saved = activation_memory.layer_saved(a, cfg.remat_policy)
@@ -392,14 +426,21 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
+        # T5's decoder: the encoder output's m microbatches and their gradient (as GPipe's)
+        stack_buffers += 2 * f.microbatches * encoder_x if len(kv) > 1 else 0
+        encoder_x = a["x"]
     logits = sharded_bytes.bytes_per_device(
         part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
     )
     predicted = memory.predict_memory(trainer)
+    # A B reduces its layers' gradients inside the layer scan (FSDP: reduce-scatters them),
+    # so the stage's layer gradients are held in the parameters' sharding (the schedule
+    # loop's accumulator), never unreduced.
+    gradients = predicted.gradients - _layer_gradients(trainer, unreduced=True)
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients,
+        gradients + _layer_gradients(trainer),
         slots + max(recompute),
         stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
