@@ -2,6 +2,7 @@
 stage-to-stage permutes match the analytic schedule, and bad input is refused in one line."""
 
 import functools
+import io
 import shutil
 from pathlib import Path
 
@@ -410,12 +411,33 @@ def test_t5_memory_within_10_percent(base, stages, num_partitions, remat, schedu
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
 
 
+def _plan_lm_fsdp(**kwargs) -> tuple[list, io.StringIO]:
+    """`plan` of the test LM over the fsdp preset without remat on 8 devices, its best layout
+    compiled; `kwargs` add the stage counts, schedules, model sizes."""
+    from t5lite.insight.plan import plan
+
+    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
+    out = io.StringIO()
+    ranked = plan(
+        model=model,
+        task_feature_lengths=LENGTHS,
+        batch_size=BATCH,
+        num_devices=8,
+        presets=["fsdp"],
+        remat_policies=["none"],
+        top_k=1,
+        stream=out,
+        progress=io.StringIO(),
+        **kwargs,
+    )
+    return ranked, out
+
+
 def test_plan_searches_stage_counts_and_ranks_them():
     """`plan` with stage counts 1, 2, 4 on 8 devices: GPipe layouts beside the others, screened
     with the pipeline's memory, ranked with them, and the verdict names the best of each kind."""
-    import io
 
-    from t5lite.insight.plan import enumerate_layouts, plan
+    from t5lite.insight.plan import enumerate_layouts
 
     require_devices(8)
     layouts = enumerate_layouts(8, ["fsdp"], ["none"], stage_counts=(1, 2, 4), batch_size=BATCH)
@@ -431,20 +453,7 @@ def test_plan_searches_stage_counts_and_ranks_them():
         (4, 2, 1, 4),
         (4, 1, 2, 16),
     ]
-    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
-    out = io.StringIO()
-    ranked = plan(
-        model=model,
-        task_feature_lengths=LENGTHS,
-        batch_size=BATCH,
-        num_devices=8,
-        presets=["fsdp"],
-        remat_policies=["none"],
-        stage_counts=(1, 2, 4),
-        top_k=1,
-        stream=out,
-        progress=io.StringIO(),
-    )
+    ranked, out = _plan_lm_fsdp(stage_counts=(1, 2, 4))
     valid = [c for c in ranked if c.predicted is not None]
     assert {c.layout.stages for c in valid} == {1, 2, 4}
     for c in valid:
@@ -592,9 +601,8 @@ def test_plan_searches_schedules_beside_stage_counts():
     """`plan.schedules = ['gpipe', '1f1b']`: each pipelined layout once per schedule, 1F1B's
     screened with its own memory (p stage-input slots, below GPipe's every-tick residuals) and
     its gin naming the schedule; an unknown schedule is one line."""
-    import io
 
-    from t5lite.insight.plan import enumerate_layouts, plan
+    from t5lite.insight.plan import enumerate_layouts
 
     require_devices(8)
     layouts = enumerate_layouts(
@@ -611,22 +619,7 @@ def test_plan_searches_schedules_beside_stage_counts():
     with pytest.raises(ValueError) as e:
         enumerate_layouts(8, ["fsdp"], ["none"], stage_counts=(2,), schedules=("zb",))
     assert str(e.value) == "plan: unknown schedule 'zb'; known: ('gpipe', '1f1b')"
-    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
-    out = io.StringIO()
-    ranked = plan(
-        model=model,
-        task_feature_lengths=LENGTHS,
-        batch_size=BATCH,
-        num_devices=8,
-        presets=["fsdp"],
-        remat_policies=["none"],
-        model_sizes=[2],
-        stage_counts=(2,),
-        schedules=("gpipe", "1f1b"),
-        top_k=1,
-        stream=out,
-        progress=io.StringIO(),
-    )
+    ranked, out = _plan_lm_fsdp(model_sizes=[2], stage_counts=(2,), schedules=("gpipe", "1f1b"))
     by = {c.layout.schedule: c for c in ranked}
     assert set(by) == {"gpipe", "1f1b"}
     assert by["1f1b"].predicted.total < by["gpipe"].predicted.total

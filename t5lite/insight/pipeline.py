@@ -275,6 +275,25 @@ class PipelineMemory:
         return line
 
 
+def _stage_layers(trainer: Trainer, f: PipelineFigures) -> tuple[list[tuple], int]:
+    """Each stack's (layers, key lengths, one layer's bytes at one microbatch by
+    memory.layer_bytes), and the loss's [B, L, V] fp32 logits per device."""
+    part, cfg = trainer.partitioner, trainer.model.network_config
+    b = trainer.batch_size // f.microbatches
+    if isinstance(cfg, T5Config):
+        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
+    else:
+        lt = sum(trainer.lengths.values())
+        stacks = [(cfg.num_layers, lt, [lt])]
+    act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
+    layers = [(n, kv, memory.layer_bytes(part, cfg, b, q, kv, act)) for n, q, kv in stacks]
+    logits = sharded_bytes.bytes_per_device(
+        part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
+    )
+    return layers, logits
+
+
 def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     """GPipe's peak memory per device for `trainer` (None without stages): the backward pass
     starts with all `T = m + p - 1` ticks' residuals of the stage's `L/p` layers live, each
@@ -284,18 +303,10 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         return None
     if f.schedule == "1f1b":
         return one_f_one_b_memory(trainer, f)
-    part, cfg = trainer.partitioner, trainer.model.network_config
-    b = trainer.batch_size // f.microbatches
-    if isinstance(cfg, T5Config):
-        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
-        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
-    else:
-        lt = sum(trainer.lengths.values())
-        stacks = [(cfg.num_layers, lt, [lt])]
+    cfg = trainer.model.network_config
+    layers, logits = _stage_layers(trainer, f)
     in_flight, works, stack_buffers, encoder_x = 0, [], 0, 0
-    act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
-    for n, q, kv in stacks:
-        a = memory.layer_bytes(part, cfg, b, q, kv, act)
+    for n, kv, a in layers:
         saved = activation_memory.layer_saved(a, cfg.remat_policy)
         in_flight += n // f.stages * f.ticks * sum(saved.values())
         work = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
@@ -312,9 +323,6 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         # the encoder output's gradient (m microbatches), both seen in the loops' carries.
         stack_buffers += (f.ticks + f.microbatches) * encoder_x if len(kv) > 1 else 0
         encoder_x = a["x"]
-    logits = sharded_bytes.bytes_per_device(
-        part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
-    )
     working = max(works)
     predicted = memory.predict_memory(trainer)
     # The tick loop's backward carries the stage's layer gradients summed over the ticks (in
@@ -405,18 +413,10 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     stage inputs, the stack's microbatched input, output gradient and input gradient, and one
     microbatch's residuals of the stage's layers (recomputed by the B being run); the forward
     pass kept nothing but the stack input."""
-    part, cfg = trainer.partitioner, trainer.model.network_config
-    b = trainer.batch_size // f.microbatches
-    if isinstance(cfg, T5Config):
-        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
-        stacks = [(cfg.num_encoder_layers, li, [li]), (cfg.num_decoder_layers, lt, [lt, li])]
-    else:
-        lt = sum(trainer.lengths.values())
-        stacks = [(cfg.num_layers, lt, [lt])]
-    act = memory.activation_itemsize(cfg, memory.platform_of(trainer))
+    cfg = trainer.model.network_config
+    layers, logits = _stage_layers(trainer, f)
     recompute, slots, stack_buffers, encoder_x = [], 0, 0, 0
-    for n, q, kv in stacks:
-        a = memory.layer_bytes(part, cfg, b, q, kv, act)
+    for n, kv, a in layers:
         saved = activation_memory.layer_saved(a, cfg.remat_policy)
         working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
         # As GPipe's (fitted on XLA:CPU, tests/test_pipeline.py): with one layer a stage the
@@ -429,9 +429,6 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         # T5's decoder: the encoder output's m microbatches and their gradient (as GPipe's)
         stack_buffers += 2 * f.microbatches * encoder_x if len(kv) > 1 else 0
         encoder_x = a["x"]
-    logits = sharded_bytes.bytes_per_device(
-        part, ("batch", "length", "vocab"), (trainer.batch_size, lt, cfg.vocab_size), 4
-    )
     predicted = memory.predict_memory(trainer)
     # A B reduces its layers' gradients inside the layer scan (FSDP: reduce-scatters them),
     # so the stage's layer gradients are held in the parameters' sharding (the schedule
