@@ -341,14 +341,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
         replicated = _tree_bytes_per_device(params) == whole and logits == unsplit
         loss_buffers = UNSCANNED_LOSS_BUFFERS - replicated
         backward, terms = unscanned_backward(layers, remat, logits, gathered, loss_buffers)
-    state = _tree_bytes_per_device(trainer.abstract_state())
-    batch = _tree_bytes_per_device(
-        jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            trainer.batch_abstract,
-            trainer.batch_shardings,
-        )
-    )
+    state, batch = _state_and_batch(trainer)
     # XLA:CPU computes a bf16 master's gradient and its update in fp32 too
     # (activation_itemsize's upcast) and holds them so until the new state is written.
     upcast = act if act > compute else 0
