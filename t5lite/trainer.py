@@ -21,7 +21,7 @@ from flax.core import meta
 from jax.sharding import PartitionSpec
 
 from seqio_lite.feature_converters import complete_features
-from t5lite.model import optimizers
+from t5lite.model import optimizers, pipeline
 from t5lite.model.models import FEATURE_AXES, BaseModel
 from t5lite.partitioning import Partitioner, logical_axes_of
 from t5lite.pytree import finite_by_array, path_str
@@ -128,6 +128,10 @@ class Trainer:
             jax.eval_shape(self.tx.init, params_abstract),
         )
         self.state_shardings = partitioner.shardings(self.state_abstract, self.state_axes)
+        with partitioner.context():  # a pipeline's microbatches, before anything compiles
+            pipeline.check_microbatches(
+                getattr(model, "network_config", None), batch_size // num_microbatches
+            )
         self.batch_shardings = partitioner.shardings(
             self.batch_abstract, {k: PartitionSpec(*FEATURE_AXES) for k in self.batch_abstract}
         )

@@ -215,19 +215,19 @@ def _lookup_choice(trainer: Trainer, f: PipelineFigures) -> tuple:
     return lookup
 
 
-def _layer_gradients(trainer: Trainer, unreduced: bool = False) -> int:
+def _layer_gradients(trainer: Trainer, unreduced: bool = False, stack: str = "") -> int:
     """Bytes per device of the stage's layer gradients (at least fp32: XLA:CPU differentiates
     bf16 masters in fp32), in the parameters' sharding, or `unreduced`: whole over the batch's
-    mesh axes (before FSDP's reduce-scatter)."""
+    mesh axes (before FSDP's reduce-scatter); of one `stack` ('encoder', 'decoder') if named."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
-    for x, s, names in zip(
-        jax.tree_util.tree_leaves(trainer.state_abstract.params),
+    for (path, x), s, names in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
         jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
     ):
-        if "layers" not in names:
+        if "layers" not in names or (stack and f"'{stack}'" not in jax.tree_util.keystr(path)):
             continue
         split = math.prod(
             part.mesh.shape[t]
@@ -331,7 +331,9 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients + _layer_gradients(trainer),
+        predicted.gradients
+        - _layer_gradients(trainer, unreduced=True)
+        + 2 * _layer_gradients(trainer),
         in_flight,
         stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
@@ -416,13 +418,21 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     cfg = trainer.model.network_config
     layers, logits = _stage_layers(trainer, f)
     recompute, slots, stack_buffers, encoder_x = [], 0, 0, 0
-    for n, kv, a in layers:
-        saved = activation_memory.layer_saved(a, cfg.remat_policy)
+    for (n, kv, a), stack in zip(layers, f.stacks):
+        saved = sum(activation_memory.layer_saved(a, cfg.remat_policy).values())
         working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
         # As GPipe's (fitted on XLA:CPU, tests/test_pipeline.py): with one layer a stage the
-        # backward works in the buffers of that layer's residuals.
-        extra = sum(working.values()) if n // f.stages > 1 else 0
-        recompute.append(n // f.stages * sum(saved.values()) + extra)
+        # backward works in the buffers of that layer's residuals. With several, a B's layer
+        # scan also returns the stage's layer gradients of this stack stacked, beside the
+        # schedule's accumulator they are then added to.
+        extra = 0
+        if n // f.stages > 1:
+            extra = sum(working.values()) + _layer_gradients(trainer, stack=stack.name)
+        # T5's decoder B (its cross-attention reads the encoder output, a differentiated input
+        # of the recompute) holds one more layer's residuals (XLA:CPU: 27 KiB of 4 + 4-layer T5
+        # at stage=2 whatever the decoder's layers a stage, tests/test_pipeline_memory.py).
+        cross = saved if len(kv) > 1 else 0
+        recompute.append(n // f.stages * saved + extra + cross)
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]

@@ -159,6 +159,20 @@ def apply_stack(
     return run(layer_fn, stacked, x_BLD, args, plan, m, rng)
 
 
+def check_microbatches(cfg: Any, batch: int) -> None:
+    """Before anything compiles (the trainer calls it under the partitioner's context): one line
+    naming the culprit when the rules in force pipeline `cfg`'s scanned stacks and its
+    microbatches do not cut a `batch` of rows over the data devices, or are too few for the
+    schedule. `apply_stack` checks the same again where it runs."""
+    axes, stages = _split_over("layers")
+    if stages <= 1 or not getattr(cfg, "scan_layers", False):
+        return
+    name = type(cfg).__name__
+    m = microbatches(cfg.pipeline_microbatches, stages)
+    check(m, batch, split_size("batch"), name)
+    check_schedule(cfg.pipeline_schedule, stages, m, name)
+
+
 def check_schedule(schedule: str, num_stages: int, num_microbatches: int, where: str) -> None:
     """One line naming the culprit when the schedule cannot run `num_microbatches` microbatches
     over `num_stages` stages (1F1B's warm-up fills every stage before the first backward)."""
