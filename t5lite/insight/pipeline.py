@@ -246,7 +246,7 @@ class PipelineMemory:
 
     state: int  # parameters and optimizer state (this stage's layers)
     batch: int
-    gradients: int  # unreduced, and the schedule loop's accumulator of this stage's layers'
+    gradients: int  # the tick's and the schedule loop's accumulator of this stage's layers'
     in_flight: int  # each of this stage's layers' saved residuals, for each of the T ticks
     stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
     working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
@@ -325,9 +325,11 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         encoder_x = a["x"]
     working = max(works)
     predicted = memory.predict_memory(trainer)
-    # The tick loop's backward carries the stage's layer gradients summed over the ticks (in
-    # the parameters' sharding: FSDP reduce-scatters each tick's) beside the tick's own
-    # unreduced gradients, which predict_memory's `gradients` count.
+    # The tick loop's backward carries the stage's layer gradients summed over the ticks beside
+    # the tick's own, both in the parameters' sharding: the layer scan reduce-scatters each
+    # layer's (FSDP) as it goes, so of predict_memory's `gradients` (whole over the batch's
+    # axes) only the rest stays unreduced. Counting them unreduced put Llama-2-7B's `fsdp
+    # 4:4x1` at 1.35x XLA:CPU's figure (docs/pipeline.md).
     return PipelineMemory(
         predicted.state,
         predicted.batch,

@@ -164,7 +164,7 @@ def check_microbatches(cfg: Any, batch: int) -> None:
     naming the culprit when the rules in force pipeline `cfg`'s scanned stacks and its
     microbatches do not cut a `batch` of rows over the data devices, or are too few for the
     schedule. `apply_stack` checks the same again where it runs."""
-    axes, stages = _split_over("layers")
+    _, stages = _split_over("layers")
     if stages <= 1 or not getattr(cfg, "scan_layers", False):
         return
     name = type(cfg).__name__
