@@ -276,7 +276,12 @@ def unscanned_backward(
     # remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are live;
     # under remat it first recomputes the layer, after them.
     extra = max(a.get("moe_extra", 0) for _, a in layers)
+    # (CPU's dropless layers hold their forward masked operands at the loss gradient, and their
+    # backward's own temporaries come after the loss's buffers whatever the policy.)
+    after_loss = remat != "none" or any("moe_extra_none" in a for _, a in layers)
     if remat == "none":
+        extra = max(a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers)
+    if not after_loss:
         last["mlp"] += extra
     elif extra > loss["logits+loss"]:
         loss = {"logits+loss": 0, "mlp": extra}

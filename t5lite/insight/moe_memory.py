@@ -116,11 +116,17 @@ def dropless_bytes(
     e_split, d_split, f_split = kernel_splits(partitioner)
     rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
-    masked = smaller = 0
+    masked = smaller = held_masked = larger = 0
     if platform == "cpu":
         e = cfg.num_experts
         masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
         smaller = min(e * rows, e * hidden) // e_split
+        # Unscanned without remat, the masked operands of the kernels' gradients depend on
+        # forward values only and XLA:CPU builds every layer's ahead of the loss gradient:
+        # the rows masked for each of the two input kernels ([E, M, D], twice) and the hidden
+        # layer masked for the output kernel ([E, M, F]), held by every MoE layer.
+        held_masked = (2 * e * rows + e * hidden) // e_split
+        larger = max(e * rows, e * hidden) // e_split
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
     # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
     # recomputed hidden layer (both pre-activations, the activation, the product) and one
@@ -133,7 +139,11 @@ def dropless_bytes(
         # Unscanned, the last layer's backward holds the smaller ragged dot's masked operands
         # too, two of them, beside the larger one's four.
         "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
-        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_masked,
+        # The last layer's backward then masks the pre-activations' cotangents for the input
+        # kernels' ragged dots, each with its transposed copy: three more of the larger masked
+        # operand, after the loss's buffers are freed.
+        "moe_extra_none": _LAST_MASKED * larger,
         # An unscanned `full` recomputation stops at the sorted rows: the ragged dots run
         # inside the layer's backward, beside its masked operands.
         "moe_recomputed": rows,
@@ -145,4 +155,4 @@ def dropless_bytes(
     }
 
 
-_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED = 4, 2
+_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED, _LAST_MASKED = 4, 2, 3
