@@ -271,20 +271,7 @@ def unscanned_backward(
     )
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": loss_buffers * logits}
-    # A mixture of experts' backward adds temporaries no dense layer has (CPU's masked
-    # ragged-dot operands, expert hidden layers resharded to the kernels' layout). Without
-    # remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are live;
-    # under remat it first recomputes the layer, after them.
-    extra = max(a.get("moe_extra", 0) for _, a in layers)
-    # (CPU's dropless layers hold their forward masked operands at the loss gradient, and their
-    # backward's own temporaries come after the loss's buffers whatever the policy.)
-    after_loss = remat != "none" or any("moe_extra_none" in a for _, a in layers)
-    if remat == "none":
-        extra = max(a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers)
-    if not after_loss:
-        last["mlp"] += extra
-    elif extra > loss["logits+loss"]:
-        loss = {"logits+loss": 0, "mlp": extra}
+    loss = _moe_backward_extra(layers, remat, last, loss)
     at_loss = _add(saved, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -328,3 +315,22 @@ def unscanned_backward(
         ("loss temporaries", loss["logits+loss"]),
     )
     return at_loss, terms
+
+
+def _moe_backward_extra(layers: list, remat: str, last: dict, loss: dict) -> dict[str, int]:
+    """The loss gradient's buffers once a mixture of experts' backward temporaries (which no
+    dense layer has: CPU's masked ragged-dot operands, expert hidden layers resharded to the
+    kernels' layout) are counted; adds them to `last` where they are live beside the loss's.
+    Without remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are
+    live; under remat it first recomputes the layer, after them. CPU's dropless layers hold
+    their forward masked operands at the loss gradient (moe_held), and their backward's own
+    temporaries come after the loss's buffers whatever the policy."""
+    extra = max(a.get("moe_extra", 0) for _, a in layers)
+    after_loss = remat != "none" or any("moe_extra_none" in a for _, a in layers)
+    if remat == "none":
+        extra = max(a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers)
+    if not after_loss:
+        last["mlp"] += extra
+    elif extra > loss["logits+loss"]:
+        return {"logits+loss": 0, "mlp": extra}
+    return loss
