@@ -23,6 +23,8 @@ CASES = [
     # gradient (one sparse layer of two, and T5's four)
     ("lm", "megatron", "none", False, "dropless", 2),
     ("t5", "megatron", "none", False, "dropless", 1),
+    # unscanned capacity, hidden layer resharded: every layer holds F-whole matmul outputs
+    ("t5", "fully_sharded", "none", False, "capacity", 1),
 ]
 
 

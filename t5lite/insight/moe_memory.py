@@ -53,6 +53,7 @@ def moe_bytes(
     f_split = kernel_splits(partitioner)[2]
     whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
+    held_whole = _HELD_WHOLE * whole_f - _UNSTACKED_HIDDEN * hidden if resharded else 0
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
@@ -63,12 +64,18 @@ def moe_bytes(
         "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
-        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden,
+        # Without remat, where the hidden layer is resharded, a layer holds the matmuls'
+        # outputs in the kernels' layout (both pre-activations F-whole, and the product's
+        # F-whole copy the output matmul reads) in place of two more F-split buffers; its
+        # backward's own temporaries then come after the loss's buffers, smaller than them.
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_whole,
+        **({"moe_extra_none": 0} if resharded else {}),
     }
     return {"moe": saved, "moe_h": hidden, **work}
 
 
-_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN = 6, 1.3, 4, 2
+_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3
 
 
 def moe_share(cfg: Any, layers: int) -> float:
