@@ -25,6 +25,9 @@ CASES = [
     ("t5", "megatron", "none", False, "dropless", 1),
     # unscanned capacity, hidden layer resharded: every layer holds F-whole matmul outputs
     ("t5", "fully_sharded", "none", False, "capacity", 1),
+    # unscanned dropless `full`, two experts a device: the heap packs the recomputed hidden
+    # layer beside the masked operands
+    ("lm", "fully_sharded", "full", False, "dropless", 1),
 ]
 
 

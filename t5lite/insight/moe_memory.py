@@ -123,7 +123,7 @@ def dropless_bytes(
     e_split, d_split, f_split = kernel_splits(partitioner)
     rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
-    masked = smaller = held_masked = larger = 0
+    masked = smaller = held_masked = larger = packed = 0
     if platform == "cpu":
         e = cfg.num_experts
         masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
@@ -134,6 +134,14 @@ def dropless_bytes(
         # layer masked for the output kernel ([E, M, F]), held by every MoE layer.
         held_masked = (2 * e * rows + e * hidden) // e_split
         larger = max(e * rows, e * hidden) // e_split
+        # Under `full` the recomputed hidden layer's four [M, F] buffers live across the
+        # backward's masked operands. XLA:CPU's heap places the largest buffers first (best
+        # fit by decreasing size): where a device holds more than one expert the masked
+        # operands are larger than any [M, F] buffer, and those four cannot reuse their
+        # slots as they are freed: the heap holds them beside the masked operands though
+        # they are not live at the same moment (the live peak is the model's without them).
+        if cfg.remat_policy == "full" and e > e_split:
+            packed = _PACKED_HIDDEN * hidden
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
     # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
     # recomputed hidden layer (both pre-activations, the activation, the product) and one
@@ -145,7 +153,7 @@ def dropless_bytes(
         "moe_rework": masked + rows + 5 * hidden,
         # Unscanned, the last layer's backward holds the smaller ragged dot's masked operands
         # too, two of them, beside the larger one's four.
-        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
+        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller + packed,
         "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_masked,
         # The last layer's backward then masks the pre-activations' cotangents for the input
         # kernels' ragged dots, each with its transposed copy: three more of the larger masked
@@ -162,4 +170,4 @@ def dropless_bytes(
     }
 
 
-_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED, _LAST_MASKED = 4, 2, 3
+_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED, _LAST_MASKED, _PACKED_HIDDEN = 4, 2, 3, 4
