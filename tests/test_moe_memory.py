@@ -19,6 +19,15 @@ CASES = [
     ("lm", "data_parallel", "none", True, "dropless", 1),
     ("t5", "megatron", "minimal", False, "capacity", 1),
     ("lm", "megatron", "none", False, "capacity", 2),
+    # unscanned dropless without remat: every MoE layer's masked operands held at the loss
+    # gradient (one sparse layer of two, and T5's four)
+    ("lm", "megatron", "none", False, "dropless", 2),
+    ("t5", "megatron", "none", False, "dropless", 1),
+    # unscanned capacity, hidden layer resharded: every layer holds F-whole matmul outputs
+    ("t5", "fully_sharded", "none", False, "capacity", 1),
+    # unscanned dropless `full`, two experts a device: the heap packs the recomputed hidden
+    # layer beside the masked operands
+    ("lm", "fully_sharded", "full", False, "dropless", 1),
 ]
 
 
@@ -58,5 +67,16 @@ def test_dropless_masked_matmuls_only_on_cpu():
 
     tr = _trainer("lm", "megatron", "none", True, "dropless", 1)
     assert work(tr, "cpu") - work(tr, "tpu") == 4 * 2 * (16 * 128 * 2) * 256 * 4 == 32 * 2**20
+    # Unscanned, every layer holds its kernel gradients' masked operands at the loss gradient:
+    # the rows masked twice [E / 2, M, D] and the hidden layer once [E / 2, M, F / 4] (8 + 8 +
+    # 6 MiB a layer, XLA:CPU's buffer assignment), none of them on TPU.
+    unscanned = _trainer("lm", "megatron", "none", False, "dropless", 1)
+    cfg, length = unscanned.model.network_config, unscanned.lengths["targets"]
+    held = [
+        memory.layer_bytes(unscanned.partitioner, cfg, 16, length, [length], 4, platform=p)
+        for p in ("cpu", "tpu")
+    ]
+    m = 16 * 128 * 2
+    assert held[0]["moe_held"] - held[1]["moe_held"] == 2 * (2 * m * 256 + m * 192) * 4
     capacity = _trainer("lm", "megatron", "none", True, "capacity", 1)
     assert work(capacity, "cpu") == work(capacity, "tpu") > 0

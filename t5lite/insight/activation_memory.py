@@ -152,6 +152,16 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     }
 
 
+def _recomputed_mean(a: dict[str, int]) -> dict[str, int]:
+    """`_recomputed` of a stack's mean layer: with mixtures of experts every `moe_every`-th
+    layer, the share of its sparse layers' MLP and the rest's dense one."""
+    share = a.get("moe_share", 0)
+    if share in (0, 1):
+        return _recomputed(a)
+    dense = _recomputed({**a, "moe_recomputed": 0, "moe_h": 0})
+    return _add(_add(_recomputed(a), scale=share), _add(dense, scale=1 - share))
+
+
 # Unscanned `full`, inside a stack's backward: every layer of that stack is recomputed and
 # live (hoisted ahead of its first layer's backward), and the layer being differentiated adds
 # the cotangents of its recomputed values and the matmuls' gradient temporaries,
@@ -271,15 +281,7 @@ def unscanned_backward(
     )
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": loss_buffers * logits}
-    # A mixture of experts' backward adds temporaries no dense layer has (CPU's masked
-    # ragged-dot operands, expert hidden layers resharded to the kernels' layout). Without
-    # remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are live;
-    # under remat it first recomputes the layer, after them.
-    extra = max(a.get("moe_extra", 0) for _, a in layers)
-    if remat == "none":
-        last["mlp"] += extra
-    elif extra > loss["logits+loss"]:
-        loss = {"logits+loss": 0, "mlp": extra}
+    loss = _moe_backward_extra(layers, remat, last, loss)
     at_loss = _add(saved, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -293,7 +295,7 @@ def unscanned_backward(
         work["mlp"] += a.get("moe_extra", 0)  # the MoE backward's own temporaries
         earlier = (v for stack in held[:s] for v in stack)
         # A stack recomputed ahead of the loss gradient holds what it held there.
-        own = held[s][0] if hoisted else _recomputed(a)
+        own = held[s][0] if hoisted else _recomputed_mean(a)
         return _add(*earlier, *[own] * n, work), work
 
     moments = [inside(s) for s in range(len(layers))]
@@ -302,7 +304,7 @@ def unscanned_backward(
         # earlier stack's recomputation starts while the later one's backward still runs:
         # every layer of every stack recomputed, beside the first layer's working set.
         work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
-        everything = (_recomputed(a) for n, a in layers for _ in range(n))
+        everything = (_recomputed_mean(a) for n, a in layers for _ in range(n))
         moments.append((_add(*everything, work), work))
     moment, work = max(moments, key=lambda m: sum(m[0].values()))
     if gathered:
@@ -323,3 +325,22 @@ def unscanned_backward(
         ("loss temporaries", loss["logits+loss"]),
     )
     return at_loss, terms
+
+
+def _moe_backward_extra(layers: list, remat: str, last: dict, loss: dict) -> dict[str, int]:
+    """The loss gradient's buffers once a mixture of experts' backward temporaries (which no
+    dense layer has: CPU's masked ragged-dot operands, expert hidden layers resharded to the
+    kernels' layout) are counted; adds them to `last` where they are live beside the loss's.
+    Without remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are
+    live; under remat it first recomputes the layer, after them. CPU's dropless layers hold
+    their forward masked operands at the loss gradient (moe_held), and their backward's own
+    temporaries come after the loss's buffers whatever the policy."""
+    extra = max(a.get("moe_extra", 0) for _, a in layers)
+    after_loss = remat != "none" or any("moe_extra_none" in a for _, a in layers)
+    if remat == "none":
+        extra = max(a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers)
+    if not after_loss:
+        last["mlp"] += extra
+    elif extra > loss["logits+loss"]:
+        return {"logits+loss": 0, "mlp": extra}
+    return loss

@@ -53,6 +53,7 @@ def moe_bytes(
     f_split = kernel_splits(partitioner)[2]
     whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
+    held_whole = _HELD_WHOLE * whole_f - _UNSTACKED_HIDDEN * hidden if resharded else 0
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
@@ -63,12 +64,18 @@ def moe_bytes(
         "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
-        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden,
+        # Without remat, where the hidden layer is resharded, a layer holds the matmuls'
+        # outputs in the kernels' layout (both pre-activations F-whole, and the product's
+        # F-whole copy the output matmul reads) in place of two more F-split buffers; its
+        # backward's own temporaries then come after the loss's buffers, smaller than them.
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_whole,
+        **({"moe_extra_none": 0} if resharded else {}),
     }
     return {"moe": saved, "moe_h": hidden, **work}
 
 
-_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN = 6, 1.3, 4, 2
+_MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3
 
 
 def moe_share(cfg: Any, layers: int) -> float:
@@ -116,11 +123,25 @@ def dropless_bytes(
     e_split, d_split, f_split = kernel_splits(partitioner)
     rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
-    masked = smaller = 0
+    masked = smaller = held_masked = larger = packed = 0
     if platform == "cpu":
         e = cfg.num_experts
         masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
         smaller = min(e * rows, e * hidden) // e_split
+        # Unscanned without remat, the masked operands of the kernels' gradients depend on
+        # forward values only and XLA:CPU builds every layer's ahead of the loss gradient:
+        # the rows masked for each of the two input kernels ([E, M, D], twice) and the hidden
+        # layer masked for the output kernel ([E, M, F]), held by every MoE layer.
+        held_masked = (2 * e * rows + e * hidden) // e_split
+        larger = max(e * rows, e * hidden) // e_split
+        # Under `full` the recomputed hidden layer's four [M, F] buffers live across the
+        # backward's masked operands. XLA:CPU's heap places the largest buffers first (best
+        # fit by decreasing size): where a device holds more than one expert the masked
+        # operands are larger than any [M, F] buffer, and those four cannot reuse their
+        # slots as they are freed: the heap holds them beside the masked operands though
+        # they are not live at the same moment (the live peak is the model's without them).
+        if cfg.remat_policy == "full" and e > e_split:
+            packed = _PACKED_HIDDEN * hidden
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
     # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
     # recomputed hidden layer (both pre-activations, the activation, the product) and one
@@ -132,8 +153,12 @@ def dropless_bytes(
         "moe_rework": masked + rows + 5 * hidden,
         # Unscanned, the last layer's backward holds the smaller ragged dot's masked operands
         # too, two of them, beside the larger one's four.
-        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller,
-        "moe_held": saved - _UNSTACKED_HIDDEN * hidden,
+        "moe_extra": masked + _UNSCANNED_SMALLER_MASKED * smaller + packed,
+        "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_masked,
+        # The last layer's backward then masks the pre-activations' cotangents for the input
+        # kernels' ragged dots, each with its transposed copy: three more of the larger masked
+        # operand, after the loss's buffers are freed.
+        "moe_extra_none": _LAST_MASKED * larger,
         # An unscanned `full` recomputation stops at the sorted rows: the ragged dots run
         # inside the layer's backward, beside its masked operands.
         "moe_recomputed": rows,
@@ -145,4 +170,4 @@ def dropless_bytes(
     }
 
 
-_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED = 4, 2
+_MASKED_COPIES, _UNSCANNED_SMALLER_MASKED, _LAST_MASKED, _PACKED_HIDDEN = 4, 2, 3, 4
