@@ -246,8 +246,9 @@ class PredictedMemory:
 
     The peak is the largest of these moments (and, for unscanned `full`, one a stack, below),
     each a sum of buffers live at once:
-      backward: state + batch + gradients (whole over the batch axes until reduced, all layers:
-        the scan carries them) + saved activations (all layers, under the remat policy) + the
+      backward: state + batch + gradients (whole over the batch axes until reduced; a scanned
+        stack's in the parameters' sharding, the layer scan reducing each layer's as it goes,
+        beside the layer in hand's) + saved activations (all layers, under the remat policy) + the
         larger of the loss's temporaries ([B, L, V] fp32 logits and probabilities) and one
         layer's backward working set (its activations, recomputed under remat, and their
         cotangents);
@@ -281,6 +282,9 @@ class PredictedMemory:
     activation_kinds: tuple[tuple[str, int], ...] = ()
     # The executable in device memory (TPU: `memory_analysis` counts it; 0 elsewhere)
     code: int = 0
+    # The scanned stacks' part of `gradients` (in the parameters' sharding, and one layer's
+    # whole over the batch's axes where the scan reduces them); 0 unscanned
+    layer_gradients: int = 0
 
     @property
     def total(self) -> int:
@@ -345,7 +349,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     # XLA:CPU computes a bf16 master's gradient and its update in fp32 too
     # (activation_itemsize's upcast) and holds them so until the new state is written.
     upcast = act if act > compute else 0
-    grads = _unreduced_gradient_bytes(trainer, upcast)
+    grads, layer_grads = _gradient_bytes(trainer, upcast)
     # The gradient reduction and the update: beside the gradients, their reduced copies (the
     # optimizer's parameter-sized update).
     update = _tree_bytes_per_device(trainer.abstract_state().params, upcast)
@@ -362,8 +366,8 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     total = sum(backward.values())
     if total >= update:
         kinds = tuple(backward.items())
-        return PredictedMemory(state, batch, grads, 0, total, terms, kinds)
-    return PredictedMemory(state, batch, grads, update, 0, terms)
+        return PredictedMemory(state, batch, grads, 0, total, terms, kinds, 0, layer_grads)
+    return PredictedMemory(state, batch, grads, update, 0, terms, (), 0, layer_grads)
 
 
 def _state_and_batch(trainer: Trainer) -> tuple[int, int]:
@@ -388,7 +392,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
     vmem = int(tpu_memory.VMEM_SHARE * vmem_bytes_of_kind(kind))
     # Gradients on their way through the all-reduce stay in VMEM up to the budget.
-    grads = max(0, _unreduced_gradient_bytes(trainer) - vmem)
+    grads = max(0, _gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
     gathered = _gathered_layer_bytes(trainer)
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered)
     itemsize = activation_itemsize(cfg, "tpu")
@@ -446,28 +450,44 @@ def _embedding_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> tuple[
     return 0, 0
 
 
-def _unreduced_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> int:
-    """Gradient bytes per device before the reduction over the batch's mesh axes, each
-    element at least `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in fp32)."""
+def _gradient_bytes(
+    trainer: Trainer, min_itemsize: int = 0, scan_reduces: bool = True
+) -> tuple[int, int]:
+    """(all, the scanned stacks' part) gradient bytes per device as the backward pass holds
+    them, each element at least
+    `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in fp32): whole over the batch's
+    mesh axes until the reduction, except a scanned stack's layer gradients, which the layer
+    scan reduces (FSDP: reduce-scatters) one layer at a time into the parameters' sharding."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    total = 0
-    for x, s, names in zip(
-        jax.tree_util.tree_leaves(trainer.state_abstract.params),
+    scanned = scan_reduces and trainer.model.network_config.scan_layers
+    total = layers = 0
+    in_hand: dict[str, int] = {}  # a scanned stack's one layer of unreduced gradients
+    for (path, x), s, names in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
         jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
     ):
         # An expert kernel's `expert` dimension keeps its split even over the batch's axes: its
         # tokens come to it (the dispatch's all-to-all), its gradient is local.
         local = [mesh_axes_of(e) for e, n in zip(s.spec, names) if n == "expert"]
-        split = math.prod(
-            part.mesh.shape[t]
-            for e in s.spec
-            for t in mesh_axes_of(e)
-            if t not in batch_axes or any(t in a for a in local)
+        size = math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
+        unsplit = [t for e in s.spec for t in mesh_axes_of(e)]
+        unreduced = size // math.prod(
+            part.mesh.shape[t] for t in unsplit if t not in batch_axes or any(t in a for a in local)
         )
-        total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize) // split
-    return total
+        if not (scanned and "layers" in names):
+            total += unreduced
+            continue
+        reduced = size // math.prod(part.mesh.shape[t] for t in unsplit)
+        layers += reduced
+        if reduced == unreduced:
+            continue
+        # The layer in hand's gradient, whole over the batch's axes until its reduction.
+        stack = jax.tree_util.keystr(path[:1])
+        in_hand[stack] = in_hand.get(stack, 0) + unreduced // x.shape[names.index("layers")]
+    layers += max(in_hand.values(), default=0)
+    return total + layers, layers
 
 
 # --- the models the accuracy is stated on ----------------------------------------------------

@@ -215,12 +215,11 @@ def _lookup_choice(trainer: Trainer, f: PipelineFigures) -> tuple:
     return lookup
 
 
-def _layer_gradients(trainer: Trainer, unreduced: bool = False, stack: str = "") -> int:
-    """Bytes per device of the stage's layer gradients (at least fp32: XLA:CPU differentiates
-    bf16 masters in fp32), in the parameters' sharding, or `unreduced`: whole over the batch's
-    mesh axes (before FSDP's reduce-scatter); of one `stack` ('encoder', 'decoder') if named."""
+def _layer_gradients(trainer: Trainer, stack: str = "") -> int:
+    """Bytes per device of the stage's layer gradients in the parameters' sharding (at least
+    fp32: XLA:CPU differentiates bf16 masters in fp32); of one `stack` ('encoder', 'decoder')
+    if named."""
     part = trainer.partitioner
-    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     total = 0
     for (path, x), s, names in zip(
         jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
@@ -229,12 +228,7 @@ def _layer_gradients(trainer: Trainer, unreduced: bool = False, stack: str = "")
     ):
         if "layers" not in names or (stack and f"'{stack}'" not in jax.tree_util.keystr(path)):
             continue
-        split = math.prod(
-            part.mesh.shape[t]
-            for e in s.spec
-            for t in mesh_axes_of(e)
-            if not (unreduced and t in batch_axes)
-        )
+        split = math.prod(part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e))
         total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, 4) // split
     return total
 
@@ -326,16 +320,12 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     working = max(works)
     predicted = memory.predict_memory(trainer)
     # The tick loop's backward carries the stage's layer gradients summed over the ticks beside
-    # the tick's own, both in the parameters' sharding: the layer scan reduce-scatters each
-    # layer's (FSDP) as it goes, so of predict_memory's `gradients` (whole over the batch's
-    # axes) only the rest stays unreduced. Counting them unreduced put Llama-2-7B's `fsdp
-    # 4:4x1` at 1.35x XLA:CPU's figure (docs/pipeline.md).
+    # the tick's own, both in the parameters' sharding (the layer scan reduce-scatters each
+    # layer's, FSDP, as it goes), in place of predict_memory's one stack of them.
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients
-        - _layer_gradients(trainer, unreduced=True)
-        + 2 * _layer_gradients(trainer),
+        predicted.gradients - predicted.layer_gradients + 2 * _layer_gradients(trainer),
         in_flight,
         stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
@@ -447,7 +437,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     # A B reduces its layers' gradients inside the layer scan (FSDP: reduce-scatters them),
     # so the stage's layer gradients are held in the parameters' sharding (the schedule
     # loop's accumulator), never unreduced.
-    gradients = predicted.gradients - _layer_gradients(trainer, unreduced=True)
+    gradients = predicted.gradients - predicted.layer_gradients
     return PipelineMemory(
         predicted.state,
         predicted.batch,
