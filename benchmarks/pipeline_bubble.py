@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, GPipe m=2, 2 repetitions")
     ap.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=None)
-    ap.add_argument("--reps", type=int, default=7, help="timed rounds (median)")
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds (median)")
     ap.add_argument("--microbatches", type=int, nargs="+", default=None, help="default 2 4 8")
     ap.add_argument(
         "--timeout", type=int, default=600, help="seconds before the workers are killed"
