@@ -24,7 +24,7 @@ rounds (each round one step of every layout, so host load drifts alike over all 
   each stage in the steady state) idle as much.
 
 Every pipelined step's loss is checked against the reference's step for step (same init, same
-data, Adam updates): the largest relative difference is reported and must be <= 1e-4.
+data, Adam updates): the largest relative difference is a figure whose goal is <= 1e-4.
 
   python benchmarks/pipeline_bubble.py [--smoke] [--reps N] [--microbatches 2 4 8] [--out PATH]
 """
