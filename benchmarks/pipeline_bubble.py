@@ -86,7 +86,9 @@ def _launch(args: argparse.Namespace, raw: Path) -> tuple[list[int], float]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = _free_port()
     common = [sys.executable, __file__, "--reps", str(args.reps), "--schedules", *args.schedules]
-    common += ["--microbatches", *map(str, args.microbatches)] + (["--smoke"] if args.smoke else [])
+    common += ["--microbatches", *map(str, args.microbatches), "--batch", str(args.batch)] + (
+        ["--smoke"] if args.smoke else []
+    )
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
@@ -141,7 +143,7 @@ def _measure(args: argparse.Namespace) -> dict:
         CONFIG, num_layers=2, emb_dim=32, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64
     )
     config = smoke_cfg if args.smoke else CONFIG
-    batch, length = (SMOKE_BATCH, SMOKE_LENGTH) if args.smoke else (BATCH, LENGTH)
+    batch, length = (SMOKE_BATCH, SMOKE_LENGTH) if args.smoke else (args.batch, LENGTH)
     tokens = np.random.default_rng(0).integers(1, config.vocab_size, (batch, length))
     host = {
         "decoder_input_tokens": tokens.astype(np.int32),
@@ -256,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=None)
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (median)")
     ap.add_argument("--microbatches", type=int, nargs="+", default=None, help="default 2 4 8")
+    ap.add_argument("--batch", type=int, default=BATCH, help="global batch (rows of 64 tokens)")
     ap.add_argument(
         "--timeout", type=int, default=600, help="seconds before the workers are killed"
     )
@@ -273,10 +276,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker is not None:
         _worker(args)
         return None
-    bad = [m for m in args.microbatches if m < PROCESSES]
+    bad = [m for m in args.microbatches if m < PROCESSES or args.batch % (PROCESSES * m)]
     if bad or args.reps < 1:
         what = f"--microbatches {bad[0]}" if bad else f"--reps {args.reps}"
-        sys.exit(f"pipeline_bubble.py: error: {what}: need microbatches >= {PROCESSES}, reps >= 1")
+        sys.exit(
+            f"pipeline_bubble.py: error: {what}: need microbatches >= {PROCESSES} that divide"
+            f" --batch {args.batch} / {PROCESSES}, reps >= 1"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
         cores, wall = _launch(args, raw_path)

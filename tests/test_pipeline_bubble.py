@@ -55,7 +55,8 @@ def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
     proc = _run(tmp_path, "--microbatches", "4", "1")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
-        "pipeline_bubble.py: error: --microbatches 1: need microbatches >= 2, reps >= 1"
+        "pipeline_bubble.py: error: --microbatches 1: need microbatches >= 2 that divide"
+        " --batch 32 / 2, reps >= 1"
     ]
 
 
