@@ -276,12 +276,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker is not None:
         _worker(args)
         return None
-    bad = [m for m in args.microbatches if m < PROCESSES or args.batch % (PROCESSES * m)]
-    if bad or args.reps < 1:
+    bad = [m for m in args.microbatches if m < PROCESSES or args.batch % m]
+    if bad or args.reps < 1 or args.batch % PROCESSES:
         what = f"--microbatches {bad[0]}" if bad else f"--reps {args.reps}"
+        what = what if bad or args.reps < 1 else f"--batch {args.batch}"
         sys.exit(
             f"pipeline_bubble.py: error: {what}: need microbatches >= {PROCESSES} that divide"
-            f" --batch {args.batch} / {PROCESSES}, reps >= 1"
+            f" --batch {args.batch}, a batch even, reps >= 1"
         )
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"

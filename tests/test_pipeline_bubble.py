@@ -56,7 +56,7 @@ def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "pipeline_bubble.py: error: --microbatches 1: need microbatches >= 2 that divide"
-        " --batch 32 / 2, reps >= 1"
+        " --batch 32, a batch even, reps >= 1"
     ]
 
 
