@@ -60,10 +60,15 @@ TOLERANCE = 0.05  # measured bubble within this of the analytic fraction (absolu
 
 
 def _trainer(
-    stages: int, microbatches: int, batch: int, length: int, schedule: str = "gpipe"
+    stages: int,
+    microbatches: int,
+    batch: int,
+    length: int,
+    schedule: str = "gpipe",
+    config: network.DecoderOnlyConfig = CONFIG,
 ) -> Trainer:
     cfg = dataclasses.replace(
-        CONFIG, pipeline_microbatches=microbatches, pipeline_schedule=schedule
+        config, pipeline_microbatches=microbatches, pipeline_schedule=schedule
     )
     rules = (
         partitioning.pipeline_rules("megatron")

@@ -1,0 +1,331 @@
+"""The pipeline bubble as idle time: stage=2 on 2 processes, each pinned to its own CPU core.
+
+benchmarks/pipeline.py puts 8 fake devices on the host's shared cores, so a step's time is the
+work of all devices together and the bubble shows only as extra work. Here each of 2 processes
+owns one CPU device and one core (`os.sched_setaffinity`, XLA:CPU's Eigen pool off), joined by
+`jax.distributed` with gloo collectives into one 2-device mesh: the two stages run truly in
+parallel, and a stage waiting on its neighbour is idle time.
+
+On the same 2 processes and the same global batch and model it times, median of `--reps`
+rounds (each round one step of every layout, so host load drifts alike over all of them):
+
+- the unpipelined step (data=2), `t_ref`, and its forward pass alone (the eval step), `t_fwd`;
+- GPipe (stage=2) for each microbatch count `m`: each stage runs `m + p - 1` ticks forward and
+  backward on `1/m` of the batch, computing (on a stale buffer) in the bubble too, so the step
+  takes `(m + p - 1) / m` times the reference; idle share `1 - t_ref / t_pipe` against the
+  analytic `(p - 1) / (m + p - 1)`;
+- 1F1B (stage=2) for each `m`: t5lite's 1F1B (model/schedules.py) runs the stack forward
+  three times (the forward pass, the schedule's F, the recompute in B), so its busy work is
+  the reference's plus two stack forwards: `W = t_ref + 2 t_fwd` (t_fwd also counts the
+  embedding and logits, run once: W is slightly over; without the measurement, backward = 2
+  forwards would give `W = 5/3 t_ref`). Idle share `1 - W / t_pipe`, against the same analytic
+  fraction: its forward pass idles `p - 1` of `T = m + p - 1` ticks, and its schedule's `2T`
+  half-ticks (at p=2, every pair of half-ticks between two permutes holds one F and one B on
+  each stage in the steady state) idle as much.
+
+Every pipelined step's loss is checked against the reference's step for step (same init, same
+data, Adam updates): the largest relative difference is a figure whose goal is <= 1e-4.
+
+  python benchmarks/pipeline_bubble.py [--smoke] [--reps N] [--microbatches 2 4 8] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _record import write_record  # noqa: E402
+
+PROCESSES = 2  # = stages: one stage (or one data shard) a process, a process a core
+BATCH, LENGTH = 32, 64
+SMOKE_BATCH, SMOKE_LENGTH = 8, 16
+LOSS_RTOL = 1e-4
+TOLERANCE = 0.05  # measured idle share within this of the analytic fraction (absolute)
+# One thread of compute a process: XLA:CPU's Eigen pool off, so a process's matmuls do not
+# spread over threads the pinned core must time-slice anyway.
+WORKER_XLA_FLAGS = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
+# The smoke checks that the benchmark runs and the losses agree, not the times: cheap code
+# generation (as `inspect` compiles) keeps its compiles short.
+SMOKE_FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pinner(core: int):
+    """Pins the child (every thread it will start) to `core`, before it execs Python."""
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def _launch(args: argparse.Namespace, raw: Path) -> tuple[list[int], float]:
+    """Runs the 2 worker processes to completion; returns the cores used and the wall time."""
+    cores = sorted(os.sched_getaffinity(0))
+    picked = [cores[i % len(cores)] for i in range(PROCESSES)]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
+    env.update(
+        JAX_PLATFORMS="cpu", XLA_FLAGS=WORKER_XLA_FLAGS + (SMOKE_FLAGS if args.smoke else "")
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    port = _free_port()
+    common = [sys.executable, __file__, "--reps", str(args.reps), "--schedules", *args.schedules]
+    common += ["--microbatches", *map(str, args.microbatches), "--batch", str(args.batch)] + (
+        ["--smoke"] if args.smoke else []
+    )
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [*common, "--worker", str(i), "--port", str(port), "--raw", str(raw)],
+            env=env,
+            preexec_fn=_pinner(picked[i]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(PROCESSES)
+    ]
+    failed = []
+    for i, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            sys.exit(f"pipeline_bubble.py: error: worker {i} ran past --timeout={args.timeout} s")
+        if p.returncode:
+            failed.append((i, p.returncode, err))
+    if failed:
+        i, rc, err = failed[0]
+        sys.stderr.write(err[-3000:])
+        sys.exit(f"pipeline_bubble.py: error: worker process {i} exited with {rc} (above)")
+    return picked, time.perf_counter() - t0
+
+
+def _layouts(schedules: list[str], microbatches: list[int]) -> list[tuple[str, int, int]]:
+    """(schedule, stages, microbatches): the reference first, then each pipelined layout."""
+    pipes = [(s, PROCESSES, m) for s in schedules for m in microbatches]
+    return [("none", 1, 1), *pipes]
+
+
+def _key(schedule: str, m: int) -> str:
+    return "reference" if schedule == "none" else f"{schedule}_m{m}"
+
+
+def _loss(metrics: dict) -> float:
+    """The step's mean token loss, from its summable metrics (replicated scalars)."""
+    return float(metrics["loss_sum"]) / max(float(metrics["loss_denominator"]), 1.0)
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """In each worker: compile every layout, then time `reps` rounds of one step each."""
+    import jax
+    import numpy as np
+    from pipeline import CONFIG, _trainer
+
+    smoke_cfg = dataclasses.replace(
+        CONFIG, num_layers=2, emb_dim=32, num_heads=2, num_kv_heads=2, head_dim=16, mlp_dim=64
+    )
+    config = smoke_cfg if args.smoke else CONFIG
+    batch, length = (SMOKE_BATCH, SMOKE_LENGTH) if args.smoke else (args.batch, LENGTH)
+    tokens = np.random.default_rng(0).integers(1, config.vocab_size, (batch, length))
+    host = {
+        "decoder_input_tokens": tokens.astype(np.int32),
+        "decoder_target_tokens": np.roll(tokens, -1, 1).astype(np.int32),
+        "decoder_loss_weights": np.ones((batch, length), np.float32),
+    }
+    runs = {}
+    for schedule, p, m in _layouts(args.schedules, args.microbatches):
+        tr = _trainer(p, m, batch, length, "gpipe" if p == 1 else schedule, config)
+        data = tr.global_batch_from_full(host)
+        state, met = tr.train_step(tr.init_state(), data)  # compiles
+        runs[_key(schedule, m)] = {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
+    ref = runs["reference"]
+    forward = "1f1b" in args.schedules  # its busy work counts the stack's forwards
+    if forward:
+        jax.block_until_ready(ref["tr"].eval_step(ref["state"].params, ref["data"]))  # compiles
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    times.update({"reference_forward": []} if forward else {})
+    for _ in range(args.reps):
+        for key, run in runs.items():
+            t0 = time.perf_counter()
+            run["state"], met = run["tr"].train_step(run["state"], run["data"])
+            jax.block_until_ready(met)
+            times[key].append(time.perf_counter() - t0)
+            run["loss"].append(_loss(met))
+        if not forward:
+            continue
+        t0 = time.perf_counter()
+        jax.block_until_ready(ref["tr"].eval_step(ref["state"].params, ref["data"]))
+        times["reference_forward"].append(time.perf_counter() - t0)
+    return {
+        "times": times,
+        "losses": {k: r["loss"] for k, r in runs.items()},
+        "devices": [str(d) for d in jax.devices()],
+        "config": dataclasses.asdict(config),
+        "batch": batch,
+        "length": length,
+    }
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from t5lite import distributed
+
+    distributed.initialize(f"127.0.0.1:{args.port}", PROCESSES, args.worker)
+    raw = _measure(args)
+    raw["affinity"] = sorted(os.sched_getaffinity(0))
+    if args.worker == 0:
+        Path(args.raw).write_text(json.dumps(raw))
+
+
+def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
+    """Idle shares against the analytic bubble, and the losses against the reference's."""
+    med = {k: statistics.median(v) for k, v in raw["times"].items()}
+    t_ref, t_fwd = med["reference"], med.get("reference_forward", 0.0)
+    ref_loss = raw["losses"]["reference"]
+    figures, rows, worst = [], [], 0.0
+    for key, losses in raw["losses"].items():
+        if key == "reference":
+            continue
+        schedule, m = key.split("_m")[0], int(key.split("_m")[1])
+        p = PROCESSES
+        analytic = (p - 1) / (m + p - 1)
+        work = t_ref if schedule == "gpipe" else t_ref + 2 * t_fwd
+        idle = 1 - work / med[key]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_loss))
+        worst = max(worst, diff)
+        rows.append((schedule, m, med[key], med[key] / t_ref, work, idle, analytic, diff))
+        figures.append({
+            "name": f"{schedule}_idle_share_stage{p}_m{m}",
+            "value": round(idle, 4),
+            "unit": "fraction of the step",
+            "reference": round(analytic, 4),
+            "ratio": round(med[key] / work, 4),
+            "goal": f"|value - reference| <= {TOLERANCE}",
+            "met": bool(abs(idle - analytic) <= TOLERANCE),
+            "step_s": round(med[key], 4),
+            "busy_work_s": round(work, 4),
+        })  # fmt: skip
+    figures.append({
+        "name": "loss_max_relative_difference",
+        "value": float(f"{worst:.3g}"),
+        "unit": "relative",
+        "reference": 0.0,
+        "ratio": None,
+        "goal": f"<= {LOSS_RTOL}",
+        "met": bool(worst <= LOSS_RTOL),
+    })  # fmt: skip
+    return figures, rows
+
+
+def _print(raw: dict, rows: list[tuple]) -> None:
+    med = {k: statistics.median(v) for k, v in raw["times"].items()}
+    fwd = med.get("reference_forward")
+    print(
+        f"unpipelined (data=2): {1e3 * med['reference']:.1f} ms/step"
+        + (f", its forward alone {1e3 * fwd:.1f} ms" if fwd else "")
+    )
+    print(
+        f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'x ref':>6} {'busy ms':>8} {'idle':>7}"
+        f" {'analytic':>8} {'loss rel diff':>13}"
+    )
+    for schedule, m, t, x, work, idle, analytic, diff in rows:
+        print(
+            f"{schedule:>8} {m:>3} {1e3 * t:>9.1f} {x:>6.2f} {1e3 * work:>8.1f} {idle:>7.1%}"
+            f" {analytic:>8.1%} {diff:>13.2e}"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, GPipe m=2, 2 repetitions")
+    ap.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=None)
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds (median)")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=None, help="default 2 4 8")
+    ap.add_argument("--batch", type=int, default=BATCH, help="global batch (rows of 64 tokens)")
+    ap.add_argument(
+        "--timeout", type=int, default=600, help="seconds before the workers are killed"
+    )
+    ap.add_argument("--out", default="benchmarks/results/pipeline_bubble.json")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--raw", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.schedules is None:
+        args.schedules = ["gpipe"] if args.smoke else ["gpipe", "1f1b"]
+    if args.microbatches is None:
+        args.microbatches = [2] if args.smoke else [2, 4, 8]
+    if args.smoke:
+        args.reps = min(args.reps, 2)
+    if args.worker is not None:
+        _worker(args)
+        return None
+    bad = [m for m in args.microbatches if m < PROCESSES or args.batch % m]
+    if bad or args.reps < 1 or args.batch % PROCESSES:
+        what = f"--microbatches {bad[0]}" if bad else f"--reps {args.reps}"
+        what = what if bad or args.reps < 1 else f"--batch {args.batch}"
+        sys.exit(
+            f"pipeline_bubble.py: error: {what}: need microbatches >= {PROCESSES} that divide"
+            f" --batch {args.batch}, a batch even, reps >= 1"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = Path(tmp) / "raw.json"
+        cores, wall = _launch(args, raw_path)
+        raw = json.loads(raw_path.read_text())
+    return _record(args, raw, cores, wall)
+
+
+def _record(args: argparse.Namespace, raw: dict, cores: list[int], wall: float) -> dict:
+    import flax
+    import jax
+
+    figures, rows = _figures(raw)
+    record = {
+        "benchmark": "pipeline_bubble",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
+        f"{PROCESSES} processes x 1 CPU device, pinned to cores {cores}",
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "flax": flax.__version__,
+        },
+        "settings": {
+            "reps": args.reps,
+            "smoke": args.smoke,
+            "schedules": args.schedules,
+            "microbatches": args.microbatches,
+            "batch": raw["batch"],
+            "length": raw["length"],
+            "config": raw["config"],
+            "load_average_after": list(os.getloadavg()),
+            "wall_s": round(wall, 1),
+            "xla_flags": WORKER_XLA_FLAGS,
+        },
+        "seconds": raw["times"],
+        "losses": raw["losses"],
+        "figures": figures,
+    }
+    _print(raw, rows)
+    write_record(record, args.out)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""benchmarks/pipeline_bubble.py: 2 pinned processes, stage=2, idle share against the analytic
+bubble; its smoke mode in a subprocess, and its arithmetic on given times."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # 2 processes that each compile 2 steps: ~20 s on a quiet host
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "pipeline_bubble.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import pipeline_bubble  # noqa: E402
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_smoke_two_processes_equal_losses_and_record(tmp_path):
+    out = tmp_path / "bubble.json"
+    proc = _run(tmp_path, "--smoke", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record) >= {"benchmark", "date", "machine", "versions", "figures"}
+    assert record["benchmark"] == "pipeline_bubble"
+    assert "2 processes x 1 CPU device" in record["machine"]
+    names = [f["name"] for f in record["figures"]]
+    assert names == ["gpipe_idle_share_stage2_m2", "loss_max_relative_difference"]
+    bubble, losses = record["figures"]
+    # GPipe, p = 2, m = 2: (p - 1) / (m + p - 1) = 1/3.
+    assert bubble["reference"] == round(1 / 3, 4)
+    assert bubble["ratio"] == pytest.approx(bubble["step_s"] / bubble["busy_work_s"], rel=1e-2)
+    # The pipelined steps' losses (step 1, then one a repetition) equal the unpipelined ones.
+    ref, pipe = record["losses"]["reference"], record["losses"]["gpipe_m2"]
+    assert len(ref) == len(pipe) == 1 + record["settings"]["reps"]
+    assert pipe == pytest.approx(ref, rel=pipeline_bubble.LOSS_RTOL)
+    assert losses["met"] and losses["value"] <= pipeline_bubble.LOSS_RTOL
+    assert len(record["seconds"]["reference"]) == record["settings"]["reps"]
+
+
+def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
+    proc = _run(tmp_path, "--microbatches", "4", "1")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "pipeline_bubble.py: error: --microbatches 1: need microbatches >= 2 that divide"
+        " --batch 32, a batch even, reps >= 1"
+    ]
+
+
+def test_idle_shares_from_given_times():
+    """GPipe's idle share is 1 - t_ref / t; 1F1B's counts its two extra stack forwards."""
+    raw = {
+        "times": {
+            "reference": [1.0, 0.9, 1.1],
+            "reference_forward": [0.1, 0.1, 0.1],
+            "gpipe_m4": [1.25, 1.3, 1.2],  # median 1.25 = 5/4 t_ref: the analytic bubble
+            "1f1b_m4": [1.8, 1.8, 1.8],  # busy 1.0 + 2 x 0.1 = 1.2: idle 1/3
+        },
+        "losses": {"reference": [2.0, 1.5], "gpipe_m4": [2.0, 1.5], "1f1b_m4": [2.0, 1.5003]},
+    }
+    figures, rows = pipeline_bubble._figures(raw)
+    gpipe, onefb, loss = figures
+    assert gpipe["name"] == "gpipe_idle_share_stage2_m4"
+    assert gpipe["value"] == pytest.approx(0.2) and gpipe["reference"] == 0.2 and gpipe["met"]
+    assert onefb["busy_work_s"] == pytest.approx(1.2)
+    assert onefb["value"] == pytest.approx(1 / 3, abs=1e-4) and not onefb["met"]
+    assert loss["value"] == pytest.approx(2e-4) and not loss["met"]
+    assert [r[0] for r in rows] == ["gpipe", "1f1b"]
