@@ -49,6 +49,7 @@ def test_smoke_two_processes_equal_losses_and_record(tmp_path):
     assert pipe == pytest.approx(ref, rel=pipeline_bubble.LOSS_RTOL)
     assert losses["met"] and losses["value"] <= pipeline_bubble.LOSS_RTOL
     assert len(record["seconds"]["reference"]) == record["settings"]["reps"]
+    assert len(record["seconds"]["local"]) == record["settings"]["reps"]
 
 
 def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
@@ -61,11 +62,13 @@ def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
 
 
 def test_idle_shares_from_given_times():
-    """GPipe's idle share is 1 - t_ref / t; 1F1B's counts its two extra stack forwards."""
+    """GPipe's idle share is 1 - t_local / t (t_local: the unpipelined step on one device and
+    half the batch, no collective); 1F1B's counts its two extra stack forwards."""
     raw = {
         "times": {
-            "reference": [1.0, 0.9, 1.1],
-            "reference_forward": [0.1, 0.1, 0.1],
+            "reference": [1.6, 1.5, 1.7],  # data=2, gloo all-reduces: not the busy work
+            "local": [1.0, 0.9, 1.1],
+            "local_forward": [0.1, 0.1, 0.1],
             "gpipe_m4": [1.25, 1.3, 1.2],  # median 1.25 = 5/4 t_ref: the analytic bubble
             "1f1b_m4": [1.8, 1.8, 1.8],  # busy 1.0 + 2 x 0.1 = 1.2: idle 1/3
         },
