@@ -396,7 +396,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
         for n, a in layers
     ]
-    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathered > 0)
+    gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

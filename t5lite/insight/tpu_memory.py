@@ -105,11 +105,18 @@ def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0
     return {**_add(kept, work, loss), **regathered}, terms
 
 
+def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
+    """Whether every block runs collectives of its own (their kernels are code per block):
+    FSDP's weight gathers (`fsdp`), a split `embed`'s activation gathers and reduce-scatters
+    (the 2D layouts), context parallelism's gathered keys and values."""
+    return fsdp or any(a["embed_split"] or a["kv_gathered"] for _, a in layers)
+
+
 def code_bytes(blocks: list[tuple[int, int]], remat: str, gathered: bool = False) -> int:
     """Bytes of the TPU executable. `blocks`: (count, elements) per stack, `count` the blocks
     compiled as their own kernels (every block of unrolled layers, one layer's per stack when
-    scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: FSDP's weights
-    gathered over the batch axes."""
+    scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: each block
+    gathers and reduce-scatters (`gathers_in_blocks`)."""
     remat_on = remat == "full"  # `minimal` recomputes only what is fused anyway
     total = _CODE_FIXED
     for count, elements in blocks:
