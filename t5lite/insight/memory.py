@@ -390,7 +390,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     # Gradients on their way through the all-reduce stay in VMEM up to the budget.
     grads = max(0, _unreduced_gradient_bytes(trainer) - vmem)
     gathered = _gathered_layer_bytes(trainer)
-    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered)
+    arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
+    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     itemsize = activation_itemsize(cfg, "tpu")
     blocks = [
         ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
