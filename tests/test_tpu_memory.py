@@ -25,11 +25,13 @@ pytestmark = pytest.mark.skipif(
 BF16 = "params=bfloat16,compute=bfloat16,output=float32"
 BF16_MASTERS = BF16 + ",master=bfloat16"
 # (family, preset, remat, precision), layers unrolled as shipped: both families, each policy
-# and remat policy once, Megatron, FSDP and data parallel.
+# and remat policy once, Megatron, FSDP, data parallel and context parallelism (whose gathered
+# keys and values add code to every block: tpu_memory.gathers_in_blocks).
 _CASES = [
     ("t5", "megatron", "none", BF16),
     ("lm", "fsdp", "full", "float32"),
     ("lm", "data_parallel", "minimal", BF16_MASTERS),
+    ("lm", "context_parallel", "full", BF16_MASTERS),
 ]
 
 _SCRIPT = textwrap.dedent(

@@ -394,13 +394,15 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     # Gradients on their way through the all-reduce stay in VMEM up to the budget.
     grads = max(0, _gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
     gathered = _gathered_layer_bytes(trainer)
-    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered)
+    arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
+    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     itemsize = activation_itemsize(cfg, "tpu")
     blocks = [
         ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
         for n, a in layers
     ]
-    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathered > 0)
+    gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

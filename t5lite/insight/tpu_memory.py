@@ -17,12 +17,17 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   remat the peak is inside the backward: the scheduler overlaps the stacks' backward passes, so
   one recomputed layer of each stack is live beside every layer's saved inputs, and under FSDP
   every layer's weights gathered again for the recomputation (live-range dumps, `full`).
-- Memory-space assignment keeps short-lived buffers in the core's VMEM (on chip, not counted
-  in HBM): the loss's logits and cotangent, and the gradients on their way through the
-  all-reduce (whose operands the compiled HLO places in `S(1)`), up to a budget of a quarter
-  of VMEM (`VMEM_SHARE`; the gradients of the test-size models, up to 34 MiB on v5e's 128,
-  stayed on chip). Long-lived saved activations stay in HBM. At T5.1.1-small sizes these
-  buffers are hundreds of MiB and mostly in HBM; at test sizes this decides the figure.
+- Memory-space assignment moves the peak's values into the core's VMEM (on chip, not counted
+  in HBM) while they fit, the loss's logits and cotangent first: up to a budget of a quarter of
+  VMEM (`VMEM_SHARE`), which holds every activation of the test-size models on v5e (their
+  temporaries are the same in fp32 and bf16, with remat and without); what overflows it stays
+  in HBM (T5.1.1-small's sizes: hundreds of MiB). Gradients on their way through the
+  all-reduce (operands in `S(1)` in the compiled HLO) stay on chip up to the same budget.
+- Each parameter array leaves scalars in HBM (its finiteness check, the flags of its
+  prefetches and all-reduce), each in its own 16 KiB-aligned slot, and `memory_analysis`
+  reserves about as much again beyond the buffer assignment: `ARRAY_SLOTS` a parameter array
+  (buffer assignment of the test-size decoder-only model on v5e, Megatron: 290 scalars over
+  3.7 MiB, 21 arrays, and 3.4 MiB of temporaries beyond it).
 - The executable itself lives in HBM and `memory_analysis` counts it (`generated_code`):
   unrolled layers each add their own kernels, FSDP's gathers and reduce-scatters theirs.
 """
@@ -46,6 +51,8 @@ _CODE_REMAT = 0.1  # the recomputation's share of a block's code under remat
 # megatron's 14.6 / 16.0.
 _CODE_GATHERED_BLOCK = 0.4 * 2**20
 VMEM_SHARE = 0.25
+# HBM a parameter array takes in scalar slots and the reserve beside them (module docstring).
+ARRAY_SLOTS = 20 * 16 * 2**10
 # Code per block at T5.1.1-small's sizes (8x the test-size [B, L, D] a device): 4.2 MiB a T5
 # block, 5.6 an FSDP decoder-only one; growth exponent 0.8 (fitted on those two programs,
 # which it leaves 6-10% under).
@@ -86,30 +93,49 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0):
-    """The backward's peak activations in HBM by kind, and its terms: every layer's saved
+def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0, arrays: int = 0):
+    """The backward's peak temporaries in HBM by kind, and its terms: every layer's saved
     values; under `full` one recomputed layer of each stack and (FSDP) every layer's gathered
-    weights; the loss's buffers beyond what VMEM holds (`vmem`: the budget, bytes)."""
+    weights; the loss's buffers; all of it beyond what VMEM holds (`vmem`: the budget, bytes),
+    the loss's first; and each of the `arrays` parameter arrays' scalar slots."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
     # 14.3).
     work = _add(*(saved(a, "none") for _, a in layers)) if remat == "full" else {}
-    loss = {"logits+loss": max(0, _LOSS_BUFFERS * logits - vmem)}
+    loss = {"logits+loss": _LOSS_BUFFERS * logits}
     regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
+    values = {**_add(loss, kept, work), **regathered}
+    # Memory-space assignment moves the peak's values into VMEM while they fit: what is left in
+    # HBM is what overflows it (the loss first: it is the shortest-lived).
+    left = vmem
+    for k in ("logits+loss", *(k for k in values if k != "logits+loss")):
+        moved = min(left, values[k])
+        values[k] -= moved
+        left -= moved
+    values["parameter scalars"] = arrays * ARRAY_SLOTS
     terms = (
         ("saved activations", sum(kept.values())),
         ("layer working set", sum(work.values())),
         ("loss temporaries", loss["logits+loss"]),
+        ("held in VMEM", vmem - left),
+        ("parameter scalars", values["parameter scalars"]),
     )
-    return {**_add(kept, work, loss), **regathered}, terms
+    return values, terms
+
+
+def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
+    """Whether every block runs collectives of its own (their kernels are code per block):
+    FSDP's weight gathers (`fsdp`), a split `embed`'s activation gathers and reduce-scatters
+    (the 2D layouts), sequence parallelism's, context parallelism's gathered keys and values."""
+    return fsdp or any(a["embed_split"] or a["sp_gathered"] or a["kv_gathered"] for _, a in layers)
 
 
 def code_bytes(blocks: list[tuple[int, int]], remat: str, gathered: bool = False) -> int:
     """Bytes of the TPU executable. `blocks`: (count, elements) per stack, `count` the blocks
     compiled as their own kernels (every block of unrolled layers, one layer's per stack when
-    scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: FSDP's weights
-    gathered over the batch axes."""
+    scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: each block
+    gathers and reduce-scatters (`gathers_in_blocks`)."""
     remat_on = remat == "full"  # `minimal` recomputes only what is fused anyway
     total = _CODE_FIXED
     for count, elements in blocks:
