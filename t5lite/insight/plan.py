@@ -209,10 +209,20 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
         # about a third of a step's work), then the schedule's forwards and its backwards,
         # each recomputing its forward; its idle half-ticks compute nothing.
         hardware = est.hardware_flops * (f.ticks / f.microbatches + 4) / 3
+    # FSDP inside a stage gathers the stage's weights, and scatters their gradients, in every
+    # tick's forward and backward, not once a step: its collectives run `T` times.
+    fsdp = sum(
+        e.link_bytes
+        for e in a.communication.expected
+        if e.why.endswith(("gathered forward and backward", "gradients scattered back"))
+    )
+    link = est.link_bytes + (f.ticks - 1) * fsdp
     est = dataclasses.replace(
         est,
         hardware_flops=hardware,
         compute_s=hardware / device.peak_flops if device.peak_flops else None,
+        link_bytes=link,
+        communication_s=link / device.link_bytes_per_s if device.link_bytes_per_s else None,
     )
     return dataclasses.replace(a, predicted=predicted, estimate=est)
 
