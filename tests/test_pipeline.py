@@ -413,7 +413,7 @@ def test_t5_memory_within_10_percent(base, stages, num_partitions, remat, schedu
 
 def _plan_lm_fsdp(**kwargs) -> tuple[list, io.StringIO]:
     """`plan` of the test LM over the fsdp preset without remat on 8 devices, its best layout
-    compiled; `kwargs` add the stage counts, schedules, model sizes."""
+    compiled; `kwargs` add the stage counts, schedules, model sizes (or set `top_k`)."""
     from t5lite.insight.plan import plan
 
     model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
@@ -425,10 +425,9 @@ def _plan_lm_fsdp(**kwargs) -> tuple[list, io.StringIO]:
         num_devices=8,
         presets=["fsdp"],
         remat_policies=["none"],
-        top_k=1,
         stream=out,
         progress=io.StringIO(),
-        **kwargs,
+        **{"top_k": 1, **kwargs},
     )
     return ranked, out
 

@@ -6,43 +6,26 @@ pipeline first that compiled 2.7x slower than FSDP (docs/pipeline.md)."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 from conftest import require_devices
-from test_pipeline import BATCH, LENGTHS, LM
+from test_pipeline import _plan_lm_fsdp
 
-from t5lite.insight.plan import plan
-from t5lite.model import network, optimizers
-from t5lite.model.models import DecoderOnlyModel
+from t5lite.insight.communication import fsdp_link_bytes
 
 
 def test_pipelined_fsdp_link_bytes_match_the_compiled_step():
     require_devices(8)
-    model = DecoderOnlyModel(network.DecoderOnlyConfig(**LM), optimizer=optimizers.AdamW(1e-2))
-    ranked = plan(
-        model=model,
-        task_feature_lengths=LENGTHS,
-        batch_size=BATCH,
-        num_devices=8,
-        presets=["fsdp"],
-        remat_policies=["none"],
+    ranked, _ = _plan_lm_fsdp(
         stage_counts=(2,),
         model_sizes=[1, 2],
         device_memory_gib=64,  # nothing screened for memory: both compile
         top_k=2,
-        stream=io.StringIO(),
-        progress=io.StringIO(),
     )
     compiled = [c for c in ranked if c.step is not None]
     assert sorted((c.layout.data, c.layout.model) for c in compiled) == [(2, 2), (4, 1)]
     for c in compiled:
         ticks = c.layout.microbatches + c.layout.stages - 1
-        fsdp = sum(
-            e.link_bytes
-            for e in c.analytic.communication.expected
-            if e.why.endswith(("gathered forward and backward", "gradients scattered back"))
-        )
+        fsdp = fsdp_link_bytes(c.analytic.communication.expected)
         assert fsdp > 0 and c.estimate.link_bytes >= ticks * fsdp
         # XLA:CPU's extra is its all-reduce-plus-slice for the scatters inside stages
         # (docs/pipeline.md, Limits); once a step the ratio was 3.00 (4x1, m=2) / 2.42 (2x2, m=8).

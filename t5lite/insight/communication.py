@@ -233,6 +233,15 @@ def _parameter_collectives(
     return out, choices
 
 
+# The `why` endings of ZeRO-3's per-step rows (`_fsdp_collectives`), which pipelines repeat.
+_FSDP_GATHERS, _FSDP_SCATTERS = "gathered forward and backward", "gradients scattered back"
+
+
+def fsdp_link_bytes(expected: Sequence[ExpectedCollective]) -> float:
+    """Bytes each device sends in ZeRO-3's weight gathers and gradient scatters (once a step)."""
+    return sum(e.link_bytes for e in expected if e.why.endswith((_FSDP_GATHERS, _FSDP_SCATTERS)))
+
+
 def _fsdp_collectives(
     fsdp: dict[tuple[str, tuple[str, ...]], list[int]], mesh_shape: dict[str, int]
 ) -> tuple[list[ExpectedCollective], list[CompilerChoice]]:
@@ -267,13 +276,11 @@ def _fsdp_collectives(
                 )
             )
         out.append(
-            ExpectedCollective(
-                "all-gather", axes, 2 * n, 2 * b, size, f"{what} gathered forward and backward"
-            )
+            ExpectedCollective("all-gather", axes, 2 * n, 2 * b, size, f"{what} {_FSDP_GATHERS}")
         )
         out.append(
             ExpectedCollective(
-                "reduce-scatter", axes, n, b // size, size, f"{whose} gradients scattered back"
+                "reduce-scatter", axes, n, b // size, size, f"{whose} {_FSDP_SCATTERS}"
             )
         )
     return out, choices

@@ -456,10 +456,10 @@ def _gradient_bytes(
     trainer: Trainer, min_itemsize: int = 0, scan_reduces: bool = True
 ) -> tuple[int, int]:
     """(all, the scanned stacks' part) gradient bytes per device as the backward pass holds
-    them, each element at least
-    `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in fp32): whole over the batch's
-    mesh axes until the reduction, except a scanned stack's layer gradients, which the layer
-    scan reduces (FSDP: reduce-scatters) one layer at a time into the parameters' sharding."""
+    them, each element at least `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in
+    fp32): whole over the batch's mesh axes until the reduction, except a scanned stack's layer
+    gradients, which the layer scan reduces (FSDP: reduce-scatters) one layer at a time into
+    the parameters' sharding."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     scanned = scan_reduces and trainer.model.network_config.scan_layers

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from t5lite.insight.communication import fsdp_link_bytes
 from t5lite.insight.estimate import estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_named
 from t5lite.insight.memory import PredictedMemory
@@ -211,12 +212,7 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
         hardware = est.hardware_flops * (f.ticks / f.microbatches + 4) / 3
     # FSDP inside a stage gathers the stage's weights, and scatters their gradients, in every
     # tick's forward and backward, not once a step: its collectives run `T` times.
-    fsdp = sum(
-        e.link_bytes
-        for e in a.communication.expected
-        if e.why.endswith(("gathered forward and backward", "gradients scattered back"))
-    )
-    link = est.link_bytes + (f.ticks - 1) * fsdp
+    link = est.link_bytes + (f.ticks - 1) * fsdp_link_bytes(a.communication.expected)
     est = dataclasses.replace(
         est,
         hardware_flops=hardware,
