@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -35,10 +34,16 @@ from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_na
 from t5lite.insight.memory import PredictedMemory
 from t5lite.insight.meshes import mesh_over
 from t5lite.insight.pipeline import pipeline_figures, pipeline_memory
+from t5lite.insight.plan_output import (
+    FIT_MARGIN,
+    format_table,
+    least_memory,
+    pipeline_verdict,
+    screen_line,
+)
 from t5lite.insight.plot import check_plot_path, plot_layouts
 from t5lite.insight.report import analytic_figures, step_report
 from t5lite.insight.sharding import format_bytes
-from t5lite.insight.tables import format_table as _table
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import ranking_lines, whole_step_lines
 from t5lite.insight.topology import get_topology
@@ -61,9 +66,6 @@ from t5lite.trainer import Trainer
 _ASSUMED_PEAK_FLOPS = 100e12
 _ASSUMED_LINK_BYTES_PER_S = 100e9
 _ASSUMED_HBM_BYTES_PER_S = 1e12
-# The analytic memory is a model of XLA's buffer assignment, good to about this fraction: a
-# layout is screened out only when its prediction exceeds the device by more.
-FIT_MARGIN = 0.10
 
 
 def enumerate_layouts(
@@ -296,73 +298,6 @@ def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=key)
 
 
-def _ms(seconds: float | None) -> str:
-    return f"{1e3 * seconds:.3g}" if seconds is not None else "-"
-
-
-def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | None = 100) -> str:
-    """The ranked table, one row per layout (analytic and compiled figures side by side), then
-    the reasons of invalid or failed layouts."""
-    rows = [
-        (
-            "#",
-            "preset",
-            "mesh",
-            "remat",
-            "predicted",
-            "compiled",
-            "est ms",
-            "XLA ms",
-            "MFU",
-            "status",
-        )
-    ]
-    notes: dict[str, list[str]] = {}  # reason -> rows
-    for i, c in enumerate(ranked, 1):
-        e = c.estimate
-        mfu = e.mfu(device.peak_flops) if e else None
-        status = c.status
-        if status.startswith(("invalid:", "failed:")):
-            notes.setdefault(status, []).append(str(i))
-            status = status.split(":")[0]
-        rows.append(
-            (
-                str(i),
-                c.layout.preset,
-                (f"{c.layout.stages}:" if c.layout.stages > 1 else "")
-                + f"{c.layout.data}x{c.layout.model}",
-                c.layout.remat,
-                format_bytes(c.predicted.total) if c.predicted else "-",
-                format_bytes(c.memory) if c.memory is not None else "-",
-                _ms(e.step_s if e else None),
-                _ms(c.step_seconds),
-                f"{100 * mfu:.0f}%" if mfu is not None else "-",
-                status,
-            )
-        )
-    lines = _table(rows, max_width=width, shrink=(9,))
-    mem = format_bytes(device.memory_bytes) if device.memory_bytes else "unknown"
-    hbm = f"{device.hbm_bytes_per_s / 1e9:.0f} GB/s" if device.hbm_bytes_per_s else "unknown"
-    lines += [
-        "predicted: analytic memory/device; compiled: XLA's; est ms: analytic step (FLOPs, HBM",
-        "bytes, collectives); XLA ms: compiled FLOPs and collectives; MFU: from the analytic step;",
-        f"screened: not compiled, for memory (predicted > {100 + 100 * FIT_MARGIN:.0f}% of the "
-        "device)",
-        "or as slower than the compiled candidates (est ms)",
-        f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} TFLOP/s,"
-        f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
-    ]
-    if device.source:
-        src = f"figures: {device.source}"
-        lines += textwrap.wrap(src, width, subsequent_indent="  ") if width else [src]
-    if notes:
-        lines += ["invalid or failed:"]
-        for reason, rows_of in notes.items():
-            note = f"  {', '.join(rows_of)}: {reason}"
-            lines += textwrap.wrap(note, width, subsequent_indent="      ") if width else [note]
-    return "\n".join(lines)
-
-
 def _resolve_devices(
     num_devices: int | None, topology: str | None, device_name: str | None
 ) -> tuple[Sequence[Any], DeviceSpec]:
@@ -451,7 +386,7 @@ def plan(
         c, trainer = screen_layout(
             layout, model, devices, spec, batch_size, task_feature_lengths, num_microbatches
         )
-        say(f"[{i}/{len(layouts)}] {layout.name}: {_screen_line(c)}")
+        say(f"[{i}/{len(layouts)}] {layout.name}: {screen_line(c)}")
         screened.append(c)
         if trainer is not None:
             trainers[layout] = trainer
@@ -474,47 +409,12 @@ def plan(
     else:
         stream.write(f"best: {best.layout.name}\n")
     if any(c.layout.stages > 1 for c in ranked):
-        stream.write(_pipeline_verdict(ranked) if best else _least_memory(ranked))
+        stream.write(pipeline_verdict(ranked) if best else least_memory(ranked))
         stream.write("\n")
     if plot:
         plot_layouts([c for c in ranked if c.predicted is not None], plot)
         stream.write(f"plot: {plot}\n")
     return ranked
-
-
-def _pipeline_verdict(ranked: Sequence[Candidate]) -> str:
-    """Whether a pipeline won, against the best layout of the other kind."""
-    best = ranked[0]
-    # the other kind's best: compiled and fitting, else predicted to fit (ranked after those)
-    other = next(
-        (
-            c
-            for c in ranked
-            if (c.fits or c.status.startswith("screened: slow"))
-            and (c.layout.stages > 1) != (best.layout.stages > 1)
-        ),
-        None,
-    )
-    if best.layout.stages > 1:
-        vs = (
-            f"; the best without stages: {other.layout.name}"
-            if other
-            else ("; no layout without stages fits")
-        )
-        return f"a pipeline wins: {best.layout.name}{vs}"
-    vs = f"; the best pipeline: {other.layout.name}" if other else "; no pipeline fits"
-    return f"no pipeline wins{vs}"
-
-
-def _least_memory(ranked: Sequence[Candidate]) -> str:
-    """When nothing fits: the predicted memory of the smallest layout with and without stages."""
-    parts = []
-    for label, staged in (("with stages", True), ("without", False)):
-        mine = [c for c in ranked if c.predicted and (c.layout.stages > 1) == staged]
-        if mine:
-            c = min(mine, key=lambda c: c.predicted.total)
-            parts.append(f"{label} {c.layout.name} ({format_bytes(c.predicted.total)})")
-    return "least memory predicted: " + "; ".join(parts)
 
 
 def _with_overrides(
@@ -541,12 +441,6 @@ def _progress(out: TextIO) -> Callable[[str], None]:
         out.flush()
 
     return say
-
-
-def _screen_line(c: Candidate) -> str:
-    if c.predicted is None or c.estimate is None:
-        return c.status
-    return f"predicted {format_bytes(c.predicted.total)}, est {_ms(c.estimate.step_s)} ms"
 
 
 def _compile_winners(
