@@ -15,6 +15,7 @@ from t5lite.insight.flops import transformer_train_flops
 from t5lite.insight.hardware import DeviceSpec
 from t5lite.insight.memory import PredictedMemory
 from t5lite.insight.sharding import ShardingReport
+from t5lite.insight.slices import dcn_axes, expected_dcn_bytes, link_seconds, mesh_slices
 from t5lite.trainer import Trainer
 
 # Full remat runs each layer's forward twice: 4 forward-equivalents instead of 3.
@@ -32,6 +33,7 @@ class StepEstimate:
     compute_s: float | None
     hbm_s: float | None
     communication_s: float | None
+    dcn_bytes: float = 0.0  # the part of `link_bytes` that crosses slices (slices.py)
 
     @property
     def step_s(self) -> float | None:
@@ -63,6 +65,8 @@ def estimate_step(
     hbm = 2.0 * (predicted.state + predicted.gradients + predicted.update + predicted.activations)
     # Ring-algorithm bytes of every collective the layout implies (communication.py's model).
     link = sum(e.link_bytes for e in analytic.expected)
+    mesh = trainer.partitioner.mesh
+    dcn = expected_dcn_bytes(analytic.expected, dcn_axes(mesh, mesh_slices(mesh, device)))
 
     def over(x: float, rate: float | None) -> float | None:
         return x / rate if rate else None
@@ -74,5 +78,6 @@ def estimate_step(
         link_bytes=link,
         compute_s=over(hardware_flops, device.peak_flops),
         hbm_s=over(hbm, device.hbm_bytes_per_s),
-        communication_s=over(link, device.link_bytes_per_s),
+        communication_s=link_seconds(link, dcn, device),
+        dcn_bytes=dcn,
     )

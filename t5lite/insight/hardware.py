@@ -30,6 +30,9 @@ class ChipSpec:
     # TPU: on-chip vector memory per core, where XLA's memory-space assignment keeps buffers
     # out of HBM (jax/_src/pallas/mosaic/tpu_info.py's `vmem_capacity_bytes`); 0 elsewhere
     vmem_bytes: int = 0
+    # TPU: one direction of the data-center network bandwidth of one chip, the links between
+    # slices (multi-slice); 0 where the data sheet gives none
+    dcn_bytes_per_s: float = 0.0
 
 
 _TPU_DOCS = "https://cloud.google.com/tpu/docs/"
@@ -60,8 +63,10 @@ _CHIPS = (
         197e12,
         400e9 / 2,
         819e9,
-        _TPU_DOCS + "v5e (197 TFLOPs bf16; HBM2 16 GB, 819 GBps; ICI 400 GBps bidirectional)",
+        _TPU_DOCS + "v5e (197 TFLOPs bf16; HBM2 16 GB, 819 GBps; ICI 400 GBps bidirectional; "
+        "DCN: 2 x 100 Gbps NICs a host of 8 chips)",
         vmem_bytes=128 * 2**20,
+        dcn_bytes_per_s=2 * 100e9 / 8 / 8,
     ),
     ChipSpec(
         "v5p",
@@ -71,8 +76,9 @@ _CHIPS = (
         1200e9 / 2,
         2765e9,
         _TPU_DOCS + "v5p-training (459 TFLOPs bf16; HBM2e 95 GiB, 2765 GBps; ICI 1200 GBps "
-        "bidirectional)",
+        "bidirectional; DCN 50 Gbps a chip)",
         vmem_bytes=64 * 2**20,
+        dcn_bytes_per_s=50e9 / 8,
     ),
     ChipSpec(
         "v6e",
@@ -156,6 +162,10 @@ class DeviceSpec:
     link_bytes_per_s: float | None
     hbm_bytes_per_s: float | None = None
     source: str | None = None  # where the figures come from (None: the runtime, or unknown)
+    # Multi-slice: the data-center network between slices, per device one way, and how many
+    # consecutive device ids form a slice (None: one slice; a device's own `slice_index` wins)
+    dcn_bytes_per_s: float | None = None
+    slice_devices: int | None = None
 
 
 def device_spec_of_kind(device_kind: str, cores_per_chip: int | None = None) -> DeviceSpec:
@@ -171,6 +181,7 @@ def device_spec_of_kind(device_kind: str, cores_per_chip: int | None = None) -> 
         chip.link_bytes_per_s / n,
         chip.hbm_bytes_per_s / n,
         chip.source,
+        chip.dcn_bytes_per_s / n or None,
     )
 
 

@@ -44,6 +44,7 @@ from t5lite.insight.plan_output import (
 from t5lite.insight.plot import check_plot_path, plot_layouts
 from t5lite.insight.report import analytic_figures, step_report
 from t5lite.insight.sharding import format_bytes
+from t5lite.insight.slices import dcn_axes, link_seconds, mesh_slices
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import ranking_lines, whole_step_lines
 from t5lite.insight.topology import get_topology
@@ -54,6 +55,7 @@ from t5lite.partitioning import (
     DATA,
     MODEL,
     PRESETS,
+    REPLICA,
     STAGE,
     Partitioner,
     PartitioningError,
@@ -76,6 +78,7 @@ def enumerate_layouts(
     stage_counts: Sequence[int] = (1,),
     batch_size: int | None = None,
     schedules: Sequence[str] = ("gpipe",),
+    slices: int = 1,
 ) -> list[Layout]:
     """Every distinct (stages, mesh, preset, remat) for `num_devices` devices.
 
@@ -83,7 +86,8 @@ def enumerate_layouts(
     mesh; `model = 1` is kept only for presets where it differs from data parallelism (FSDP).
     Each stage count `p > 1` that divides the devices adds GPipe layouts: the rest of the
     devices laid out as above in every stage, with `pipeline_microbatches(p, ...)`, once for
-    each of `schedules`.
+    each of `schedules`. Over `slices > 1` slices the layouts without stages come twice: laid
+    over all the devices, and as `replicas = slices` copies of a mesh over one slice's devices.
     """
     for name in schedules:
         if name not in PIPELINE_SCHEDULES:
@@ -97,6 +101,8 @@ def enumerate_layouts(
     for p in stage_counts:
         if p < 1 or num_devices % p:
             raise ValueError(f"plan: stage count {p} does not divide {num_devices} devices")
+    if slices < 1 or num_devices % slices:
+        raise ValueError(f"plan: slices={slices} does not divide {num_devices} devices")
     out = []
     for p in stage_counts:
         per_stage = num_devices // p
@@ -113,6 +119,12 @@ def enumerate_layouts(
                 for schedule in schedules if p > 1 else ("gpipe",):
                     for remat in remat_policies:
                         out.append(Layout(per_stage // m, m, preset, remat, p, mb, schedule))
+    if slices > 1:
+        out += [
+            dataclasses.replace(x, replicas=slices)
+            for x in enumerate_layouts(num_devices // slices, presets, remat_policies, model_sizes)
+            if x.preset != "data_parallel"  # the batch takes every axis: the same program
+        ]
     return out
 
 
@@ -140,7 +152,11 @@ def build_trainer(
     num_microbatches: int = 1,
 ) -> Trainer:
     """The trainer of one layout (PartitioningError/ValueError if the layout is invalid)."""
-    if layout.stages == 1:
+    if layout.replicas > 1:  # consecutive device blocks are the slices (`create_mesh`)
+        shape = {REPLICA: layout.replicas, DATA: layout.data, MODEL: layout.model}
+        grid = np.asarray(list(devices), dtype=object).reshape(tuple(shape.values()))
+        mesh = Mesh(grid, tuple(shape))
+    elif layout.stages == 1:
         mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
     else:
         # Stages are consecutive device blocks, each a data x model mesh (as `create_mesh`).
@@ -214,13 +230,20 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
         hardware = est.hardware_flops * (f.ticks / f.microbatches + 4) / 3
     # FSDP inside a stage gathers the stage's weights, and scatters their gradients, in every
     # tick's forward and backward, not once a step: its collectives run `T` times.
-    link = est.link_bytes + (f.ticks - 1) * fsdp_link_bytes(a.communication.expected)
+    expected = a.communication.expected
+    link = est.link_bytes + (f.ticks - 1) * fsdp_link_bytes(expected)
+    mesh = trainer.partitioner.mesh
+    slow = dcn_axes(mesh, mesh_slices(mesh, device))
+    dcn = est.dcn_bytes + (f.ticks - 1) * fsdp_link_bytes(
+        [e for e in expected if slow & set(e.axes)]
+    )
     est = dataclasses.replace(
         est,
         hardware_flops=hardware,
         compute_s=hardware / device.peak_flops if device.peak_flops else None,
         link_bytes=link,
-        communication_s=link / device.link_bytes_per_s if device.link_bytes_per_s else None,
+        dcn_bytes=dcn,
+        communication_s=link_seconds(link, dcn, device),
     )
     return dataclasses.replace(a, predicted=predicted, estimate=est)
 
@@ -328,6 +351,8 @@ def plan(
     device_memory_gib: float | None = None,
     link_bandwidth_gbps: float | None = None,
     peak_tflops: float | None = None,
+    slices: int = 1,
+    dcn_bandwidth_gbps: float | None = None,
     presets: Sequence[str] | None = None,
     remat_policies: Sequence[str] = REMAT_POLICIES,
     model_sizes: Sequence[int] | None = None,
@@ -353,6 +378,11 @@ def plan(
         figures (compiling still happens on the devices at hand).
       device_memory_gib, link_bandwidth_gbps, peak_tflops: per-device figures; override the
         device's (required to drop layouts when the device's memory is unknown, e.g. CPU).
+      slices, dcn_bandwidth_gbps: plan for `slices` slices of consecutive devices joined by a
+        data-center network of `dcn_bandwidth_gbps` GB/s a device each way (default: the
+        device's DCN figure, where the hardware table has one): collectives that cross slices
+        run at that rate (`slices.py`), and `replica x data x model` layouts (one copy of the
+        model a slice) join the search.
       presets, remat_policies, model_sizes: restrict the search space (presets default:
         every preset that applies to the model, `presets_for`).
       stage_counts: pipeline stage counts to search (1: no pipeline); each `p > 1` adds GPipe
@@ -374,10 +404,18 @@ def plan(
         check_plot_path(plot)  # before anything slow
     devices, spec = _resolve_devices(num_devices, topology, device)
     spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
+    spec = _with_slices(spec, slices, dcn_bandwidth_gbps, len(devices))
     if presets is None:
         presets = presets_for(getattr(model.network_config, "num_experts", 0))
     layouts = enumerate_layouts(
-        len(devices), presets, remat_policies, model_sizes, stage_counts, batch_size, schedules
+        len(devices),
+        presets,
+        remat_policies,
+        model_sizes,
+        stage_counts,
+        batch_size,
+        schedules,
+        slices,
     )
     say = _progress(progress)
     say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")
@@ -430,6 +468,22 @@ def _with_overrides(
         ),
         hbm_bytes_per_s=spec.hbm_bytes_per_s or _ASSUMED_HBM_BYTES_PER_S,
     )
+
+
+def _with_slices(
+    spec: DeviceSpec, slices: int, dcn_gbps: float | None, num_devices: int
+) -> DeviceSpec:
+    """The device's figures with `slices` slices of consecutive devices and their DCN rate."""
+    if slices < 1 or num_devices % slices:
+        raise ValueError(f"plan: slices={slices} does not divide the {num_devices} devices")
+    dcn = dcn_gbps * 1e9 if dcn_gbps else spec.dcn_bytes_per_s
+    if slices > 1 and not dcn:
+        raise ValueError(
+            f"plan: slices={slices} needs plan.dcn_bandwidth_gbps: the hardware table has no "
+            f"DCN figure for {spec.device_kind!r}"
+        )
+    size = num_devices // slices if slices > 1 else None
+    return dataclasses.replace(spec, dcn_bytes_per_s=dcn, slice_devices=size)
 
 
 def _progress(out: TextIO) -> Callable[[str], None]:

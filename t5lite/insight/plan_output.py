@@ -48,8 +48,7 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
             (
                 str(i),
                 c.layout.preset,
-                (f"{c.layout.stages}:" if c.layout.stages > 1 else "")
-                + f"{c.layout.data}x{c.layout.model}",
+                c.layout.mesh,
                 c.layout.remat,
                 format_bytes(c.predicted.total) if c.predicted else "-",
                 format_bytes(c.memory) if c.memory is not None else "-",
@@ -71,6 +70,11 @@ def format_table(ranked: Sequence[Candidate], device: DeviceSpec, width: int | N
         f"device: {device.device_kind}, memory {mem}, peak {device.peak_flops / 1e12:.0f} TFLOP/s,"
         f" HBM {hbm}, links {device.link_bytes_per_s / 1e9:.0f} GB/s",
     ]
+    if device.slice_devices and device.dcn_bytes_per_s:
+        lines.append(
+            f"slices of {device.slice_devices} devices joined by DCN at "
+            f"{device.dcn_bytes_per_s / 1e9:.3g} GB/s a device (mesh: replica x data x model)"
+        )
     if device.source:
         src = f"figures: {device.source}"
         lines += textwrap.wrap(src, width, subsequent_indent="  ") if width else [src]

@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from t5lite.insight.communication import (
     analytic_communication,
     collective_rows,
-    communication_seconds,
 )
 from t5lite.insight.estimate import estimate_step
 from t5lite.insight.explain import explain_oom
@@ -39,6 +38,7 @@ from t5lite.insight.meshes import partitioner_on
 from t5lite.insight.pipeline import pipeline_figures, pipeline_memory
 from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
+from t5lite.insight.slices import compiled_link_bytes, link_seconds, mesh_slices
 from t5lite.insight.summary import format_summary, memory_verdict
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import step_part_lines, tensor_nd_lines
@@ -141,8 +141,8 @@ def step_report(
         flops = compiled.cost_analysis().get("flops")
         if flops is not None and device.peak_flops:
             comp_s = flops / device.peak_flops
-        if device.link_bytes_per_s:
-            comm_s = communication_seconds(collectives, device.link_bytes_per_s)
+        ici, dcn = compiled_link_bytes(collectives, mesh_slices(part.mesh, device))
+        comm_s = link_seconds(ici + dcn, dcn, device)
     return StepReport(
         mesh_shape=dict(part.mesh.shape),
         device=device,

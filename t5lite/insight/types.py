@@ -21,7 +21,7 @@ from t5lite.insight.hlo import KINDS, CollectiveRow
 from t5lite.insight.memory import MemoryReport, PredictedMemory
 from t5lite.insight.sharding import ShardingReport, format_bytes
 from t5lite.insight.zero3 import format_zero3
-from t5lite.partitioning import DATA, MODEL, pipeline_rules, preset_rules
+from t5lite.partitioning import DATA, MODEL, REPLICA, pipeline_rules, preset_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +190,9 @@ class AnalyticFigures:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One point of the search space (`stages > 1`: a GPipe pipeline of that many stages, each
-    a `data x model` mesh, its layers split by `pipeline_rules(preset)`)."""
+    a `data x model` mesh, its layers split by `pipeline_rules(preset)`; `replicas > 1`: that
+    many copies of a `data x model` mesh, one a slice, the batch split over `('replica',
+    'data')` and the gradients all-reduced between them)."""
 
     data: int
     model: int
@@ -199,18 +201,30 @@ class Layout:
     stages: int = 1
     microbatches: int = 0  # pipeline microbatches (0: none, or as many as stages)
     schedule: str = "gpipe"  # the pipeline's schedule (model/config.py PIPELINE_SCHEDULES)
+    replicas: int = 1  # the `replica` mesh axis (multi-slice data parallelism)
 
     @property
     def name(self) -> str:
-        name = f"{self.preset} data={self.data} model={self.model} remat={self.remat}"
+        replica = f" replica={self.replicas}" if self.replicas > 1 else ""
+        name = f"{self.preset}{replica} data={self.data} model={self.model} remat={self.remat}"
         if self.stages > 1:
             name += f" stage={self.stages} m={self.microbatches}"
             if self.schedule != "gpipe":
                 name += f" {self.schedule}"
         return name
 
+    @property
+    def mesh(self) -> str:
+        """The mesh as plan's table writes it: `[stages:]data x model`, or `replicas x data x
+        model`."""
+        if self.replicas > 1:
+            return f"{self.replicas}x{self.data}x{self.model}"
+        return (f"{self.stages}:" if self.stages > 1 else "") + f"{self.data}x{self.model}"
+
     def rules(self) -> tuple[tuple[str, Any], ...]:
-        return pipeline_rules(self.preset) if self.stages > 1 else preset_rules(self.preset)
+        if self.stages > 1:
+            return pipeline_rules(self.preset)
+        return preset_rules(self.preset, data_axis=(REPLICA, DATA) if self.replicas > 1 else DATA)
 
     def gin(self, config_class: str) -> str:
         """Gin bindings that reproduce this layout for `t5lite train` (include after the run)."""
@@ -230,7 +244,14 @@ class Layout:
                 f"network.{config_class}.pipeline_microbatches = {self.microbatches}",
                 f"network.{config_class}.pipeline_schedule = '{self.schedule}'",
             ]
+        if self.replicas > 1:  # one data x model mesh a slice, the slices over DCN
+            stage = [
+                f"Partitioner.ici_mesh_shape = (1, {self.data}, {self.model})",
+                f"Partitioner.dcn_mesh_shape = ({self.replicas}, 1, 1)",
+                "preset_rules.data_axis = ('replica', 'data')",
+            ]
         mesh = f"stage={self.stages} x " if self.stages > 1 else ""
+        mesh += f"replica={self.replicas} x " if self.replicas > 1 else ""
         return "\n".join(
             [
                 f"# Written by `t5lite plan`: mesh {mesh}data={self.data} x model={self.model}, "
