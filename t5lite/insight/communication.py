@@ -237,9 +237,11 @@ def _parameter_collectives(
 _FSDP_GATHERS, _FSDP_SCATTERS = "gathered forward and backward", "gradients scattered back"
 
 
-def fsdp_link_bytes(expected: Sequence[ExpectedCollective]) -> float:
-    """Bytes each device sends in ZeRO-3's weight gathers and gradient scatters (once a step)."""
-    return sum(e.link_bytes for e in expected if e.why.endswith((_FSDP_GATHERS, _FSDP_SCATTERS)))
+def fsdp_link_bytes(expected: Sequence[ExpectedCollective]) -> tuple[float, float]:
+    """Bytes each device sends in ZeRO-3's weight gathers (forward and backward) and in its
+    gradient scatters, once a step each."""
+    gathers = sum(e.link_bytes for e in expected if e.why.endswith(_FSDP_GATHERS))
+    return gathers, sum(e.link_bytes for e in expected if e.why.endswith(_FSDP_SCATTERS))
 
 
 def _fsdp_collectives(

@@ -208,15 +208,17 @@ _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # in a fusion, e.g. XLA:TPU's `all-reduce-scatter`) and a conditional's branches (at most one
 # of them runs: counting each once is an upper bound).
 _CALLS_RE = re.compile(
-    r"\b(?:calls|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)"
+    r"\b(?P<how>calls|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)"
 )
 
 
-def executions(hlo_text: str) -> dict[str, int]:
+def executions(hlo_text: str, branch_share: float = 1.0) -> dict[str, int]:
     """How many times each computation of compiled HLO text runs per execution of the entry
     computation: a while loop's body runs its known trip count times per run of the loop (1
-    where XLA recorded none), a called computation as often as its caller."""
-    callees: dict[str, list[tuple[str, int]]] = {}
+    where XLA recorded none), a called computation as often as its caller, and a conditional's
+    branch `branch_share` times as often (which branch runs is data, not HLO: 1 counts every
+    branch each time; a caller that knows the program's schedule gives the share it takes)."""
+    callees: dict[str, list[tuple[str, float]]] = {}
     order: list[str] = []
     entry = None
     current = None
@@ -236,8 +238,10 @@ def executions(hlo_text: str) -> dict[str, int]:
             trip = _TRIP_RE.search(line)
             callees[current].append((w.group("body"), int(trip.group(1)) if trip else 1))
         for c in _CALLS_RE.finditer(line):
-            callees[current] += [(n.strip().lstrip("%"), 1) for n in c.group("names").split(",")]
-    runs = dict.fromkeys(order, 0)
+            share = branch_share if c.group("how") == "branch_computations" else 1
+            names = c.group("names").split(",")
+            callees[current] += [(n.strip().lstrip("%"), share) for n in names]
+    runs: dict[str, float] = dict.fromkeys(order, 0)
     if entry is None:  # a bare computation (tests): every op runs once
         return dict.fromkeys(order, 1)
     runs[entry] = 1
@@ -249,7 +253,7 @@ def executions(hlo_text: str) -> dict[str, int]:
                 runs[callee] += runs[name] * n
     # A computation no edge above reaches (called through an attribute not parsed here, or HLO
     # cut short) counts once rather than vanishing.
-    return {name: n or 1 for name, n in runs.items()}
+    return {name: round(n) if n else 1 for name, n in runs.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,11 +265,13 @@ class CollectiveOp:
     runs: int  # its computation's executions per step (`executions`)
 
 
-def collective_ops(hlo_text: str, mesh: Mesh | None = None) -> list[CollectiveOp]:
+def collective_ops(
+    hlo_text: str, mesh: Mesh | None = None, branch_share: float = 1.0
+) -> list[CollectiveOp]:
     """Every collective instruction in compiled HLO text, in text order, with bytes, (given
-    the mesh) mesh axes, and runs per step. Group ids in SPMD-partitioned HLO are positions in
-    `mesh.devices.flat`."""
-    runs = executions(hlo_text)
+    the mesh) mesh axes, and runs per step (`executions`, with its `branch_share`). Group ids
+    in SPMD-partitioned HLO are positions in `mesh.devices.flat`."""
+    runs = executions(hlo_text, branch_share)
     out = []
     repeat = 1
     fused_result: str | None = None  # inside an `all-reduce-scatter` fusion: its result shape
@@ -304,13 +310,17 @@ def collective_ops(hlo_text: str, mesh: Mesh | None = None) -> list[CollectiveOp
     return out
 
 
-def parse_collectives(hlo_text: str, mesh: Mesh | None = None) -> list[Collective]:
+def parse_collectives(
+    hlo_text: str, mesh: Mesh | None = None, branch_share: float = 1.0
+) -> list[Collective]:
     """Every collective one step runs, with bytes and (given the mesh) mesh axes.
 
     One entry per execution: a collective in a loop body (a scanned layer stack's, or the
-    microbatch loop's) appears once per iteration, so counts and bytes are what a step sends.
+    microbatch loop's) appears once per iteration, so counts and bytes are what a step sends;
+    one in a conditional's branch `branch_share` times per run of the conditional.
     """
-    return [op.collective for op in collective_ops(hlo_text, mesh) for _ in range(op.runs)]
+    ops = collective_ops(hlo_text, mesh, branch_share)
+    return [op.collective for op in ops for _ in range(op.runs)]
 
 
 def count_collectives(hlo_text: str, mesh: Mesh | None = None) -> dict[str, int]:

@@ -28,12 +28,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from t5lite.insight.communication import fsdp_link_bytes
+from t5lite.insight.communication import ExpectedCollective, fsdp_link_bytes
 from t5lite.insight.estimate import estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_named
 from t5lite.insight.memory import PredictedMemory
 from t5lite.insight.meshes import mesh_over
-from t5lite.insight.pipeline import pipeline_figures, pipeline_memory
+from t5lite.insight.pipeline import PipelineFigures, pipeline_figures, pipeline_memory
 from t5lite.insight.plan_output import (
     FIT_MARGIN,
     format_table,
@@ -228,15 +228,11 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
         # about a third of a step's work), then the schedule's forwards and its backwards,
         # each recomputing its forward; its idle half-ticks compute nothing.
         hardware = est.hardware_flops * (f.ticks / f.microbatches + 4) / 3
-    # FSDP inside a stage gathers the stage's weights, and scatters their gradients, in every
-    # tick's forward and backward, not once a step: its collectives run `T` times.
     expected = a.communication.expected
-    link = est.link_bytes + (f.ticks - 1) * fsdp_link_bytes(expected)
     mesh = trainer.partitioner.mesh
     slow = dcn_axes(mesh, mesh_slices(mesh, device))
-    dcn = est.dcn_bytes + (f.ticks - 1) * fsdp_link_bytes(
-        [e for e in expected if slow & set(e.axes)]
-    )
+    link = est.link_bytes + _fsdp_repeats(f, expected)
+    dcn = est.dcn_bytes + _fsdp_repeats(f, [e for e in expected if slow & set(e.axes)])
     est = dataclasses.replace(
         est,
         hardware_flops=hardware,
@@ -246,6 +242,19 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
         communication_s=link_seconds(link, dcn, device),
     )
     return dataclasses.replace(a, predicted=predicted, estimate=est)
+
+
+def _fsdp_repeats(f: PipelineFigures, expected: Sequence[ExpectedCollective]) -> float:
+    """The link bytes FSDP inside a stage sends beyond the unpipelined step's one round of
+    gathers and scatters: GPipe's forward and backward gather the stage's weights and scatter
+    their gradients in every tick, `T` times a step. 1F1B (model/schedules.py) gathers in each
+    of its forward pass's `T` ticks, in each microbatch's F and twice in its B (recomputing,
+    then pulling back), and scatters once a B: `(T + 3m) / 2` rounds of the forward-and-backward
+    gathers and `m` of the scatters."""
+    gathers, scatters = fsdp_link_bytes(expected)
+    if f.schedule == "1f1b":
+        return ((f.ticks + 3 * f.microbatches) / 2 - 1) * gathers + (f.microbatches - 1) * scatters
+    return (f.ticks - 1) * (gathers + scatters)
 
 
 def compile_candidate(c: Candidate, trainer: Trainer, device: DeviceSpec) -> Candidate:

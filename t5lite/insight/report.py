@@ -136,7 +136,7 @@ def step_report(
         compiled = compile_train_step(trainer, progress)
     if compiled is not None:
         mem = memory_report(compiled, device.memory_bytes)
-        collectives = parse_collectives(compiled.as_text(), part.mesh)
+        collectives = parse_collectives(compiled.as_text(), part.mesh, _branch_share(trainer))
         rows = tuple(collective_rows(collectives))
         flops = compiled.cost_analysis().get("flops")
         if flops is not None and device.peak_flops:
@@ -155,6 +155,14 @@ def step_report(
         communication_seconds=comm_s,
         estimate=figures.estimate,
     )
+
+
+def _branch_share(trainer: Trainer) -> float:
+    """How often a conditional's branch runs per run of it: 1F1B's `2T` half-ticks each switch
+    a stage to its F, its B or idle (model/schedules.py), and a stage runs `m` of each, so a
+    collective inside F or B runs `m / 2T` as often as the switch; nothing else branches."""
+    f = pipeline_figures(trainer)
+    return f.microbatches / (2 * f.ticks) if f is not None and f.schedule == "1f1b" else 1.0
 
 
 def _resolve_device(

@@ -215,11 +215,14 @@ class Layout:
 
     @property
     def mesh(self) -> str:
-        """The mesh as plan's table writes it: `[stages:]data x model`, or `replicas x data x
-        model`."""
+        """The mesh as plan's table writes it: `[stages:]data x model` (a schedule other than
+        GPipe after it), or `replicas x data x model`."""
         if self.replicas > 1:
             return f"{self.replicas}x{self.data}x{self.model}"
-        return (f"{self.stages}:" if self.stages > 1 else "") + f"{self.data}x{self.model}"
+        if self.stages == 1:
+            return f"{self.data}x{self.model}"
+        schedule = f" {self.schedule}" if self.schedule != "gpipe" else ""
+        return f"{self.stages}:{self.data}x{self.model}{schedule}"
 
     def rules(self) -> tuple[tuple[str, Any], ...]:
         if self.stages > 1:
