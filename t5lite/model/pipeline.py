@@ -14,6 +14,13 @@ The backward pass is the forward's transpose: the scan over ticks runs in revers
 stage keeps the residuals of its `m + p - 1` ticks (GPipe's `m` microbatches in flight; remat
 trims what each keeps).
 
+Inside a tick the stage's `L/p` layers are written out one after another, not scanned: the
+tick scan then saves each layer's residuals once, straight into its `[T, ...]` stack. A layer
+scan nested in the tick scan stacks them twice (the inner scan into `[L/p, ...]` buffers, which
+the tick scan copies into `[T, L/p, ...]` and slices back out in the backward pass, copying the
+inner loop's buffers besides): the same dot FLOPs as written out, but several times the
+residuals' memory traffic (docs/pipeline.md). The price is a program that grows with `L/p`.
+
 Why `ppermute` in `shard_map` rather than GSPMD's shifting buffer (a stage-vectorised state
 rolled by one each tick, as in MaxText's default and the GSPMD paper): the stage-to-stage
 transfer is then exactly one collective-permute of one microbatch's activations per tick and
@@ -151,7 +158,9 @@ def apply_stack(
         check_schedule(cfg.pipeline_schedule, plan.num_stages, m, name)
 
         def forward(stacked: PyTree, x: Array, args: tuple, key: Array | None) -> Array:
-            return run(layer_fn, stacked, x, args, plan, m, key)
+            # Never differentiated (the custom_vjp's forward rule): nothing to save, so the
+            # stage's layers stay a scan and the program small.
+            return run(layer_fn, stacked, x, args, plan, m, key, unroll_stage=False)
 
         return schedules.one_f_one_b(
             forward, layer_fn, stacked, x_BLD, args, plan.axes, plan.num_stages, m, rng
@@ -240,6 +249,7 @@ def run(
     plan: PipelinePlan,
     num_microbatches: int,
     rng: Array | None = None,
+    unroll_stage: bool = True,
 ) -> Array:
     """The layer stack `stacked` applied to `x_BLD` as a GPipe pipeline over `plan.axes`.
 
@@ -252,6 +262,8 @@ def run(
       plan: the stage axes and their size.
       num_microbatches: m; divides B.
       rng: a dropout key (None: deterministic); each layer and microbatch folds in its own.
+      unroll_stage: the stage's layers written out in each tick (for a differentiated pass: its
+        residuals are then saved once, see the module docstring), else scanned.
 
     Returns:
       [B, L, D], equal to the stack applied to the whole batch.
@@ -282,7 +294,12 @@ def run(
                     k = jax.random.fold_in(jax.random.fold_in(key, i_mb), stage * per_stage + j)
                 return layer_fn(params, x, mb_args, k), None
 
-            x_bLD, _ = jax.lax.scan(one_layer, x_bLD, (jnp.arange(per_stage), stacked_local))
+            if not unroll_stage:
+                layers = (jnp.arange(per_stage), stacked_local)
+                return jax.lax.scan(one_layer, x_bLD, layers)[0]
+            for j in range(per_stage):
+                params = jax.tree_util.tree_map(lambda a, j=j: a[j], stacked_local)
+                x_bLD, _ = one_layer(x_bLD, (j, params))
             return x_bLD
 
         def tick(state_bLD, t):
