@@ -20,6 +20,7 @@ scan nested in the tick scan stacks them twice (the inner scan into `[L/p, ...]`
 the tick scan copies into `[T, L/p, ...]` and slices back out in the backward pass, copying the
 inner loop's buffers besides): the same dot FLOPs as written out, but several times the
 residuals' memory traffic (docs/pipeline.md). The price is a program that grows with `L/p`.
+Under remat 'full' (a layer saves only its input) the layers stay a scan.
 
 Why `ppermute` in `shard_map` rather than GSPMD's shifting buffer (a stage-vectorised state
 rolled by one each tick, as in MaxText's default and the GSPMD paper): the stage-to-stage
@@ -165,7 +166,10 @@ def apply_stack(
         return schedules.one_f_one_b(
             forward, layer_fn, stacked, x_BLD, args, plan.axes, plan.num_stages, m, rng
         )
-    return run(layer_fn, stacked, x_BLD, args, plan, m, rng)
+    # Under remat 'full' a layer saves only its input, which a nested layer scan's second
+    # stacking barely costs; written out, a tick's layers could be recomputed before their
+    # backwards, holding more at once.
+    return run(layer_fn, stacked, x_BLD, args, plan, m, rng, cfg.remat_policy != "full")
 
 
 def check_microbatches(cfg: Any, batch: int) -> None:
@@ -297,8 +301,15 @@ def run(
             if not unroll_stage:
                 layers = (jnp.arange(per_stage), stacked_local)
                 return jax.lax.scan(one_layer, x_bLD, layers)[0]
+            # One split of each stacked leaf: its transpose is one concatenate of the layers'
+            # gradients, where per-layer slices would each pad theirs to the whole stack.
+            split = [
+                jax.lax.split(a, (1,) * per_stage) for a in jax.tree_util.tree_leaves(stacked_local)
+            ]
             for j in range(per_stage):
-                params = jax.tree_util.tree_map(lambda a, j=j: a[j], stacked_local)
+                params = jax.tree_util.tree_unflatten(
+                    jax.tree_util.tree_structure(stacked_local), [a[j][0] for a in split]
+                )
                 x_bLD, _ = one_layer(x_bLD, (j, params))
             return x_bLD
 
