@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax.linen import spmd
 from jax.sharding import PartitionSpec as P
 
@@ -166,10 +167,35 @@ def apply_stack(
         return schedules.one_f_one_b(
             forward, layer_fn, stacked, x_BLD, args, plan.axes, plan.num_stages, m, rng
         )
-    # Under remat 'full' a layer saves only its input, which a nested layer scan's second
-    # stacking barely costs; written out, a tick's layers could be recomputed before their
-    # backwards, holding more at once.
-    return run(layer_fn, stacked, x_BLD, args, plan, m, rng, cfg.remat_policy != "full")
+    # Written out (see the module docstring) unless a layer saves only its input (remat
+    # 'full': the nested scan's second stacking then copies one [b, L, D] a layer and tick,
+    # while written out XLA may recompute a tick's layers before their backwards, holding
+    # more at once) or its weights are split over the batch's axes (FSDP): written out, XLA
+    # hoists their gathers out of the tick loop and holds the whole stage's weights through
+    # the step, where a layer scan gathers one layer's in each tick.
+    unroll = cfg.remat_policy != "full" and not _params_split_over_batch(layer, x_BLD, args)
+    return run(layer_fn, stacked, x_BLD, args, plan, m, rng, unroll_stage=unroll)
+
+
+def _params_split_over_batch(layer: Any, x_BLD: Array, args: tuple) -> bool:
+    """Whether the rules in force split any of one layer's parameters (their logical axes as
+    its `init` names them) over a mesh axis that also splits the batch (FSDP, ZeRO-3)."""
+    batch, _ = _split_over("batch")
+    if not batch:
+        return False
+    key = jax.random.PRNGKey(0)
+    boxed = jax.eval_shape(
+        lambda x, a: layer.init({"params": key, "dropout": key}, x, *a), x_BLD, args
+    )
+    rules = spmd.get_logical_axis_rules()
+    for names in jax.tree_util.tree_leaves(
+        nn.get_partition_spec(boxed)["params"], is_leaf=lambda n: isinstance(n, P)
+    ):
+        for entry in spmd.logical_to_mesh_axes(tuple(names), rules) or ():
+            split = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            if set(split) & set(batch):
+                return True
+    return False
 
 
 def check_microbatches(cfg: Any, batch: int) -> None:
