@@ -20,7 +20,9 @@ scan nested in the tick scan stacks them twice (the inner scan into `[L/p, ...]`
 the tick scan copies into `[T, L/p, ...]` and slices back out in the backward pass, copying the
 inner loop's buffers besides): the same dot FLOPs as written out, but several times the
 residuals' memory traffic (docs/pipeline.md). The price is a program that grows with `L/p`.
-Under remat 'full' (a layer saves only its input) the layers stay a scan.
+Under remat 'full' (a layer saves only its input) and where the rules split a layer's weights
+over the batch's axes (FSDP, whose per-layer gathers the scan keeps in the tick loop) the layers
+stay a scan (`apply_stack`).
 
 Why `ppermute` in `shard_map` rather than GSPMD's shifting buffer (a stage-vectorised state
 rolled by one each tick, as in MaxText's default and the GSPMD paper): the stage-to-stage
