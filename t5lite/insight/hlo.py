@@ -334,3 +334,51 @@ def count_collectives_by_axes(
 ) -> dict[tuple[str, tuple[str, ...] | None], int]:
     """Counts keyed by (kind, mesh axes)."""
     return dict(collections.Counter((c.kind, c.axes) for c in parse_collectives(hlo_text, mesh)))
+
+
+# `%name = <array shape> <op>(`: an instruction's result shape, and its operands after the `(`.
+_INSTRUCTION_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\w+\[[\d,]*\])\S*\s+(?P<op>[\w\-]+)\("
+    r"(?P<args>.*)$"
+)
+_HEADER_PARAM_RE = re.compile(r"%?([\w.\-]+):\s*(\w+\[[\d,]*\])")
+
+
+def _dims(shape_text: str) -> list[int]:
+    return [int(d) for d in shape_text[shape_text.index("[") + 1 : -1].split(",") if d]
+
+
+def dot_flops(hlo_text: str, min_runs: int = 1) -> int:
+    """Multiply-add FLOPs (2 per product) of the `dot`s in compiled HLO text, fused ones
+    included, each times its computation's executions per step (`executions`: loop bodies by
+    trip count; a conditional's branches each once, an upper bound). `min_runs=2` counts only
+    the dots inside loops (a scanned layer stack's, a pipeline's ticks)."""
+    runs = executions(hlo_text)
+    shapes: dict[str, str] = {}
+    dots: list[tuple[str, str, str]] = []  # (computation, result shape, operands and attributes)
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header:
+            current = header.group("name")
+            shapes.update(_HEADER_PARAM_RE.findall(line.split("->")[0]))
+            continue
+        m = _INSTRUCTION_RE.match(line)
+        if m:
+            shapes[m.group("name")] = m.group("shape")
+            if m.group("op") == "dot" and current is not None:
+                dots.append((current, m.group("shape"), m.group("args")))
+    total = 0
+    for computation, shape, args in dots:
+        n = runs.get(computation, 1)
+        if n < min_runs:
+            continue
+        lhs = _dims(shapes[args.split(",")[0].strip().lstrip("%")])
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", args)
+        k = (
+            math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i)
+            if contracting
+            else 1
+        )
+        total += 2 * math.prod(_dims(shape)) * k * n
+    return total

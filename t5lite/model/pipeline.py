@@ -14,6 +14,16 @@ The backward pass is the forward's transpose: the scan over ticks runs in revers
 stage keeps the residuals of its `m + p - 1` ticks (GPipe's `m` microbatches in flight; remat
 trims what each keeps).
 
+Inside a tick the stage's `L/p` layers are written out one after another, not scanned: the
+tick scan then saves each layer's residuals once, straight into its `[T, ...]` stack. A layer
+scan nested in the tick scan stacks them twice (the inner scan into `[L/p, ...]` buffers, which
+the tick scan copies into `[T, L/p, ...]` and slices back out in the backward pass, copying the
+inner loop's buffers besides): the same dot FLOPs as written out, but several times the
+residuals' memory traffic (docs/pipeline.md). The price is a program that grows with `L/p`.
+Under remat 'full' (a layer saves only its input) and where the rules split a layer's weights
+over the batch's axes (FSDP, whose per-layer gathers the scan keeps in the tick loop) the layers
+stay a scan (`apply_stack`).
+
 Why `ppermute` in `shard_map` rather than GSPMD's shifting buffer (a stage-vectorised state
 rolled by one each tick, as in MaxText's default and the GSPMD paper): the stage-to-stage
 transfer is then exactly one collective-permute of one microbatch's activations per tick and
@@ -36,6 +46,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax.linen import spmd
 from jax.sharding import PartitionSpec as P
 
@@ -151,12 +162,42 @@ def apply_stack(
         check_schedule(cfg.pipeline_schedule, plan.num_stages, m, name)
 
         def forward(stacked: PyTree, x: Array, args: tuple, key: Array | None) -> Array:
-            return run(layer_fn, stacked, x, args, plan, m, key)
+            # Never differentiated (the custom_vjp's forward rule): nothing to save, so the
+            # stage's layers stay a scan and the program small.
+            return run(layer_fn, stacked, x, args, plan, m, key, unroll_stage=False)
 
         return schedules.one_f_one_b(
             forward, layer_fn, stacked, x_BLD, args, plan.axes, plan.num_stages, m, rng
         )
-    return run(layer_fn, stacked, x_BLD, args, plan, m, rng)
+    # Written out (see the module docstring) unless a layer saves only its input (remat
+    # 'full': the nested scan's second stacking then copies one [b, L, D] a layer and tick,
+    # while written out XLA may recompute a tick's layers before their backwards, holding
+    # more at once) or its weights are split over the batch's axes (FSDP): written out, XLA
+    # hoists their gathers out of the tick loop and holds the whole stage's weights through
+    # the step, where a layer scan gathers one layer's in each tick.
+    unroll = cfg.remat_policy != "full" and not _params_split_over_batch(layer, x_BLD, args)
+    return run(layer_fn, stacked, x_BLD, args, plan, m, rng, unroll_stage=unroll)
+
+
+def _params_split_over_batch(layer: Any, x_BLD: Array, args: tuple) -> bool:
+    """Whether the rules in force split any of one layer's parameters (their logical axes as
+    its `init` names them) over a mesh axis that also splits the batch (FSDP, ZeRO-3)."""
+    batch, _ = _split_over("batch")
+    if not batch:
+        return False
+    key = jax.random.PRNGKey(0)
+    boxed = jax.eval_shape(
+        lambda x, a: layer.init({"params": key, "dropout": key}, x, *a), x_BLD, args
+    )
+    rules = spmd.get_logical_axis_rules()
+    for names in jax.tree_util.tree_leaves(
+        nn.get_partition_spec(boxed)["params"], is_leaf=lambda n: isinstance(n, P)
+    ):
+        for entry in spmd.logical_to_mesh_axes(tuple(names), rules) or ():
+            split = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            if set(split) & set(batch):
+                return True
+    return False
 
 
 def check_microbatches(cfg: Any, batch: int) -> None:
@@ -240,6 +281,7 @@ def run(
     plan: PipelinePlan,
     num_microbatches: int,
     rng: Array | None = None,
+    unroll_stage: bool = True,
 ) -> Array:
     """The layer stack `stacked` applied to `x_BLD` as a GPipe pipeline over `plan.axes`.
 
@@ -252,6 +294,8 @@ def run(
       plan: the stage axes and their size.
       num_microbatches: m; divides B.
       rng: a dropout key (None: deterministic); each layer and microbatch folds in its own.
+      unroll_stage: the stage's layers written out in each tick (for a differentiated pass: its
+        residuals are then saved once, see the module docstring), else scanned.
 
     Returns:
       [B, L, D], equal to the stack applied to the whole batch.
@@ -282,7 +326,19 @@ def run(
                     k = jax.random.fold_in(jax.random.fold_in(key, i_mb), stage * per_stage + j)
                 return layer_fn(params, x, mb_args, k), None
 
-            x_bLD, _ = jax.lax.scan(one_layer, x_bLD, (jnp.arange(per_stage), stacked_local))
+            if not unroll_stage:
+                layers = (jnp.arange(per_stage), stacked_local)
+                return jax.lax.scan(one_layer, x_bLD, layers)[0]
+            # One split of each stacked leaf: its transpose is one concatenate of the layers'
+            # gradients, where per-layer slices would each pad theirs to the whole stack.
+            split = [
+                jax.lax.split(a, (1,) * per_stage) for a in jax.tree_util.tree_leaves(stacked_local)
+            ]
+            for j in range(per_stage):
+                params = jax.tree_util.tree_unflatten(
+                    jax.tree_util.tree_structure(stacked_local), [a[j][0] for a in split]
+                )
+                x_bLD, _ = one_layer(x_bLD, (j, params))
             return x_bLD
 
         def tick(state_bLD, t):
