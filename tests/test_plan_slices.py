@@ -2,6 +2,7 @@
 `plan` over slices searches `replica x data x model` layouts beside pipelines whose stages are
 the slices."""
 
+import collections
 import io
 
 import gin
@@ -197,3 +198,36 @@ def test_cli_slices_mistakes_are_one_line(flags, line, capsys):
     captured = capsys.readouterr()
     assert rc == 1 and captured.err.strip().splitlines() == [f"t5lite plan: error: {line}"]
     assert "screening" not in captured.err and captured.out == ""
+
+
+def test_a_two_slice_tpu_topology_compiles_dcn_transfers_as_collectives():
+    """`2xv5e:2x2`: two compile-only v5e slices. XLA:TPU compiles what crosses them to the DCN
+    runtime's transfers (`send` with `_xla_megascale_transfer_type`), which hlo.py reads as
+    the collective they implement over the mesh axes that cross slices: under a replica a
+    slice, all-reduces over `replica` and nothing else crossing."""
+    pytest.importorskip("libtpu")
+    from t5lite.insight.topology import get_topology, num_devices
+
+    assert num_devices("2xv5e:2x2") == 8
+    topo = get_topology("2xv5e:2x2")
+    assert [d.slice_index for d in topo.devices] == [0] * 4 + [1] * 4
+    assert topo.spec.memory_bytes == 16 * 2**30  # a chip a device, as one slice's
+    tr = build_trainer(
+        Layout(2, 2, "fsdp", "none", replicas=2), _model(), topo.devices, 16, LENGTHS
+    )
+    mesh = tr.partitioner.mesh
+    hlo = compile_train_step(tr).as_text()
+    sends = [x for x in hlo.splitlines() if " send(" in x and "_xla_megascale_" in x]
+    collectives = parse_collectives(hlo, mesh)
+    slices = mesh_slices(mesh, topo.spec)
+    crossing = [c for c in collectives if crosses_slices(c, slices)]
+    assert len(crossing) == len(sends) > 0 and all(c.axes == ("replica",) for c in crossing)
+    kinds = collections.Counter(c.kind for c in crossing)
+    # The gradients' sums; the embedding lookup's token ids gathered and its rows traded back
+    # (the batch is split over `('replica', 'data')`, the table's rows over `data`).
+    assert kinds == {"all-reduce": 19, "all-gather": 1, "collective-permute": 2}
+    crossing = [c for c in crossing if c.kind == "all-reduce"]
+    est = analytic_figures(tr, topo.spec).estimate
+    # XLA:TPU scatters the gradients over `data` first and sums the shards across slices:
+    # about the analytic bytes (not `data` times them, as XLA:CPU sends), tiles padded to 128.
+    assert est.dcn_bytes <= sum(c.bytes for c in crossing) <= 8 * est.dcn_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import re
 
@@ -265,6 +266,57 @@ class CollectiveOp:
     runs: int  # its computation's executions per step (`executions`)
 
 
+# Between slices (a multi-slice topology) XLA:TPU compiles a collective to the DCN runtime's
+# host transfers: a `send` (and its `recv`) whose attributes name the transfer; the send's first
+# operand is this device's buffer. Its peers are the devices at the same place in the other
+# slices.
+_MEGASCALE_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+send\(.*"
+    r'_xla_megascale_transfer_type="(?P<type>\w+)"'
+)
+_MEGASCALE_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+    "ONE_TO_ONE": "collective-permute",
+}
+
+
+def device_slices(mesh: Mesh) -> np.ndarray:
+    """Each mesh position's slice (its device's `slice_index`, 0 where it has none)."""
+    return np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(mesh.devices)
+
+
+def axes_along(mesh: Mesh, ids: np.ndarray) -> tuple[str, ...]:
+    """The mesh axes along which `ids` (shaped as the mesh) change."""
+    return tuple(
+        name
+        for i, name in enumerate(mesh.axis_names)
+        if ids.shape[i] > 1 and bool(np.any(np.diff(ids, axis=i) != 0))
+    )
+
+
+def _megascale(m: re.Match, mesh: Mesh | None) -> Collective:
+    """A DCN transfer as the collective it implements, over the mesh axes that cross slices."""
+    kind = _MEGASCALE_KINDS.get(m.group("type"), "all-reduce")
+    arrays = [
+        math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[t]
+        for t, dims in _ARRAY_RE.findall(m.group("shape"))
+    ]
+    sent = arrays[0] if arrays else 0
+    if mesh is None:
+        return Collective(kind, sent, None, ())
+    axes = axes_along(mesh, device_slices(mesh))
+    shape = dict(mesh.shape)
+    groups = tuple(tuple(sorted(g)) for g in _axis_groups(shape, axes)) if axes else ()
+    n = math.prod(shape[a] for a in axes) if axes else 1
+    size = {"all-gather": sent * n, "reduce-scatter": sent // max(n, 1)}.get(kind, sent)
+    if kind == "collective-permute":  # a pair: this device and its peer in the other slice
+        groups = tuple(p for g in groups for p in itertools.pairwise(g))
+    return Collective(kind, size, axes, groups)
+
+
 def collective_ops(
     hlo_text: str, mesh: Mesh | None = None, branch_share: float = 1.0
 ) -> list[CollectiveOp]:
@@ -284,6 +336,9 @@ def collective_ops(
             continue
         m = _OP_RE.match(line)
         if not m:
+            dcn = _MEGASCALE_RE.match(line)
+            if dcn:
+                out.append(CollectiveOp(dcn.group("name"), _megascale(dcn, mesh), repeat))
             continue
         kind, shape = m.group("op"), m.group("shape")
         if fused_result is not None and kind == "all-reduce":

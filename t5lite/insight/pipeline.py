@@ -139,6 +139,8 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
         and op.collective.axes == tuple(axes)
         and op.runs > 1
     ]
+    if not loops:  # no schedule loop: unrolled (XLA:TPU does so around DCN transfers)
+        return figures
     return dataclasses.replace(
         figures,
         compiled_ticks=max((op.runs for op in loops), default=0),

@@ -16,35 +16,25 @@ from jax.sharding import Mesh
 
 from t5lite.insight.communication import ExpectedCollective, link_bytes
 from t5lite.insight.hardware import DeviceSpec
-from t5lite.insight.hlo import Collective
+from t5lite.insight.hlo import Collective, axes_along, device_slices
 
 
 def mesh_slices(mesh: Mesh, device: DeviceSpec) -> np.ndarray | None:
-    """Each mesh position's slice, shaped as the mesh (None: all in one slice).
-
-    A device's own `slice_index` (a multi-slice TPU machine) decides where the devices carry
-    one; otherwise `device.slice_devices` consecutive device ids form a slice (fake CPU devices
-    or one slice's compile-only devices planned as several)."""
-    devices = mesh.devices
-    first = devices.flat[0]
-    if getattr(first, "slice_index", None) is not None and device.slice_devices is None:
-        ids = np.vectorize(lambda d: d.slice_index, otypes=[int])(devices)
-    elif device.slice_devices:
-        ids = np.vectorize(lambda d: d.id // device.slice_devices, otypes=[int])(devices)
+    """Each mesh position's slice, shaped as the mesh (None: all in one slice):
+    `device.slice_devices` consecutive device ids a slice where it is set (fake CPU devices, or
+    one slice's compile-only devices planned as several), else the devices' own `slice_index`
+    (a multi-slice machine or topology)."""
+    if device.slice_devices:
+        size = device.slice_devices
+        ids = np.vectorize(lambda d: d.id // size, otypes=[int])(mesh.devices)
     else:
-        return None
+        ids = device_slices(mesh)
     return ids if len(np.unique(ids)) > 1 else None
 
 
 def dcn_axes(mesh: Mesh, slices: np.ndarray | None) -> frozenset[str]:
     """The mesh axes along which the slice changes: collectives over them cross DCN."""
-    if slices is None:
-        return frozenset()
-    return frozenset(
-        name
-        for i, name in enumerate(mesh.axis_names)
-        if slices.shape[i] > 1 and np.any(np.diff(slices, axis=i) != 0)
-    )
+    return frozenset(axes_along(mesh, slices)) if slices is not None else frozenset()
 
 
 def crosses_slices(c: Collective, slices: np.ndarray | None) -> bool:

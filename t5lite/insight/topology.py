@@ -37,21 +37,24 @@ class Topology:
     spec: DeviceSpec
 
 
-def _parse(name: str) -> tuple[ChipSpec, tuple[int, ...]]:
-    m = re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)*)", name.strip())
-    if not m or m.group(1) not in TPU_CHIPS:
+def _parse(name: str) -> tuple[ChipSpec, tuple[int, ...], int]:
+    """The chip, the slice's shape and the number of slices (`2xv5e:4x4`: two v5e:4x4 slices
+    joined by DCN)."""
+    m = re.fullmatch(r"(?:(\d+)x)?(v\d+[a-z]?):(\d+(?:x\d+)*)", name.strip())
+    if not m or m.group(2) not in TPU_CHIPS or int(m.group(1) or 1) < 1:
         known = ", ".join(sorted(TPU_CHIPS))
         raise TopologyError(
-            f"topology {name!r}: expected GENERATION:AxB[xC] with a generation in ({known}), "
-            "e.g. 'v5e:4x4' or 'v4:2x2x2'"
+            f"topology {name!r}: expected [SLICESx]GENERATION:AxB[xC] with a generation in "
+            f"({known}), e.g. 'v5e:4x4', 'v4:2x2x2' or '2xv5e:4x4' (two slices)"
         )
-    return TPU_CHIPS[m.group(1)], tuple(int(d) for d in m.group(2).split("x"))
+    dims = tuple(int(d) for d in m.group(3).split("x"))
+    return TPU_CHIPS[m.group(2)], dims, int(m.group(1) or 1)
 
 
 def num_devices(name: str) -> int:
-    """Devices of a topology, from its name alone (no JAX): chips × cores per chip."""
-    chip, dims = _parse(name)
-    return math.prod(dims) * chip.cores_per_chip
+    """Devices of a topology, from its name alone (no JAX): slices × chips × cores per chip."""
+    chip, dims, slices = _parse(name)
+    return slices * math.prod(dims) * chip.cores_per_chip
 
 
 def libtpu_available() -> bool:
@@ -83,12 +86,14 @@ def quiet_stderr() -> Iterator[list[str]]:
 
 
 def get_topology(name: str) -> Topology:
-    """Compile-only TPU devices of topology `name` (e.g. 'v5e:2x2', 'v4:2x2x2', 'v6e:16x16').
+    """Compile-only TPU devices of topology `name` (e.g. 'v5e:2x2', 'v4:2x2x2', 'v6e:16x16';
+    '2xv5e:4x4': two slices, each device with its `slice_index`, collectives between them
+    compiled as the DCN runtime's transfers, `hlo.py`).
 
     Raises:
       TopologyError: an unknown name, or libtpu not installed (`pip install -e ".[tpu]"`).
     """
-    chip, _ = _parse(name)
+    chip, dims, slices = _parse(name)
     if not libtpu_available():
         raise TopologyError(
             f'topology {name!r} needs libtpu to compile for TPU: pip install -e ".[tpu]"'
@@ -100,12 +105,16 @@ def get_topology(name: str) -> Topology:
 
     try:
         with quiet_stderr() as log:
-            desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
+            desc = topologies.get_topology_desc(
+                topology_name=f"{chip.name}:{'x'.join(map(str, dims))}",
+                platform="tpu",
+                num_slices=slices,
+            )
     except Exception as e:  # libtpu reports bad names as runtime errors
         detail = log[0].strip().splitlines()[-1:] if log else []
         raise TopologyError(f"topology {name!r}: libtpu cannot build it: {e} {detail}") from e
     devices = tuple(desc.devices)
-    chips = {tuple(d.coords) for d in devices}
+    chips = {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in devices}
     spec = device_spec_of_kind(devices[0].device_kind, len(devices) // max(len(chips), 1))
     if spec.memory_bytes is None:  # a generation newer than the table: still compilable
         spec = dataclasses.replace(spec, device_kind=chip.device_kind)
