@@ -59,6 +59,7 @@ from t5lite.partitioning import (
     STAGE,
     Partitioner,
     PartitioningError,
+    create_mesh,
     presets_for,
 )
 from t5lite.trainer import Trainer
@@ -156,6 +157,10 @@ def build_trainer(
         shape = {REPLICA: layout.replicas, DATA: layout.data, MODEL: layout.model}
         grid = np.asarray(list(devices), dtype=object).reshape(tuple(shape.values()))
         mesh = Mesh(grid, tuple(shape))
+    elif layout.stages == 1 and (n := _slice_count(devices)) > 1 and layout.data % n == 0:
+        # across slices: the outer part of `data` over DCN, each process's batch contiguous
+        ici, dcn = (layout.data // n, layout.model), (n, 1)
+        mesh = create_mesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, devices=list(devices))
     elif layout.stages == 1:
         mesh = mesh_over({"data": layout.data, "model": layout.model}, devices)
     else:
@@ -178,6 +183,11 @@ def build_trainer(
         lengths=lengths,
         num_microbatches=num_microbatches,
     )
+
+
+def _slice_count(devices: Sequence[Any]) -> int:
+    """Slices among `devices` (a multi-slice topology's carry their `slice_index`)."""
+    return len({getattr(d, "slice_index", 0) or 0 for d in devices})
 
 
 def screen_layout(
@@ -413,6 +423,8 @@ def plan(
         check_plot_path(plot)  # before anything slow
     devices, spec = _resolve_devices(num_devices, topology, device)
     spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
+    if slices == 1 and _slice_count(devices) > 1:  # a multi-slice topology
+        slices = _slice_count(devices)
     spec = _with_slices(spec, slices, dcn_bandwidth_gbps, len(devices))
     if presets is None:
         presets = presets_for(getattr(model.network_config, "num_experts", 0))
