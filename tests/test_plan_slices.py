@@ -231,3 +231,21 @@ def test_a_two_slice_tpu_topology_compiles_dcn_transfers_as_collectives():
     # XLA:TPU scatters the gradients over `data` first and sums the shards across slices:
     # about the analytic bytes (not `data` times them, as XLA:CPU sends), tiles padded to 128.
     assert est.dcn_bytes <= sum(c.bytes for c in crossing) <= 8 * est.dcn_bytes
+
+
+def test_plan_lays_meshes_across_a_two_slice_topology():
+    """On `2xv5e:2x2` plan takes its slices from the devices: replica layouts join the
+    search, and a mesh without stages puts `data`'s outer half over DCN (each slice, and each
+    process, a contiguous half of the batch), where a topology-ordered mesh failed the batch
+    check."""
+    pytest.importorskip("libtpu")
+    from t5lite.insight.topology import get_topology
+
+    topo = get_topology("2xv5e:2x2")
+    layouts = enumerate_layouts(8, ["fsdp"], ["none"], slices=2)
+    assert [x.mesh for x in layouts if x.replicas > 1] == ["2x4x1", "2x2x2", "2x1x4"]
+    tr = build_trainer(Layout(4, 2, "fsdp", "none"), _model(), topo.devices, 16, LENGTHS)
+    mesh = tr.partitioner.mesh
+    slices = mesh_slices(mesh, topo.spec)
+    assert slices.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+    assert dcn_axes(mesh, slices) == {"data"}
