@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 from t5lite.insight import communication, comparison, memory
 from t5lite.insight import plan as plan_lib
 from t5lite.insight import report as rep
+from t5lite.insight.hardware import DeviceSpec
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.sharding import sharding_report
+from t5lite.insight.slices import compiled_link_bytes, link_seconds, mesh_slices
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.model.network import DecoderOnlyConfig
 from t5lite.partitioning import (
@@ -71,9 +73,11 @@ def test_toy_megatron_mlp_figures_equal_hand_computed():
         ("all-reduce", ("model",), 1, 1024)
     ]
     assert rows[0].link_bytes == pytest.approx(1536)
-    assert communication.communication_seconds(
-        parse_collectives(compiled.as_text(), part.mesh), 1536.0
-    ) == pytest.approx(1.0)
+    # One slice: every byte at the link rate (insight/slices.py).
+    collectives = parse_collectives(compiled.as_text(), part.mesh)
+    one = DeviceSpec("cpu", None, None, 1536.0)
+    ici, dcn = compiled_link_bytes(collectives, mesh_slices(part.mesh, one))
+    assert (ici, dcn) == (1536.0, 0.0) and link_seconds(ici, dcn, one) == pytest.approx(1.0)
 
 
 def test_analytic_communication_hand_computed():

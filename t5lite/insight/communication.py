@@ -57,11 +57,6 @@ def collective_rows(collectives: Sequence[Collective]) -> list[CollectiveRow]:
     return sorted(rows, key=lambda r: (KINDS.index(r.kind), str(r.axes)))
 
 
-def communication_seconds(collectives: Sequence[Collective], link_bytes_per_s: float) -> float:
-    """Time to run every collective one after another at `link_bytes_per_s` per device."""
-    return sum(map(link_bytes, collectives)) / link_bytes_per_s
-
-
 @dataclasses.dataclass(frozen=True)
 class ExpectedCollective:
     """Collectives the layout implies, before any compiler gets to them (per device, per step)."""

@@ -163,7 +163,7 @@ class DeviceSpec:
     hbm_bytes_per_s: float | None = None
     source: str | None = None  # where the figures come from (None: the runtime, or unknown)
     # Multi-slice: the data-center network between slices, per device one way, and how many
-    # consecutive device ids form a slice (None: one slice; a device's own `slice_index` wins)
+    # consecutive device ids form a slice (None: the devices' own `slice_index`, if any)
     dcn_bytes_per_s: float | None = None
     slice_devices: int | None = None
 
