@@ -327,7 +327,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         predicted.batch,
         predicted.gradients - predicted.layer_gradients + 2 * _layer_gradients(trainer),
         in_flight,
-        stack_buffers,
+        stack_buffers + _position_one_hots(trainer),
         max(working, activation_memory.LOSS_BUFFERS * logits),
     )
 
@@ -409,24 +409,23 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     pass kept nothing but the stack input."""
     cfg = trainer.model.network_config
     layers, logits = _stage_layers(trainer, f)
-    recompute, slots, stack_buffers, encoder_x, encoder_saved = [], 0, 0, 0, 0
+    recompute, slots, stack_buffers, encoder_x = [], 0, 0, 0
     for (n, kv, a), stack in zip(layers, f.stacks):
+        per = n // f.stages
         saved = sum(activation_memory.layer_saved(a, cfg.remat_policy).values())
+        # A B differentiates its stage's layers one at a time (their scan's backward): the
+        # others keep what the policy saves, the one in hand all it saves without remat
+        # (recomputed from its saved input under remat; with one layer a stage, remat
+        # changes nothing).
+        whole = sum(activation_memory.layer_saved(a, "none").values())
         working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
-        # As GPipe's (fitted on XLA:CPU, tests/test_pipeline.py): with one layer a stage the
-        # backward works in the buffers of that layer's residuals. With several, a B's layer
-        # scan also returns the stage's layer gradients of this stack stacked, beside the
-        # schedule's accumulator they are then added to.
+        # With one layer a stage the backward works in the buffers of that layer's
+        # residuals. With several, a B's layer scan also returns the stage's layer gradients
+        # of this stack stacked, beside the schedule's accumulator they are then added to.
         extra = 0
-        if n // f.stages > 1:
+        if per > 1:
             extra = sum(working.values()) + _layer_gradients(trainer, stack=stack.name)
-        # T5's decoder moment holds more than the per-stack terms: on the test T5 (4 + 4
-        # layers) XLA:CPU's figure is about 27 KiB over them at stage=2 and 4, Megatron and
-        # FSDP, whatever the decoder's layers a stage; the buffer is not identified (a fit,
-        # docs/pipeline.md), counted as one encoder layer's residuals at one microbatch.
-        cross = encoder_saved if len(kv) > 1 else 0
-        encoder_saved = saved
-        recompute.append(n // f.stages * saved + extra + cross)
+        recompute.append((per - 1) * saved + whole + extra)
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
@@ -443,6 +442,16 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         predicted.batch,
         gradients + _layer_gradients(trainer),
         slots + max(recompute),
-        stack_buffers,
+        stack_buffers + _position_one_hots(trainer),
         activation_memory.LOSS_BUFFERS * logits,
     )
+
+
+def _position_one_hots(trainer: Trainer) -> int:
+    """T5's relative position biases: each stack's [buckets, L, S] fp32 one-hot, whole on every
+    device (no batch), kept for the bias table's gradient (model/positions.py)."""
+    cfg = trainer.model.network_config
+    if not isinstance(cfg, T5Config):
+        return 0
+    li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+    return 4 * cfg.relpos_num_buckets * (li * li + lt * lt)
