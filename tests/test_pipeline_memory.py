@@ -27,7 +27,7 @@ def test_t5_1f1b_memory_within_10_percent(base, stages, num_partitions):
     of XLA's memory analysis of the compiled step. The decoder's moment is the peak: its B
     recomputes the stage's decoder layers (with two layers a stage, the B's stacked layer
     gradients beside the schedule's accumulator), plus a fitted one encoder layer's residuals."""
-    from t5lite.insight.memory import memory_report
+    from t5lite.insight.memory import layer_gradient_bytes, memory_report
     from t5lite.insight.report import compile_train_step
 
     tr = _t5_trainer(base, stages, num_partitions, "none", "1f1b")
@@ -37,9 +37,8 @@ def test_t5_1f1b_memory_within_10_percent(base, stages, num_partitions):
     enc, dec = f.permute_bytes
     assert pm.stack_buffers == 3 * 4 * (enc + dec) + 2 * 4 * enc
     assert f.in_flight_bytes == stages * (enc + dec)  # the p slots of each stack
-    decoder = insight_pipeline._layer_gradients(tr, stack="decoder")
-    encoder = insight_pipeline._layer_gradients(tr, stack="encoder")
-    assert decoder + encoder == insight_pipeline._layer_gradients(tr) and encoder < decoder
+    (decoder, _), (encoder, _) = (layer_gradient_bytes(tr, 4, s) for s in ("decoder", "encoder"))
+    assert decoder + encoder == layer_gradient_bytes(tr, 4)[0] and encoder < decoder
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import activation_memory, memory, sharded_bytes
 from t5lite.insight.hlo import collective_ops
@@ -215,24 +213,6 @@ def _lookup_choice(trainer: Trainer, f: PipelineFigures) -> tuple:
     return lookup
 
 
-def _layer_gradients(trainer: Trainer, stack: str = "") -> int:
-    """Bytes per device of the stage's layer gradients in the parameters' sharding (at least
-    fp32: XLA:CPU differentiates bf16 masters in fp32); of one `stack` ('encoder', 'decoder')
-    if named."""
-    part = trainer.partitioner
-    total = 0
-    for (path, x), s, names in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-    ):
-        if "layers" not in names or (stack and f"'{stack}'" not in jax.tree_util.keystr(path)):
-            continue
-        split = math.prod(part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e))
-        total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, 4) // split
-    return total
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineMemory:
     """A pipelined train step's peak bytes per device, by term (GPipe: every tick's residuals
@@ -321,11 +301,13 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     predicted = memory.predict_memory(trainer)
     # The tick loop's backward carries the stage's layer gradients summed over the ticks beside
     # the tick's own, both in the parameters' sharding (the layer scan reduce-scatters each
-    # layer's, FSDP, as it goes), in place of predict_memory's one stack of them.
+    # layer's, FSDP, as it goes), in place of predict_memory's one stack of them (at least
+    # fp32: XLA:CPU differentiates bf16 masters in fp32).
+    layer_gradients, _ = memory.layer_gradient_bytes(trainer, 4)
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients - predicted.layer_gradients + 2 * _layer_gradients(trainer),
+        predicted.gradients - predicted.layer_gradients + 2 * layer_gradients,
         in_flight,
         stack_buffers + _position_one_hots(trainer),
         max(working, activation_memory.LOSS_BUFFERS * logits),
@@ -424,7 +406,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         # of this stack stacked, beside the schedule's accumulator they are then added to.
         extra = 0
         if per > 1:
-            extra = sum(working.values()) + _layer_gradients(trainer, stack=stack.name)
+            extra = sum(working.values()) + memory.layer_gradient_bytes(trainer, 4, stack.name)[0]
         recompute.append((per - 1) * saved + whole + extra)
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
@@ -440,7 +422,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        gradients + _layer_gradients(trainer),
+        gradients + memory.layer_gradient_bytes(trainer, 4)[0],
         slots + max(recompute),
         stack_buffers + _position_one_hots(trainer),
         activation_memory.LOSS_BUFFERS * logits,
