@@ -224,6 +224,7 @@ class PipelineMemory:
     in_flight: int  # each of this stage's layers' saved residuals, for each of the T ticks
     stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
     working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
+    position_bias: int = 0  # T5's relative-position one-hots (`_position_one_hots`)
 
     @property
     def total(self) -> int:
@@ -234,6 +235,7 @@ class PipelineMemory:
             + self.in_flight
             + self.stack_buffers
             + self.working
+            + self.position_bias
         )
 
     def format(self, compiled: int | None = None) -> str:
@@ -244,6 +246,8 @@ class PipelineMemory:
             f" + stack buffers {format_bytes(self.stack_buffers)} + working set "
             f"{format_bytes(self.working)}"
         )
+        if self.position_bias:
+            line += f" + position one-hots {format_bytes(self.position_bias)}"
         if compiled:
             line += f"; compiled {format_bytes(compiled)} ({compiled / self.total:.2f}x)"
         return line
@@ -309,8 +313,9 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         predicted.batch,
         predicted.gradients - predicted.layer_gradients + 2 * layer_gradients,
         in_flight,
-        stack_buffers + _position_one_hots(trainer),
+        stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
+        _position_one_hots(trainer),
     )
 
 
@@ -424,8 +429,9 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         predicted.batch,
         gradients + memory.layer_gradient_bytes(trainer, 4)[0],
         slots + max(recompute),
-        stack_buffers + _position_one_hots(trainer),
+        stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
+        _position_one_hots(trainer),
     )
 
 
