@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -491,9 +492,9 @@ def layer_gradient_bytes(
     return reduced, max(in_hand.values(), default=0)
 
 
-def _gradient_leaves(trainer: Trainer, min_itemsize: int):
-    """Each parameter's (path, logical names, gradient bytes per device whole over the batch's
-    axes, in the parameters' sharding, its `layers` dimension's size or 1)."""
+def _gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
+    """Each parameter's path, logical names, gradient bytes per device unreduced (whole over
+    the batch's axes) and reduced (in the parameters' sharding), and its `layers` size (or 1)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     for (path, x), s, names in zip(

@@ -436,10 +436,13 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
 
 
 def _position_one_hots(trainer: Trainer) -> int:
-    """T5's relative position biases: each stack's [buckets, L, S] fp32 one-hot, whole on every
-    device (no batch), kept for the bias table's gradient (model/positions.py)."""
+    """Relative position biases (T5's, a decoder-only model's with `position_embedding =
+    'relative'`): each stack's [buckets, L, S] fp32 one-hot, whole on every device (no batch),
+    kept for the bias table's gradient (model/positions.py)."""
     cfg = trainer.model.network_config
-    if not isinstance(cfg, T5Config):
-        return 0
-    li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
-    return 4 * cfg.relpos_num_buckets * (li * li + lt * lt)
+    if isinstance(cfg, T5Config):
+        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+        return 4 * cfg.relpos_num_buckets * (li * li + lt * lt)
+    if getattr(cfg, "position_embedding", "rope") == "relative":
+        return 4 * cfg.relpos_num_buckets * sum(trainer.lengths.values()) ** 2
+    return 0
