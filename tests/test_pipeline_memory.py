@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import require_devices
 from test_pipeline import _t5_trainer
+from test_pipeline import _trainer as _lm_trainer
 
 from t5lite import partitioning
 from t5lite.insight import pipeline as insight_pipeline
@@ -26,8 +27,9 @@ def test_t5_1f1b_memory_within_10_percent(base, stages, num_partitions):
     """T5 (4 + 4 layers, 4 microbatches) under 1F1B: the analytic peak per device is within 10%
     of XLA's memory analysis of the compiled step. The decoder's moment is the peak: its B
     recomputes the stage's decoder layers (with two layers a stage, the B's stacked layer
-    gradients beside the schedule's accumulator), plus a fitted one encoder layer's residuals."""
-    from t5lite.insight.memory import memory_report
+    gradients beside the schedule's accumulator), beside both stacks' relative-position
+    one-hots ([32 buckets, 8, 8] fp32 each, whole on every device)."""
+    from t5lite.insight.memory import layer_gradient_bytes, memory_report
     from t5lite.insight.report import compile_train_step
 
     tr = _t5_trainer(base, stages, num_partitions, "none", "1f1b")
@@ -37,9 +39,41 @@ def test_t5_1f1b_memory_within_10_percent(base, stages, num_partitions):
     enc, dec = f.permute_bytes
     assert pm.stack_buffers == 3 * 4 * (enc + dec) + 2 * 4 * enc
     assert f.in_flight_bytes == stages * (enc + dec)  # the p slots of each stack
-    decoder = insight_pipeline._layer_gradients(tr, stack="decoder")
-    encoder = insight_pipeline._layer_gradients(tr, stack="encoder")
-    assert decoder + encoder == insight_pipeline._layer_gradients(tr) and encoder < decoder
+    (decoder, _), (encoder, _) = (layer_gradient_bytes(tr, 4, s) for s in ("decoder", "encoder"))
+    assert decoder + encoder == layer_gradient_bytes(tr, 4)[0] and encoder < decoder
+    assert pm.position_bias == 2 * 32 * 8 * 8 * 4
+    assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
+
+
+@pytest.mark.parametrize(
+    "family, base, stages, num_partitions, remat",
+    [
+        ("t5", "megatron", 2, 2, "full"),
+        ("t5", "data_parallel", 2, 1, "minimal"),
+        ("t5", "fsdp", 4, 1, "full"),
+        ("lm", "megatron", 4, 2, "minimal"),
+    ],
+)
+def test_1f1b_memory_under_remat_within_10_percent(family, base, stages, num_partitions, remat):
+    """1F1B under remat: a B differentiates its stage's layers one at a time, the others
+    keeping what the policy saves and the one in hand all it saves without remat (recomputed
+    from its input), so with one layer a stage (4 + 4 layers over 4 stages) the prediction is
+    remat 'none''s; within 10% of XLA's memory analysis of the compiled step."""
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.report import compile_train_step
+
+    def trainer(policy: str) -> Trainer:
+        if family == "t5":
+            return _t5_trainer(base, stages, num_partitions, policy, "1f1b")
+        return _lm_trainer(base, stages, num_partitions, 4, "1f1b", policy)
+
+    tr = trainer(remat)
+    pm, none = (insight_pipeline.pipeline_memory(t) for t in (tr, trainer("none")))
+    if stages == 4:
+        assert pm == none
+    else:
+        assert pm.in_flight < none.in_flight and pm.stack_buffers == none.stack_buffers
+    compiled = memory_report(compile_train_step(tr)).total
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
 
 

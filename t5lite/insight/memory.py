@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -460,11 +461,42 @@ def _gradient_bytes(
     fp32): whole over the batch's mesh axes until the reduction, except a scanned stack's layer
     gradients, which the layer scan reduces (FSDP: reduce-scatters) one layer at a time into
     the parameters' sharding."""
+    scanned = scan_reduces and trainer.model.network_config.scan_layers
+    total = sum(
+        unreduced
+        for _, names, unreduced, _, _ in _gradient_leaves(trainer, min_itemsize)
+        if not (scanned and "layers" in names)
+    )
+    if not scanned:
+        return total, 0
+    reduced, in_hand = layer_gradient_bytes(trainer, min_itemsize)
+    return total + reduced + in_hand, reduced + in_hand
+
+
+def layer_gradient_bytes(
+    trainer: Trainer, min_itemsize: int = 0, stack: str = ""
+) -> tuple[int, int]:
+    """(reduced, in hand) bytes per device of the scanned stacks' layer gradients (of one
+    `stack`, 'encoder' or 'decoder', if named): all of them in the parameters' sharding, and
+    the largest stack's one layer whole over the batch's axes (the layer scan's in hand,
+    before its reduction; 0 where nothing splits them over the batch's axes)."""
+    reduced = 0
+    in_hand: dict[str, int] = {}
+    for path, names, unreduced, size, layers in _gradient_leaves(trainer, min_itemsize):
+        if "layers" not in names or (stack and f"'{stack}'" not in jax.tree_util.keystr(path)):
+            continue
+        reduced += size
+        if size != unreduced:
+            key = jax.tree_util.keystr(path[:1])
+            in_hand[key] = in_hand.get(key, 0) + unreduced // layers
+    return reduced, max(in_hand.values(), default=0)
+
+
+def _gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
+    """Each parameter's path, logical names, gradient bytes per device unreduced (whole over
+    the batch's axes) and reduced (in the parameters' sharding), and its `layers` size (or 1)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    scanned = scan_reduces and trainer.model.network_config.scan_layers
-    total = layers = 0
-    in_hand: dict[str, int] = {}  # a scanned stack's one layer of unreduced gradients
     for (path, x), s, names in zip(
         jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
@@ -478,18 +510,9 @@ def _gradient_bytes(
         unreduced = size // math.prod(
             part.mesh.shape[t] for t in unsplit if t not in batch_axes or any(t in a for a in local)
         )
-        if not (scanned and "layers" in names):
-            total += unreduced
-            continue
         reduced = size // math.prod(part.mesh.shape[t] for t in unsplit)
-        layers += reduced
-        if reduced == unreduced:
-            continue
-        # The layer in hand's gradient, whole over the batch's axes until its reduction.
-        stack = jax.tree_util.keystr(path[:1])
-        in_hand[stack] = in_hand.get(stack, 0) + unreduced // x.shape[names.index("layers")]
-    layers += max(in_hand.values(), default=0)
-    return total + layers, layers
+        layers = x.shape[names.index("layers")] if "layers" in names else 1
+        yield path, names, unreduced, reduced, layers
 
 
 # --- the models the accuracy is stated on ----------------------------------------------------

@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import activation_memory, memory, sharded_bytes
 from t5lite.insight.hlo import collective_ops
@@ -217,24 +215,6 @@ def _lookup_choice(trainer: Trainer, f: PipelineFigures) -> tuple:
     return lookup
 
 
-def _layer_gradients(trainer: Trainer, stack: str = "") -> int:
-    """Bytes per device of the stage's layer gradients in the parameters' sharding (at least
-    fp32: XLA:CPU differentiates bf16 masters in fp32); of one `stack` ('encoder', 'decoder')
-    if named."""
-    part = trainer.partitioner
-    total = 0
-    for (path, x), s, names in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-    ):
-        if "layers" not in names or (stack and f"'{stack}'" not in jax.tree_util.keystr(path)):
-            continue
-        split = math.prod(part.mesh.shape[t] for e in s.spec for t in mesh_axes_of(e))
-        total += math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, 4) // split
-    return total
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineMemory:
     """A pipelined train step's peak bytes per device, by term (GPipe: every tick's residuals
@@ -246,6 +226,7 @@ class PipelineMemory:
     in_flight: int  # each of this stage's layers' saved residuals, for each of the T ticks
     stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
     working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
+    position_bias: int = 0  # T5's relative-position one-hots (`_position_one_hots`)
 
     @property
     def total(self) -> int:
@@ -256,6 +237,7 @@ class PipelineMemory:
             + self.in_flight
             + self.stack_buffers
             + self.working
+            + self.position_bias
         )
 
     def format(self, compiled: int | None = None) -> str:
@@ -266,6 +248,8 @@ class PipelineMemory:
             f" + stack buffers {format_bytes(self.stack_buffers)} + working set "
             f"{format_bytes(self.working)}"
         )
+        if self.position_bias:
+            line += f" + position one-hots {format_bytes(self.position_bias)}"
         if compiled:
             line += f"; compiled {format_bytes(compiled)} ({compiled / self.total:.2f}x)"
         return line
@@ -323,14 +307,17 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     predicted = memory.predict_memory(trainer)
     # The tick loop's backward carries the stage's layer gradients summed over the ticks beside
     # the tick's own, both in the parameters' sharding (the layer scan reduce-scatters each
-    # layer's, FSDP, as it goes), in place of predict_memory's one stack of them.
+    # layer's, FSDP, as it goes), in place of predict_memory's one stack of them (at least
+    # fp32: XLA:CPU differentiates bf16 masters in fp32).
+    layer_gradients, _ = memory.layer_gradient_bytes(trainer, 4)
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        predicted.gradients - predicted.layer_gradients + 2 * _layer_gradients(trainer),
+        predicted.gradients - predicted.layer_gradients + 2 * layer_gradients,
         in_flight,
         stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
+        _position_one_hots(trainer),
     )
 
 
@@ -411,24 +398,23 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     pass kept nothing but the stack input."""
     cfg = trainer.model.network_config
     layers, logits = _stage_layers(trainer, f)
-    recompute, slots, stack_buffers, encoder_x, encoder_saved = [], 0, 0, 0, 0
+    recompute, slots, stack_buffers, encoder_x = [], 0, 0, 0
     for (n, kv, a), stack in zip(layers, f.stacks):
+        per = n // f.stages
         saved = sum(activation_memory.layer_saved(a, cfg.remat_policy).values())
+        # A B differentiates its stage's layers one at a time (their scan's backward): the
+        # others keep what the policy saves, the one in hand all it saves without remat
+        # (recomputed from its saved input under remat; with one layer a stage, remat
+        # changes nothing).
+        whole = sum(activation_memory.layer_saved(a, "none").values())
         working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
-        # As GPipe's (fitted on XLA:CPU, tests/test_pipeline.py): with one layer a stage the
-        # backward works in the buffers of that layer's residuals. With several, a B's layer
-        # scan also returns the stage's layer gradients of this stack stacked, beside the
-        # schedule's accumulator they are then added to.
+        # With one layer a stage the backward works in the buffers of that layer's
+        # residuals. With several, a B's layer scan also returns the stage's layer gradients
+        # of this stack stacked, beside the schedule's accumulator they are then added to.
         extra = 0
-        if n // f.stages > 1:
-            extra = sum(working.values()) + _layer_gradients(trainer, stack=stack.name)
-        # T5's decoder moment holds more than the per-stack terms: on the test T5 (4 + 4
-        # layers) XLA:CPU's figure is about 27 KiB over them at stage=2 and 4, Megatron and
-        # FSDP, whatever the decoder's layers a stage; the buffer is not identified (a fit,
-        # docs/pipeline.md), counted as one encoder layer's residuals at one microbatch.
-        cross = encoder_saved if len(kv) > 1 else 0
-        encoder_saved = saved
-        recompute.append(n // f.stages * saved + extra + cross)
+        if per > 1:
+            extra = sum(working.values()) + memory.layer_gradient_bytes(trainer, 4, stack.name)[0]
+        recompute.append((per - 1) * saved + whole + extra)
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
@@ -443,8 +429,22 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        gradients + _layer_gradients(trainer),
+        gradients + memory.layer_gradient_bytes(trainer, 4)[0],
         slots + max(recompute),
         stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
+        _position_one_hots(trainer),
     )
+
+
+def _position_one_hots(trainer: Trainer) -> int:
+    """Relative position biases (T5's, a decoder-only model's with `position_embedding =
+    'relative'`): each stack's [buckets, L, S] fp32 one-hot, whole on every device (no batch),
+    kept for the bias table's gradient (model/positions.py)."""
+    cfg = trainer.model.network_config
+    if isinstance(cfg, T5Config):
+        li, lt = trainer.lengths["inputs"], trainer.lengths["targets"]
+        return 4 * cfg.relpos_num_buckets * (li * li + lt * lt)
+    if getattr(cfg, "position_embedding", "rope") == "relative":
+        return 4 * cfg.relpos_num_buckets * sum(trainer.lengths.values()) ** 2
+    return 0
