@@ -25,7 +25,6 @@ combine input).
 
 from __future__ import annotations
 
-
 # (hidden buffers, other saved buffers, parameter-sized copies) in HBM: per MoE layer without
 # remat, per stack under `full` (its one recomputed layer; the copies are of every gradient).
 # Fitted on the scanned programs (expert_parallel, megatron, fully_sharded x none/full x
@@ -78,4 +77,3 @@ def moe_code(layers: list, remat: str) -> int:
     """Code of the stacks' MoE layers (one layer's kernels a scanned stack)."""
     stacks = sum(1 for n, a in layers if round(n * a["moe_share"]))
     return int(stacks * CODE_MOE * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
-
