@@ -399,7 +399,12 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     if cfg.scan_layers and getattr(cfg, "num_experts", 0):
         # A scanned stack's MoE values stay in HBM, beside every gradient (tpu_moe_memory).
         whole = _gradient_bytes(trainer, scan_reduces=False)[0]
-        moe = tpu_moe_memory.scanned_moe(layers, cfg.remat_policy, cfg.moe_dispatch, whole)
+        master = np.dtype(jax.tree_util.tree_leaves(trainer.state_abstract.params)[0].dtype)
+        copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
+        one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
+        moe = tpu_moe_memory.scanned_moe(
+            layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies, one_axis
+        )
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
