@@ -408,6 +408,15 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
+    if cfg.scan_layers:
+        stacked = sum(
+            "layers" in tuple(names)
+            for names in jax.tree_util.tree_leaves(
+                trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
+            )
+        )
+        backward["parameter scalars"] += stacked * tpu_memory.LOOP_SLOTS
+        terms = (*terms, ("loop scalars", stacked * tpu_memory.LOOP_SLOTS))
     itemsize = activation_itemsize(cfg, "tpu")
     blocks = [
         ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
