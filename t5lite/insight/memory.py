@@ -403,7 +403,13 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
         one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
         moe = tpu_moe_memory.scanned_moe(
-            layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies, one_axis
+            layers,
+            cfg.remat_policy,
+            cfg.moe_dispatch,
+            whole,
+            copies,
+            one_axis,
+            activation_itemsize(cfg, "tpu"),
         )
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)

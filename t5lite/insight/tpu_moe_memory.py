@@ -47,6 +47,13 @@ _UNITS = {
 # split it (moe_memory's `moe_extra`: fully_sharded), part of the resharded F-whole buffers
 # (fitted: 9 MiB of fully_sharded capacity's 30).
 _RESHARDED_SHARE = 0.3
+# Without remat, the share of those values whose dtype follows the compute dtype; the rest is
+# fp32 under either policy (the dense layers' stacked `f32[layers, B, L, D]` values) or bf16
+# under either (the expert matmuls' operands as the MXU reads them, `bf16[layers, E, G, C,
+# D]`). Fitted on bf16 compute with fp32 masters, capacity `none`: the temporaries fall 25.0
+# (expert_parallel) and 16.9 MiB (megatron) from fp32's, of 34.9 the fitted values' halving
+# takes (0.72, 0.48).
+_COMPUTE_DTYPE_SHARE = 0.6
 # The MoE layer's code, once a stack (scanned), and its recomputation's share under remat:
 # 4.2-5.8 MiB without remat, 5.4-6.9 with (compiled code less the dense twin's, same presets).
 CODE_MOE = 5.0 * 2**20
@@ -54,14 +61,21 @@ _CODE_MOE_REMAT = 0.2
 
 
 def scanned_moe(
-    layers: list, remat: str, dispatch: str, gradients: int, copies: int, one_axis: bool
+    layers: list,
+    remat: str,
+    dispatch: str,
+    gradients: int,
+    copies: int,
+    one_axis: bool,
+    itemsize: int = 4,
 ) -> dict[str, int]:
     """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
     saved values and one layer's working set (`moe (scanned)`), and every gradient (the
     backward loop's stacked outputs, `stacked gradients`). `layers`: (count, layer_bytes with
     `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
     the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
-    splits over one axis only."""
+    splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
+    with it)."""
     if one_axis:
         # On a one-axis mesh (data=8, experts over it) memory-space assignment keeps the
         # stacked values in VMEM; only the gradients stay in HBM (test-size decoder-only
@@ -80,6 +94,9 @@ def scanned_moe(
         per = units[0] * hidden + units[1] * other
         if remat == "full":
             per += _RESHARDED_SHARE * a["moe_extra"]
+        if remat != "full":  # part of them keeps its dtype whatever the compute dtype
+            share = _COMPUTE_DTYPE_SHARE
+            per *= (1 - share) * 4 / itemsize + share
         values += per * (1 if remat == "full" else moe_layers)
     if not sparse:
         return {}
