@@ -8,10 +8,9 @@ test-size decoder-only model of `memory.accuracy_trainer` with four experts, `ex
   (`f32[layers, E, G, C, F]`, five of them for capacity dispatch; the sorted rows and the
   `[M, F]` hidden buffers for dropless) and the backward loop holds them beside the stacked
   gradients it writes (`dynamic-update-slice` into `[layers, E, D, F]` buffers) and one layer's
-  working set (its cotangents, the dispatch's and combine's all-to-all operands). These do
-  not fit memory-space assignment's VMEM budget beside the dense values and stay in HBM,
-  where the dense model's gradients stay in VMEM (tpu_memory); the heap is fragmented around
-  them (the buffer assignment's heap is 10-20% above the live peak).
+  working set. They are in the HBM heap (the default memory space's allocations), with the
+  dense layers' stacked values and the gradients, which a dense model's keeps in VMEM
+  (tpu_memory); on a one-axis mesh only the gradients are.
 - Under `full` the stacks hold each layer's input only; the peak is one layer's recomputed
   values and their cotangents beside every gradient, and the parameters' prefetched copies.
 - The MoE layer's kernels (routing, dispatch, the expert matmuls, combine and their
