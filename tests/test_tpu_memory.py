@@ -24,14 +24,18 @@ pytestmark = pytest.mark.skipif(
 
 BF16 = "params=bfloat16,compute=bfloat16,output=float32"
 BF16_MASTERS = BF16 + ",master=bfloat16"
-# (family, preset, remat, precision), layers unrolled as shipped: both families, each policy
-# and remat policy once, Megatron, FSDP, data parallel and context parallelism (whose gathered
-# keys and values add code to every block: tpu_memory.gathers_in_blocks).
+# (family, preset, remat, precision[, scanned, experts, dispatch]), layers unrolled as shipped:
+# both families, each policy and remat policy once, Megatron, FSDP, data parallel and context
+# parallelism (whose gathered keys and values add code to every block:
+# tpu_memory.gathers_in_blocks); and scanned: a dense model, and a mixture of experts whose
+# stacked values and gradients stay in HBM (tpu_moe_memory).
 _CASES = [
     ("t5", "megatron", "none", BF16),
     ("lm", "fsdp", "full", "float32"),
     ("lm", "data_parallel", "minimal", BF16_MASTERS),
     ("lm", "context_parallel", "full", BF16_MASTERS),
+    ("lm", "fully_sharded", "full", BF16, True),
+    ("lm", "megatron", "full", "float32", True, 4, "capacity"),
 ]
 
 _SCRIPT = textwrap.dedent(
@@ -45,8 +49,12 @@ _SCRIPT = textwrap.dedent(
 
     topo = get_topology("v5e:2x4")
     out = []
-    for fam, preset, remat, precision in json.loads(sys.argv[1]):
-        tr = memory.accuracy_trainer(fam, preset, remat, scan=False, precision=precision)
+    for fam, preset, remat, precision, *moe in json.loads(sys.argv[1]):
+        scan, experts, dispatch = moe + [False, 0, "capacity"][len(moe):]
+        tr = memory.accuracy_trainer(
+            fam, preset, remat, scan=scan, precision=precision, experts=experts,
+            dispatch=dispatch,
+        )
         part = partitioner_on(tr.partitioner, topo.devices)
         tr = Trainer(tr.model, part, batch_size=tr.batch_size, lengths=tr.lengths)
         compiled = memory.memory_report(compile_train_step(tr))

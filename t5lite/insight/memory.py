@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from t5lite.insight import moe_memory, tpu_memory
+from t5lite.insight import moe_memory, tpu_memory, tpu_moe_memory
 from t5lite.insight.activation_memory import (
     RING_BLOCKS_SAVED,
     UNSCANNED_LOSS_BUFFERS,
@@ -396,7 +396,34 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     grads = max(0, _gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
     gathered = _gathered_layer_bytes(trainer)
     arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
+    moe = {}
+    if cfg.scan_layers and getattr(cfg, "num_experts", 0):
+        # A scanned stack's MoE values stay in HBM, beside every gradient (tpu_moe_memory).
+        whole = _gradient_bytes(trainer, scan_reduces=False)[0]
+        master = np.dtype(jax.tree_util.tree_leaves(trainer.state_abstract.params)[0].dtype)
+        copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
+        one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
+        moe = tpu_moe_memory.scanned_moe(
+            layers,
+            cfg.remat_policy,
+            cfg.moe_dispatch,
+            whole,
+            copies,
+            one_axis,
+            activation_itemsize(cfg, "tpu"),
+        )
+        layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
+    backward, terms = {**backward, **moe}, (*terms, *moe.items())
+    if cfg.scan_layers:
+        stacked = sum(
+            "layers" in tuple(names)
+            for names in jax.tree_util.tree_leaves(
+                trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
+            )
+        )
+        backward["parameter scalars"] += stacked * tpu_memory.LOOP_SLOTS
+        terms = (*terms, ("loop scalars", stacked * tpu_memory.LOOP_SLOTS))
     itemsize = activation_itemsize(cfg, "tpu")
     blocks = [
         ((a["attentions"] + 1) * (1 if cfg.scan_layers else n), a["x_gathered"] // itemsize)
@@ -404,6 +431,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     ]
     gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
     code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers)
+    code += tpu_moe_memory.moe_code(layers, cfg.remat_policy) if moe else 0
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

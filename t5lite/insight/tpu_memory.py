@@ -53,6 +53,12 @@ _CODE_GATHERED_BLOCK = 0.4 * 2**20
 VMEM_SHARE = 0.25
 # HBM a parameter array takes in scalar slots and the reserve beside them (module docstring).
 ARRAY_SLOTS = 20 * 16 * 2**10
+# A scanned stack's layer arrays leave more scalar slots in its loops (the forward and backward
+# scans' slice indices and their copies' flags): 6 of 16 KiB a stacked array, fitted on the
+# scanned test-size programs on v5e (decoder-only, 9 stacked arrays: 1.4-2.2 MiB of
+# temporaries beyond ARRAY_SLOTS' under megatron, FSDP, fully sharded and data parallel, fp32
+# and bf16; T5, 23: 1.5 megatron `none` fp32, 2.7 FSDP `full` bf16).
+LOOP_SLOTS = 6 * 16 * 2**10
 # Code per block at T5.1.1-small's sizes (8x the test-size [B, L, D] a device): 4.2 MiB a T5
 # block, 5.6 an FSDP decoder-only one; growth exponent 0.8 (fitted on those two programs,
 # which it leaves 6-10% under).

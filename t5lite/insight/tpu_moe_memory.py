@@ -1,0 +1,109 @@
+"""What XLA:TPU keeps in HBM for a mixture of experts' layers run by the layer scan
+(`memory.predict_memory` on platform "tpu", beside tpu_memory's dense terms).
+
+Read from the TPU compiler's buffer assignment and live ranges (v5e:2x4 ahead of time, the
+test-size decoder-only model of `memory.accuracy_trainer` with four experts, `expert_parallel`,
+`megatron`, `fully_sharded`, capacity and dropless dispatch):
+- The scan stacks what each MoE layer saves for its backward over the layers
+  (`f32[layers, E, G, C, F]`, five of them for capacity dispatch; the sorted rows and the
+  `[M, F]` hidden buffers for dropless) and the backward loop holds them beside the stacked
+  gradients it writes (`dynamic-update-slice` into `[layers, E, D, F]` buffers) and one layer's
+  working set. They are in the HBM heap (the default memory space's allocations), with the
+  dense layers' stacked values and the gradients, which a dense model's keeps in VMEM
+  (tpu_memory); on a one-axis mesh only the gradients are.
+- Under `full` the stacks hold each layer's input only; the peak is one layer's recomputed
+  values and their cotangents beside every gradient, and the parameters' prefetched copies.
+- The MoE layer's kernels (routing, dispatch, the expert matmuls, combine and their
+  gradients) add code once per stack: the scan compiles one layer.
+The counts below are fitted (the compiled temporaries less the dense model's terms, less every
+gradient), in units of the layer's own buffers (`moe_memory.moe_bytes`): `moe_h`, one expert
+hidden buffer ([E, G, C, F] or dropless's [M, F]), and the rest of what the layer saves
+(`moe` less six of those: capacity's masks and dispatched tokens, dropless's sorted rows and
+combine input).
+"""
+
+from __future__ import annotations
+
+# (hidden buffers, other saved buffers, parameter-sized copies) in HBM: per MoE layer without
+# remat, per stack under `full` (its one recomputed layer; the copies are of every gradient).
+# Fitted on the scanned programs (expert_parallel, megatron, fully_sharded x none/full x
+# capacity/dropless, v5e:2x4, fp32, 2026-11-26), beside every gradient: capacity `none` leaves
+# 69.4-69.9 MiB for 2 layers of 1.875 MiB hidden buffers (18.6 a layer); dropless `none` 270 /
+# 91 MiB (expert_parallel / megatron: hidden 12 / 3 MiB, rows and combine 6 / 6 MiB a layer:
+# 10 and 2.6 a layer). Under `full` the peak holds gradient-sized buffers beside the stacked
+# gradients (the parameters' prefetched copies, the gradients' partial sums, `[layers, E, D,
+# F]`): capacity 44.5 / 22.5 MiB for 13.5 / 6.8 MiB of gradients a device (3.3 of them),
+# dropless beyond those 53 / 26 MiB (2.9 hidden buffers and 2.9 rows). The copies are of the
+# parameters as the layers read them, in the compute dtype (bf16 compute with fp32 masters,
+# expert_parallel capacity `full`: 34.7 MiB of temporaries against fp32's 49.6).
+_UNITS = {
+    ("capacity", "none"): (18.6, 0.0, 0.0),
+    ("capacity", "full"): (0.0, 0.0, 2.3),
+    ("dropless", "none"): (10.0, 2.6, 0.0),
+    ("dropless", "full"): (2.9, 2.9, 2.3),
+}
+# Under `full`, where the expert kernels keep `expert_mlp` whole while the hidden layer's rules
+# split it (moe_memory's `moe_extra`: fully_sharded), part of the resharded F-whole buffers
+# (fitted: 9 MiB of fully_sharded capacity's 30).
+_RESHARDED_SHARE = 0.3
+# Without remat, the share of those values whose dtype follows the compute dtype; the rest is
+# fp32 under either policy (the dense layers' stacked `f32[layers, B, L, D]` values) or bf16
+# under either (the expert matmuls' operands as the MXU reads them, `bf16[layers, E, G, C,
+# D]`). Fitted on bf16 compute with fp32 masters, capacity `none`: the temporaries fall 25.0
+# (expert_parallel) and 16.9 MiB (megatron) from fp32's, of 34.9 the fitted values' halving
+# takes (0.72, 0.48).
+_COMPUTE_DTYPE_SHARE = 0.6
+# The MoE layer's code, once a stack (scanned), and its recomputation's share under remat:
+# 4.2-5.8 MiB without remat, 5.4-6.9 with (compiled code less the dense twin's, same presets).
+CODE_MOE = 5.0 * 2**20
+_CODE_MOE_REMAT = 0.2
+
+
+def scanned_moe(
+    layers: list,
+    remat: str,
+    dispatch: str,
+    gradients: int,
+    copies: int,
+    one_axis: bool,
+    itemsize: int = 4,
+) -> dict[str, int]:
+    """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
+    saved values and one layer's working set (`moe (scanned)`), and every gradient (the
+    backward loop's stacked outputs, `stacked gradients`). `layers`: (count, layer_bytes with
+    `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
+    the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
+    splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
+    with it)."""
+    if one_axis:
+        # On a one-axis mesh (data=8, experts over it) memory-space assignment keeps the
+        # stacked values in VMEM; only the gradients stay in HBM (test-size decoder-only
+        # model, data_parallel, 8 experts: compiled temporaries 26.7 MiB with 22.5 MiB of
+        # gradients for capacity `none`, 17.1 for dropless `full`). Why the two-axis layouts'
+        # do not is not known; this is what the compiler was seen to do.
+        return {"stacked gradients": gradients}
+    units = _UNITS[(dispatch, "full" if remat == "full" else "none")]
+    values, sparse = 0.0, False
+    for n, a in layers:
+        moe_layers = round(n * a["moe_share"])
+        if not moe_layers:
+            continue
+        sparse = True
+        hidden, other = a["moe_h"], max(a["moe"] - 6 * a["moe_h"], 0)
+        per = units[0] * hidden + units[1] * other
+        if remat == "full":
+            per += _RESHARDED_SHARE * a["moe_extra"]
+        if remat != "full":  # part of them keeps its dtype whatever the compute dtype
+            share = _COMPUTE_DTYPE_SHARE
+            per *= (1 - share) * 4 / itemsize + share
+        values += per * (1 if remat == "full" else moe_layers)
+    if not sparse:
+        return {}
+    values += units[2] * copies
+    return {"moe (scanned)": int(values), "stacked gradients": gradients}
+
+
+def moe_code(layers: list, remat: str) -> int:
+    """Code of the stacks' MoE layers (one layer's kernels a scanned stack)."""
+    stacks = sum(1 for n, a in layers if round(n * a["moe_share"]))
+    return int(stacks * CODE_MOE * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
