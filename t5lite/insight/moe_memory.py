@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.partitioning import Partitioner, mesh_axes_of, resolve_logical_axes
 
@@ -22,8 +24,9 @@ def moe_bytes(
     if not getattr(cfg, "num_experts", 0):
         keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
         return dict.fromkeys(keys, 0)
+    grads = {"moe_grads": expert_gradient_bytes(partitioner, cfg)}
     if cfg.moe_dispatch == "dropless":
-        return dropless_bytes(partitioner, cfg, b, length, act, platform)
+        return {**dropless_bytes(partitioner, cfg, b, length, act, platform), **grads}
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -71,8 +74,14 @@ def moe_bytes(
         # backward's own temporaries then come after the loss's buffers, smaller than them.
         "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_whole,
         **({"moe_extra_none": 0} if resharded else {}),
+        # Unscanned `full` where the attention's recomputation is hoisted (heads split, `embed`
+        # whole): an encoder's MoE layer's whole recomputed MLP is held ahead of the decoder's
+        # backward too (the dispatched tokens in and out, both pre-activations, the
+        # activation and the product; XLA:CPU's live ranges under megatron and
+        # expert_parallel alike).
+        "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
-    return {"moe": saved, "moe_h": hidden, **work}
+    return {"moe": saved, "moe_h": hidden, **work, **grads}
 
 
 _MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3
@@ -85,6 +94,23 @@ def moe_share(cfg: Any, layers: int) -> float:
     from t5lite.model.config import is_moe_layer
 
     return sum(is_moe_layer(cfg, i) for i in range(layers)) / layers
+
+
+def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
+    """Per-device bytes of one MoE layer's expert-kernel gradients ([E, D, F] for each input
+    kernel, [E, F, D] for the output) as the backward holds them: split over the axes the rules
+    give `expert` (tokens travel to the experts: the gradient is local) and over the other
+    dimensions' axes that do not carry the batch (memory._gradient_bytes)."""
+    spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    batch = set(mesh_axes_of(partitioner.data_partition_spec[0]))
+    expert = set(mesh_axes_of(spec[0]))
+    split = math.prod(
+        mesh[t] for e in spec for t in mesh_axes_of(e) if t in mesh and (t not in batch or t in expert)
+    )
+    itemsize = np.dtype(cfg.policy.params).itemsize
+    kernels = len(cfg.mlp_activations) + 1
+    return kernels * cfg.num_experts * cfg.emb_dim * cfg.mlp_dim * itemsize // split
 
 
 def kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
