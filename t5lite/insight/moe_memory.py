@@ -57,6 +57,7 @@ def moe_bytes(
     whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
     held_whole = _HELD_WHOLE * whole_f - _UNSTACKED_HIDDEN * hidden if resharded else 0
+    recomputed = 2 * whole_f if resharded and cfg.remat_policy == "full" else 0
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
@@ -64,7 +65,12 @@ def moe_bytes(
         "moe_work": saved + resharded,
         "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
         # (unscanned, beside the layer's held F-split values: whole copies, not the difference)
-        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
+        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded and not recomputed else 0,
+        # Unscanned `full`, resharded: the recomputation holds both pre-activations as the
+        # matmuls give them, F whole (XLA:CPU's live ranges, T5 fully_sharded: two or three
+        # f32[2,16,40,1024] an encoder layer), and the layer in hand's backward works on them:
+        # they are the F-whole copies counted above.
+        "moe_recomputed": recomputed,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
         "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden,
