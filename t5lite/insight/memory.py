@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import moe_memory, tpu_memory
 from t5lite.insight.activation_memory import (
+    PENDING,
     RING_BLOCKS_SAVED,
     UNSCANNED_LOSS_BUFFERS,
-    PENDING,
     scanned_backward,
     unscanned_backward,
 )

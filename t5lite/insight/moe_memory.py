@@ -111,9 +111,8 @@ def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
     mesh = partitioner.mesh.shape
     batch = set(mesh_axes_of(partitioner.data_partition_spec[0]))
     expert = set(mesh_axes_of(spec[0]))
-    split = math.prod(
-        mesh[t] for e in spec for t in mesh_axes_of(e) if t in mesh and (t not in batch or t in expert)
-    )
+    axes = [t for e in spec for t in mesh_axes_of(e) if t in mesh]
+    split = math.prod(mesh[t] for t in axes if t not in batch or t in expert)
     itemsize = np.dtype(cfg.policy.params).itemsize
     kernels = len(cfg.mlp_activations) + 1
     return kernels * cfg.num_experts * cfg.emb_dim * cfg.mlp_dim * itemsize // split
