@@ -20,7 +20,9 @@ def moe_bytes(
     `length` tokens on `platform`, zeros for a dense model: "moe", what a scanned layer keeps
     for its backward without remat; "moe_held", what an unscanned one holds at the loss
     gradient; "moe_h", one expert hidden buffer; "moe_work" / "moe_rework", its backward's
-    working set without / with remat; "moe_extra", what of it no dense layer has."""
+    working set without / with remat; "moe_extra", what of it no dense layer has;
+    "moe_hoisted", an encoder layer's `full` recomputation held ahead of the decoder's
+    backward (capacity); "moe_grads", its expert kernels' gradients."""
     if not getattr(cfg, "num_experts", 0):
         keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
         return dict.fromkeys(keys, 0)
@@ -68,8 +70,8 @@ def moe_bytes(
         "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded and not recomputed else 0,
         # Unscanned `full`, resharded: the recomputation holds both pre-activations as the
         # matmuls give them, F whole (XLA:CPU's live ranges, T5 fully_sharded: two or three
-        # f32[2,16,40,1024] an encoder layer), and the layer in hand's backward works on them:
-        # they are the F-whole copies counted above.
+        # f32[2,16,40,1024] an encoder layer, two a decoder layer; two counted), and the layer
+        # in hand's backward works on them: they are the F-whole copies counted above.
         "moe_recomputed": recomputed,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
@@ -84,7 +86,7 @@ def moe_bytes(
         # whole): an encoder's MoE layer's whole recomputed MLP is held ahead of the decoder's
         # backward too (the dispatched tokens in and out, both pre-activations, the
         # activation and the product; XLA:CPU's live ranges under megatron and
-        # expert_parallel alike).
+        # expert_parallel alike, though only expert_parallel's holds an all-to-all).
         "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
     return {"moe": saved, "moe_h": hidden, **work, **grads}
