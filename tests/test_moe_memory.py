@@ -5,7 +5,8 @@ unscanned layers, on 8 fake devices (docs/performance.md has the whole matrix)."
 import pytest
 from conftest import require_devices
 
-from t5lite.insight import memory
+from t5lite.insight import memory, moe_memory
+from t5lite.insight.activation_memory import PENDING
 from t5lite.insight.report import compile_train_step
 
 # (family, preset, remat, scan_layers, dispatch, moe_every): one case per way the model
@@ -28,6 +29,11 @@ CASES = [
     # unscanned dropless `full`, two experts a device: the heap packs the recomputed hidden
     # layer beside the masked operands
     ("lm", "fully_sharded", "full", False, "dropless", 1),
+    # unscanned capacity `full`: an encoder's MoE recomputation hoisted with its attention and
+    # the expert-kernel gradients not yet computed at the decoder's backward (megatron); the
+    # resharded recomputation's F-whole pre-activations (fully_sharded)
+    ("t5", "megatron", "full", False, "capacity", 1),
+    ("t5", "fully_sharded", "full", False, "capacity", 1),
 ]
 
 
@@ -80,3 +86,24 @@ def test_dropless_masked_matmuls_only_on_cpu():
     assert held[0]["moe_held"] - held[1]["moe_held"] == 2 * (2 * m * 256 + m * 192) * 4
     capacity = _trainer("lm", "megatron", "none", True, "capacity", 1)
     assert work(capacity, "cpu") == work(capacity, "tpu") > 0
+
+
+def test_expert_gradient_bytes_by_layout():
+    """One MoE layer's expert-kernel gradients (T5: wi_0, wi_1, wo, 4 experts, D 256, F 1024,
+    fp32) split over `expert`'s axis (data=2) whatever the batch, and over `model` where
+    `expert_mlp` takes it (megatron) or not at all (expert_parallel keeps F whole)."""
+    require_devices(8)
+    whole = 3 * 4 * 256 * 1024 * 4
+    trainers = {
+        p: _trainer("t5", p, "full", False, "capacity", 1) for p in ("megatron", "expert_parallel")
+    }
+    for preset, split in (("megatron", 2 * 4), ("expert_parallel", 2)):
+        tr = trainers[preset]
+        cfg = tr.model.network_config
+        assert moe_memory.expert_gradient_bytes(tr.partitioner, cfg) == whole // split
+    # Megatron's peak is inside the decoder's backward, where predict_memory counts three of
+    # the four MoE layers' expert gradients (all but the layer in hand's) as not yet computed.
+    terms = dict(memory.predict_memory(trainers["megatron"]).terms)
+    assert terms[PENDING] == -3 * whole // 8
+    # Expert parallelism's four times larger ones take its peak back to the loss gradient.
+    assert PENDING not in dict(memory.predict_memory(trainers["expert_parallel"]).terms)

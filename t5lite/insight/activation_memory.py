@@ -266,7 +266,11 @@ def unscanned_backward(
     def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
         hidden = 4 if _gelu_2d(a, remat, gathered) else _UNSCANNED_HIDDEN
         hoist, held_scores = _hoisted(a, stack, layers, gathered), _scores_held(a, remat, gathered)
-        return _saved_unscanned(a, remat, hoist, held_scores, hidden)
+        out = _saved_unscanned(a, remat, hoist, held_scores, hidden)
+        if remat == "full" and hoist == "attention" and stack < len(layers) - 1:
+            # an encoder's MoE layers' recomputed MLP is hoisted with the attention's
+            out["mlp"] = int(a.get("moe_share", 0) * a.get("moe_hoisted", 0))
+        return out
 
     held = [[held_by(a, i)] * n for i, (n, a) in enumerate(layers)]
     saved = _add(*(v for stack in held for v in stack))
@@ -298,25 +302,27 @@ def unscanned_backward(
         own = held[s][0] if hoisted else _recomputed_mean(a)
         return _add(*earlier, *[own] * n, work), work
 
-    moments = [inside(s) for s in range(len(layers))]
+    moments = [_pending(inside(s), layers, s) for s in range(len(layers))]
     if any(_hoisted(a, i, layers, gathered) == "none" for i, (_, a) in enumerate(layers)):
         # Recomputed after the loss gradient with nothing to order it (the 2D layouts), an
         # earlier stack's recomputation starts while the later one's backward still runs:
         # every layer of every stack recomputed, beside the first layer's working set.
         work = _add(_recomputed(first), scale=_RECOMPUTED_WORKING)
         everything = (_recomputed_mean(a) for n, a in layers for _ in range(n))
-        moments.append((_add(*everything, work), work))
+        moments.append(_pending((_add(*everything, work), work), layers, len(layers) - 1))
     moment, work = max(moments, key=lambda m: sum(m[0].values()))
     if gathered:
         # FSDP: each layer's recomputation gathers its weights again (over the batch axes),
         # and every layer's gathered copy stays live until its backward.
         moment["gathered weights"] = gathered
     if remat == "full" and sum(moment.values()) > sum(at_loss.values()):
+        pending = moment.get(PENDING, 0)
         terms = (
-            ("saved activations", sum(moment.values()) - sum(work.values()) - gathered),
+            ("saved activations", sum(moment.values()) - pending - sum(work.values()) - gathered),
             ("layer working set", sum(work.values())),
             ("loss temporaries", 0),
             ("gathered weights", gathered),
+            *(((PENDING, pending),) if pending else ()),
         )
         return moment, terms
     terms = (
@@ -325,6 +331,20 @@ def unscanned_backward(
         ("loss temporaries", loss["logits+loss"]),
     )
     return at_loss, terms
+
+
+# The gradients of the expert kernels that the backward has not reached yet.
+PENDING = "expert gradients not yet computed"
+
+
+def _pending(moment: tuple[dict, dict], layers: list, s: int) -> tuple[dict, dict]:
+    """`moment` (stack `s`'s backward, at its first layer) less the expert-kernel gradients of
+    the MoE layers not yet differentiated (stack `s`'s others and every earlier stack's),
+    under PENDING as a negative figure: XLA:CPU holds only the layer in hand's and the later
+    stacks' there (predict_memory counts every gradient, and takes it off them)."""
+    moe = sum(round(n * a.get("moe_share", 0)) for n, a in layers[: s + 1])
+    pending = max(moe - 1, 0) * max((a.get("moe_grads", 0) for _, a in layers), default=0)
+    return ({**moment[0], PENDING: -pending} if pending else moment[0]), moment[1]
 
 
 def _moe_backward_extra(layers: list, remat: str, last: dict, loss: dict) -> dict[str, int]:

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import moe_memory, tpu_memory, tpu_moe_memory
 from t5lite.insight.activation_memory import (
+    PENDING,
     RING_BLOCKS_SAVED,
     UNSCANNED_LOSS_BUFFERS,
     scanned_backward,
@@ -351,6 +352,9 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     # (activation_itemsize's upcast) and holds them so until the new state is written.
     upcast = act if act > compute else 0
     grads, layer_grads = _gradient_bytes(trainer, upcast)
+    # (unscanned `full` inside a stack's backward: the expert kernels' gradients not yet
+    # computed, activation_memory._pending)
+    grads += backward.pop(PENDING, 0)
     # The gradient reduction and the update: beside the gradients, their reduced copies (the
     # optimizer's parameter-sized update).
     update = _tree_bytes_per_device(trainer.abstract_state().params, upcast)

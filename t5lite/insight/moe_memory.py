@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.partitioning import Partitioner, mesh_axes_of, resolve_logical_axes
 
@@ -18,12 +20,15 @@ def moe_bytes(
     `length` tokens on `platform`, zeros for a dense model: "moe", what a scanned layer keeps
     for its backward without remat; "moe_held", what an unscanned one holds at the loss
     gradient; "moe_h", one expert hidden buffer; "moe_work" / "moe_rework", its backward's
-    working set without / with remat; "moe_extra", what of it no dense layer has."""
+    working set without / with remat; "moe_extra", what of it no dense layer has;
+    "moe_hoisted", an encoder layer's `full` recomputation held ahead of the decoder's
+    backward (capacity); "moe_grads", its expert kernels' gradients."""
     if not getattr(cfg, "num_experts", 0):
         keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
         return dict.fromkeys(keys, 0)
+    grads = {"moe_grads": expert_gradient_bytes(partitioner, cfg)}
     if cfg.moe_dispatch == "dropless":
-        return dropless_bytes(partitioner, cfg, b, length, act, platform)
+        return {**dropless_bytes(partitioner, cfg, b, length, act, platform), **grads}
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -54,6 +59,7 @@ def moe_bytes(
     whole_f = of((*HIDDEN_AXES[:3], None), (e, b, c, cfg.mlp_dim)) // f_split
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
     held_whole = _HELD_WHOLE * whole_f - _UNSTACKED_HIDDEN * hidden if resharded else 0
+    recomputed = 2 * whole_f if resharded and cfg.remat_policy == "full" else 0
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
@@ -61,7 +67,12 @@ def moe_bytes(
         "moe_work": saved + resharded,
         "moe_rework": int(_MOE_RECOMPUTED * saved) + resharded,
         # (unscanned, beside the layer's held F-split values: whole copies, not the difference)
-        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded else 0,
+        "moe_extra": _RESHARDED_HIDDEN * whole_f if resharded and not recomputed else 0,
+        # Unscanned `full`, resharded: the recomputation holds both pre-activations as the
+        # matmuls give them, F whole (XLA:CPU's live ranges, T5 fully_sharded: two or three
+        # f32[2,16,40,1024] an encoder layer, two a decoder layer; two counted), and the layer
+        # in hand's backward works on them: they are the F-whole copies counted above.
+        "moe_recomputed": recomputed,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
         "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden,
@@ -71,8 +82,14 @@ def moe_bytes(
         # backward's own temporaries then come after the loss's buffers, smaller than them.
         "moe_held": saved - _UNSTACKED_HIDDEN * hidden + held_whole,
         **({"moe_extra_none": 0} if resharded else {}),
+        # Unscanned `full` where the attention's recomputation is hoisted (heads split, `embed`
+        # whole): an encoder's MoE layer's whole recomputed MLP is held ahead of the decoder's
+        # backward too (the dispatched tokens in and out, both pre-activations, the
+        # activation and the product; XLA:CPU's live ranges under megatron and
+        # expert_parallel alike, though only expert_parallel's holds an all-to-all).
+        "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
-    return {"moe": saved, "moe_h": hidden, **work}
+    return {"moe": saved, "moe_h": hidden, **work, **grads}
 
 
 _MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3
@@ -85,6 +102,22 @@ def moe_share(cfg: Any, layers: int) -> float:
     from t5lite.model.config import is_moe_layer
 
     return sum(is_moe_layer(cfg, i) for i in range(layers)) / layers
+
+
+def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
+    """Per-device bytes of one MoE layer's expert-kernel gradients ([E, D, F] for each input
+    kernel, [E, F, D] for the output) as the backward holds them: split over the axes the rules
+    give `expert` (tokens travel to the experts: the gradient is local) and over the other
+    dimensions' axes that do not carry the batch (memory._gradient_bytes)."""
+    spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    batch = set(mesh_axes_of(partitioner.data_partition_spec[0]))
+    expert = set(mesh_axes_of(spec[0]))
+    axes = [t for e in spec for t in mesh_axes_of(e) if t in mesh]
+    split = math.prod(mesh[t] for t in axes if t not in batch or t in expert)
+    itemsize = np.dtype(cfg.policy.params).itemsize
+    kernels = len(cfg.mlp_activations) + 1
+    return kernels * cfg.num_experts * cfg.emb_dim * cfg.mlp_dim * itemsize // split
 
 
 def kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
