@@ -249,3 +249,18 @@ def test_plan_lays_meshes_across_a_two_slice_topology():
     slices = mesh_slices(mesh, topo.spec)
     assert slices.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
     assert dcn_axes(mesh, slices) == {"data"}
+
+
+def test_docs_llama_7b_over_two_v5e_slices_pipelines():
+    """docs/pipeline.md's command as written: Llama-2-7B on two slices of 8 v5e chips (16 fake
+    devices, a process of its own). FSDP across the slices gathers every layer over DCN and a
+    replica a slice does not fit, so the two-stage pipeline (a slice a stage) wins, compiled."""
+    from readme_blocks import block, run
+
+    out = run(block("docs/pipeline.md", "pipeline-plan-slices"), timeout=900).stdout
+    assert "slices of 8 devices joined by DCN at 3.12 GB/s a device" in out
+    assert "best: fsdp data=4 model=2 remat=full stage=2 m=2" in out
+    assert "a pipeline wins: fsdp data=4 model=2 remat=full stage=2 m=2; the best without " in out
+    rows = {tuple(x.split()[1:4]): x.split() for x in out.splitlines() if x[:1].isdigit()}
+    assert rows[("fsdp", "2:4x2", "full")][-1] == "fits"
+    assert rows[("fsdp", "2x8x1", "full")][-2:] == ["screened:", "memory"]
