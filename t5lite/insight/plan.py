@@ -185,8 +185,11 @@ def build_trainer(
     )
 
 
-def _slice_count(devices: Sequence[Any]) -> int:
-    """Slices among `devices` (a multi-slice topology's carry their `slice_index`)."""
+def _slice_count(devices: Sequence[Any], spec: DeviceSpec | None = None) -> int:
+    """Slices among `devices`: `spec.slice_devices` consecutive devices a slice where set,
+    else by the devices' `slice_index` (a multi-slice topology's)."""
+    if spec is not None and spec.slice_devices:
+        return len(devices) // spec.slice_devices
     return len({getattr(d, "slice_index", 0) or 0 for d in devices})
 
 
@@ -423,21 +426,11 @@ def plan(
         check_plot_path(plot)  # before anything slow
     devices, spec = _resolve_devices(num_devices, topology, device)
     spec = _with_overrides(spec, device_memory_gib, link_bandwidth_gbps, peak_tflops)
-    if slices == 1 and _slice_count(devices) > 1:  # a multi-slice topology
-        slices = _slice_count(devices)
-    spec = _with_slices(spec, slices, dcn_bandwidth_gbps, len(devices))
+    spec = _with_slices(spec, slices, dcn_bandwidth_gbps, devices)
     if presets is None:
         presets = presets_for(getattr(model.network_config, "num_experts", 0))
-    layouts = enumerate_layouts(
-        len(devices),
-        presets,
-        remat_policies,
-        model_sizes,
-        stage_counts,
-        batch_size,
-        schedules,
-        slices,
-    )
+    search = (presets, remat_policies, model_sizes, stage_counts, batch_size, schedules)
+    layouts = enumerate_layouts(len(devices), *search, _slice_count(devices, spec))
     say = _progress(progress)
     say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")
     screened, trainers = [], {}
@@ -492,18 +485,21 @@ def _with_overrides(
 
 
 def _with_slices(
-    spec: DeviceSpec, slices: int, dcn_gbps: float | None, num_devices: int
+    spec: DeviceSpec, slices: int, dcn_gbps: float | None, devices: Sequence[Any]
 ) -> DeviceSpec:
-    """The device's figures with `slices` slices of consecutive devices and their DCN rate."""
-    if slices < 1 or num_devices % slices:
-        raise ValueError(f"plan: slices={slices} does not divide the {num_devices} devices")
+    """The device's figures with `slices` slices of consecutive devices and their DCN rate (a
+    multi-slice topology's own slices where `slices` is 1)."""
+    n = len(devices)
+    if slices < 1 or n % slices:
+        raise ValueError(f"plan: slices={slices} does not divide the {n} devices")
+    slices = max(slices, _slice_count(devices))
     dcn = dcn_gbps * 1e9 if dcn_gbps else spec.dcn_bytes_per_s
     if slices > 1 and not dcn:
         raise ValueError(
             f"plan: slices={slices} needs plan.dcn_bandwidth_gbps: the hardware table has no "
             f"DCN figure for {spec.device_kind!r}"
         )
-    size = num_devices // slices if slices > 1 else None
+    size = n // slices if slices > 1 and _slice_count(devices) == 1 else None
     return dataclasses.replace(spec, dcn_bytes_per_s=dcn, slice_devices=size)
 
 
