@@ -19,7 +19,6 @@ from t5lite.insight.activation_memory import (
     scanned_backward,
     unscanned_backward,
 )
-from t5lite.insight.hardware import vmem_bytes_of_kind
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
@@ -390,7 +389,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     cfg = trainer.model.network_config
     state, batch = _state_and_batch(trainer)
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
-    vmem = int(tpu_memory.VMEM_SHARE * vmem_bytes_of_kind(kind))
+    vmem = tpu_memory.vmem_budget(kind)
     # Gradients on their way through the all-reduce stay in VMEM up to the budget.
     grads = max(0, _gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
     gathered = _gathered_layer_bytes(trainer)

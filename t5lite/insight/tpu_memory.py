@@ -34,6 +34,8 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
 
 from __future__ import annotations
 
+from t5lite.insight.hardware import tensor_cores_per_device, vmem_bytes_of_kind
+
 # Saved per layer without remat (see above), in units of the layer dict's buffers
 # (memory.layer_bytes).
 _X_PER_BLOCK, _Q_PER_ATTENTION, _KV, _SCORES = 1, 2, 1, 1
@@ -93,11 +95,35 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def vmem_budget(device_kind: str) -> int:
+    """Bytes of VMEM memory-space assignment gives the peak's values on one device: a quarter
+    of a core's VMEM, halved again on a megacore device (v5p, v4), whose two cores each keep
+    their own copy of what they both read (fitted: v5p:2x2x2 ahead of time, decoder-only
+    Megatron `none` bf16, keeps the 8 MiB fp32 logits in HBM and their cotangent in VMEM; the
+    five v5p test-size programs of docs/performance.md are within 10% at this budget and
+    3 of 5 at a quarter of VMEM)."""
+    return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // tensor_cores_per_device(
+        device_kind
+    )
+
+
+def _in_hbm(values: dict[str, int], vmem: int) -> tuple[dict[str, int], int]:
+    """What of one moment's `values` overflows the VMEM budget (the loss's first: it is the
+    shortest-lived), and the bytes held in VMEM."""
+    out, left = dict(values), vmem
+    for k in ("logits+loss", *(k for k in out if k != "logits+loss")):
+        moved = min(left, out.get(k, 0))
+        out[k] = out.get(k, 0) - moved
+        left -= moved
+    return out, vmem - left
+
+
 def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0, arrays: int = 0):
-    """The backward's peak temporaries in HBM by kind, and its terms: every layer's saved
-    values; under `full` one recomputed layer of each stack and (FSDP) every layer's gathered
-    weights; the loss's buffers; all of it beyond what VMEM holds (`vmem`: the budget, bytes),
-    the loss's first; and each of the `arrays` parameter arrays' scalar slots."""
+    """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
+    each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
+    saved values and the loss's buffers) and, under `full`, inside the backward (the saved
+    values, one recomputed layer of each stack and (FSDP) every layer's gathered weights; the
+    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -105,20 +131,17 @@ def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0
     work = _add(*(saved(a, "none") for _, a in layers)) if remat == "full" else {}
     loss = {"logits+loss": _LOSS_BUFFERS * logits}
     regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
-    values = {**_add(loss, kept, work), **regathered}
-    # Memory-space assignment moves the peak's values into VMEM while they fit: what is left in
-    # HBM is what overflows it (the loss first: it is the shortest-lived).
-    left = vmem
-    for k in ("logits+loss", *(k for k in values if k != "logits+loss")):
-        moved = min(left, values[k])
-        values[k] -= moved
-        left -= moved
+    values, held = _in_hbm(_add(loss, kept), vmem)
+    if remat == "full":
+        inside, held_inside = _in_hbm({**_add(kept, work), **regathered}, vmem)
+        if sum(inside.values()) > sum(values.values()):
+            values, held = inside, held_inside
     values["parameter scalars"] = arrays * ARRAY_SLOTS
     terms = (
         ("saved activations", sum(kept.values())),
         ("layer working set", sum(work.values())),
         ("loss temporaries", loss["logits+loss"]),
-        ("held in VMEM", vmem - left),
+        ("held in VMEM", held),
         ("parameter scalars", values["parameter scalars"]),
     )
     return values, terms
