@@ -102,9 +102,8 @@ def vmem_budget(device_kind: str) -> int:
     Megatron `none` bf16, keeps the 8 MiB fp32 logits in HBM and their cotangent in VMEM; the
     five v5p test-size programs of docs/performance.md are within 10% at this budget and
     3 of 5 at a quarter of VMEM)."""
-    return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // tensor_cores_per_device(
-        device_kind
-    )
+    cores = tensor_cores_per_device(device_kind)
+    return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // cores
 
 
 def _in_hbm(values: dict[str, int], vmem: int) -> tuple[dict[str, int], int]:
