@@ -216,7 +216,7 @@ def _ring_bytes(
     """Ring attention's own terms of one layer (`layer_bytes`; `balanced`: the ring's size
     when the self-attention is zigzag-balanced, else 0); none for other layouts."""
     if not _ring_size(partitioner):
-        return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0}
+        return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0, "ring_steps": 0}
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -236,6 +236,8 @@ def _ring_bytes(
         # the chunk in hand and the one arriving, and their fp32 gradients, in hand and in
         # flight; the queries' fp32 gradient accumulator.
         "ring_flight": max(4 * kv_s * (1 + 4 // act) for kv_s in kv_chunk) + q * 4 // act,
+        # each ring attention's steps (its permutes and block kernels: code on TPU)
+        "ring_steps": len(kv_lens) * (_ring_size(partitioner) - 1),
     }
 
 
@@ -401,7 +403,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         for n, a in layers
     ]
     gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
-    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers)
+    steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())
