@@ -19,9 +19,10 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   every layer's weights gathered again for the recomputation (live-range dumps, `full`).
 - Memory-space assignment moves the peak's values into the core's VMEM (on chip, not counted
   in HBM) while they fit, the loss's logits and cotangent first: up to a budget of a quarter of
-  VMEM (`VMEM_SHARE`; halved on a megacore device, `vmem_budget`), which holds every activation of the test-size models on v5e (their
-  temporaries are the same in fp32 and bf16, with remat and without); what overflows it stays
-  in HBM (T5.1.1-small's sizes: hundreds of MiB). Gradients on their way through the
+  VMEM (`VMEM_SHARE`; halved on a megacore device, `vmem_budget`), which holds every
+  activation of the test-size models on v5e (their temporaries are the same in fp32 and
+  bf16, with remat and without); what overflows it stays in HBM (T5.1.1-small's sizes:
+  hundreds of MiB). Gradients on their way through the
   all-reduce (operands in `S(1)` in the compiled HLO) stay on chip up to the same budget.
 - Each parameter array leaves scalars in HBM (its finiteness check, the flags of its
   prefetches and all-reduce), each in its own 16 KiB-aligned slot, and `memory_analysis`
