@@ -404,7 +404,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     ]
     gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
-    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps)
+    cp = sum(a["attentions"] * (1 if cfg.scan_layers else n) for n, a in layers if a["kv_gathered"])
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps, kind, cp)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

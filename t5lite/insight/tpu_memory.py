@@ -53,6 +53,13 @@ _CODE_REMAT = 0.1  # the recomputation's share of a block's code under remat
 # recomputation gathers again); test-size T5 18.8 / 22.5 MiB (`none` / `full`) against
 # megatron's 14.6 / 16.0.
 _CODE_GATHERED_BLOCK = 0.4 * 2**20
+# The same four constants on other generations, by device kind (fixed, per block, remat share,
+# per gathering block), and each context-parallel attention's key/value gathers and their
+# gradients' reduce-scatters a pass (v5e: within the gathering block's). v5p (v5p:2x2x2 ahead
+# of time, bf16): test-size T5 megatron `none` 13.84 MiB (10 blocks), decoder-only 7.8-8.0
+# (4 blocks), `full` 0.5-0.8 more; FSDP's and the 2D layouts' gathers 0.0-0.5 more on 4
+# blocks (v5e: 0.4 a block); context parallelism's 2 attentions 3.0 more (`none`), 3.5 (`full`).
+_CODE_BY_KIND = {"TPU v5": (3.94 * 2**20, 0.99 * 2**20, 0.15, 0.025 * 2**20, 0.75 * 2**20)}
 # A ring attention step's kernels, a pass: fitted on v5e ahead of time, the test-size
 # decoder-only ring (2 layers, 4 devices on the ring, fp32): 5.3 MiB more executable than the
 # model's blocks without remat, 8.2 under `full`.
@@ -173,22 +180,32 @@ def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
 
 
 def code_bytes(
-    blocks: list[tuple[int, int]], remat: str, gathered: bool = False, ring_steps: int = 0
+    blocks: list[tuple[int, int]],
+    remat: str,
+    gathered: bool = False,
+    ring_steps: int = 0,
+    device_kind: str = "",
+    cp_attentions: int = 0,
 ) -> int:
     """Bytes of the TPU executable. `blocks`: (count, elements) per stack, `count` the blocks
     compiled as their own kernels (every block of unrolled layers, one layer's per stack when
     scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: each block
     gathers and reduce-scatters (`gathers_in_blocks`); `ring_steps`: the ring attentions'
     steps compiled as their own kernels (each step's permutes and block attention, forward,
-    backward and, under `full`, the forward again)."""
+    backward and, under `full`, the forward again); `device_kind`: the chip (v5e's figures
+    where `_CODE_BY_KIND` has none); `cp_attentions`: the attentions compiled as their own
+    kernels that gather keys and values (context parallelism)."""
     remat_on = remat == "full"  # `minimal` recomputes only what is fused anyway
-    total = _CODE_FIXED
+    fixed, block, remat_share, gathering, cp = _CODE_BY_KIND.get(
+        device_kind, (_CODE_FIXED, _CODE_PER_BLOCK, _CODE_REMAT, _CODE_GATHERED_BLOCK, 0)
+    )
+    total = fixed + cp_attentions * cp * (2 + remat_on)
     for count, elements in blocks:
         # Kernels unroll over their tiles: a block's code grows with its activations beyond
         # the test-size models' (_CODE_ELEMENTS) sublinearly (_CODE_GROWTH, T5.1.1-small).
         scale = max(1.0, elements / _CODE_ELEMENTS) ** _CODE_GROWTH
-        per_block = _CODE_PER_BLOCK * scale * (1 + (_CODE_REMAT if remat_on else 0))
-        per_block += _CODE_GATHERED_BLOCK * (1 + remat_on) if gathered else 0
+        per_block = block * scale * (1 + (remat_share if remat_on else 0))
+        per_block += gathering * (1 + remat_on) if gathered else 0
         total += count * per_block
     total += ring_steps * _CODE_RING_STEP * (2 + remat_on)
     return int(total)
