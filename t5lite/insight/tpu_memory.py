@@ -108,12 +108,12 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
 
 
 def vmem_budget(device_kind: str) -> int:
-    """Bytes of VMEM memory-space assignment gives the peak's values on one device: a quarter
-    of a core's VMEM, halved again on a megacore device (v5p, v4), whose two cores each keep
-    their own copy of what they both read (fitted: v5p:2x2x2 ahead of time, decoder-only
-    Megatron `none` bf16, keeps the 8 MiB fp32 logits in HBM and their cotangent in VMEM; the
-    five v5p test-size programs of docs/performance.md are within 10% at this budget and
-    3 of 5 at a quarter of VMEM)."""
+    """Bytes of VMEM the model lets memory-space assignment give the peak's values on one
+    device: a quarter of a core's VMEM, divided by the TensorCores the device spans (a v5p or
+    v4 megacore: 2). Fitted, not the compiler's rule: v5p:2x2x2 ahead of time keeps the 8 MiB
+    fp32 logits of the test-size decoder-only Megatron step in HBM while its VMEM in use peaks
+    at 20.9 MiB of 64 (as on v5e, of 128): the assignment is cost-driven, and this budget
+    puts 21 of 22 v5p test-size programs within 10% (docs/performance.md)."""
     cores = tensor_cores_per_device(device_kind)
     return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // cores
 
