@@ -113,7 +113,7 @@ def vmem_budget(device_kind: str) -> int:
     v4 megacore: 2). Fitted, not the compiler's rule: v5p:2x2x2 ahead of time keeps the 8 MiB
     fp32 logits of the test-size decoder-only Megatron step in HBM while its VMEM in use peaks
     at 20.9 MiB of 64 (as on v5e, of 128): the assignment is cost-driven, and this budget
-    puts 21 of 22 v5p test-size programs within 10% (docs/performance.md)."""
+    puts 22 of 24 v5p test-size programs within 10% (docs/performance.md)."""
     cores = tensor_cores_per_device(device_kind)
     return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // cores
 
