@@ -30,6 +30,9 @@ class ChipSpec:
     # TPU: on-chip vector memory per core, where XLA's memory-space assignment keeps buffers
     # out of HBM (jax/_src/pallas/mosaic/tpu_info.py's `vmem_capacity_bytes`); 0 elsewhere
     vmem_bytes: int = 0
+    # TPU: physical TensorCores per chip; v4 and v5p run two as one "megacore" JAX device
+    # (jax/_src/pallas/mosaic/tpu_info.py's `num_physical_tensor_cores_per_chip`)
+    tensor_cores: int = 1
     # TPU: one direction of the data-center network bandwidth of one chip, the links between
     # slices (multi-slice); 0 where the data sheet gives none
     dcn_bytes_per_s: float = 0.0
@@ -55,6 +58,7 @@ _CHIPS = (
         "'TPU v4', ISCA 2023 (6 links x 400 Gbit/s each way)",
         cores_per_chip=2,
         vmem_bytes=16 * 2**20,
+        tensor_cores=2,
     ),
     ChipSpec(
         "v5e",
@@ -78,6 +82,7 @@ _CHIPS = (
         _TPU_DOCS + "v5p-training (459 TFLOPs bf16; HBM2e 95 GiB, 2765 GBps; ICI 1200 GBps "
         "bidirectional; DCN 50 Gbps a chip)",
         vmem_bytes=64 * 2**20,
+        tensor_cores=2,
         dcn_bytes_per_s=50e9 / 8,
     ),
     ChipSpec(
@@ -189,6 +194,12 @@ def vmem_bytes_of_kind(device_kind: str) -> int:
     """On-chip vector memory per core of a TPU `device_kind` (0: not a TPU, or unknown)."""
     chip = _BY_KIND.get(device_kind)
     return chip.vmem_bytes if chip else 0
+
+
+def tensor_cores_per_device(device_kind: str) -> int:
+    """Physical TensorCores one JAX device of a TPU `device_kind` runs on (2: a megacore)."""
+    chip = _BY_KIND.get(device_kind)
+    return max(1, chip.tensor_cores // chip.cores_per_chip) if chip else 1
 
 
 def device_spec_named(name: str) -> DeviceSpec:

@@ -21,7 +21,6 @@ from t5lite.insight.activation_memory import (
     scanned_backward,
     unscanned_backward,
 )
-from t5lite.insight.hardware import vmem_bytes_of_kind
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of, resolve_logical_axes
 from t5lite.trainer import Trainer
@@ -219,7 +218,7 @@ def _ring_bytes(
     """Ring attention's own terms of one layer (`layer_bytes`; `balanced`: the ring's size
     when the self-attention is zigzag-balanced, else 0); none for other layouts."""
     if not _ring_size(partitioner):
-        return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0}
+        return {"scores_saved": None, "ring_saved": 0, "ring_flight": 0, "ring_steps": 0}
     h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def of(axes: tuple[str | None, ...], shape: tuple[int, ...], itemsize: int = act) -> int:
@@ -239,6 +238,8 @@ def _ring_bytes(
         # the chunk in hand and the one arriving, and their fp32 gradients, in hand and in
         # flight; the queries' fp32 gradient accumulator.
         "ring_flight": max(4 * kv_s * (1 + 4 // act) for kv_s in kv_chunk) + q * 4 // act,
+        # each ring attention's steps (its permutes and block kernels: code on TPU)
+        "ring_steps": len(kv_lens) * (_ring_size(partitioner) - 1),
     }
 
 
@@ -395,7 +396,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     cfg = trainer.model.network_config
     state, batch = _state_and_batch(trainer)
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
-    vmem = int(tpu_memory.VMEM_SHARE * vmem_bytes_of_kind(kind))
+    vmem = tpu_memory.vmem_budget(kind)
     # Gradients on their way through the all-reduce stay in VMEM up to the budget.
     grads = max(0, _gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
     gathered = _gathered_layer_bytes(trainer)
@@ -434,7 +435,9 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         for n, a in layers
     ]
     gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
-    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers)
+    steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
+    cp = sum(a["attentions"] * (1 if cfg.scan_layers else n) for n, a in layers if a["kv_gathered"])
+    code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps, kind, cp)
     code += tpu_moe_memory.moe_code(layers, cfg.remat_policy) if moe else 0
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:

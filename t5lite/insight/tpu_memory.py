@@ -19,9 +19,10 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   every layer's weights gathered again for the recomputation (live-range dumps, `full`).
 - Memory-space assignment moves the peak's values into the core's VMEM (on chip, not counted
   in HBM) while they fit, the loss's logits and cotangent first: up to a budget of a quarter of
-  VMEM (`VMEM_SHARE`), which holds every activation of the test-size models on v5e (their
-  temporaries are the same in fp32 and bf16, with remat and without); what overflows it stays
-  in HBM (T5.1.1-small's sizes: hundreds of MiB). Gradients on their way through the
+  VMEM (`VMEM_SHARE`; halved on a megacore device, `vmem_budget`), which holds every
+  activation of the test-size models on v5e (their temporaries are the same in fp32 and
+  bf16, with remat and without); what overflows it stays in HBM (T5.1.1-small's sizes:
+  hundreds of MiB). Gradients on their way through the
   all-reduce (operands in `S(1)` in the compiled HLO) stay on chip up to the same budget.
 - Each parameter array leaves scalars in HBM (its finiteness check, the flags of its
   prefetches and all-reduce), each in its own 16 KiB-aligned slot, and `memory_analysis`
@@ -33,6 +34,8 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
 """
 
 from __future__ import annotations
+
+from t5lite.insight.hardware import tensor_cores_per_device, vmem_bytes_of_kind
 
 # Saved per layer without remat (see above), in units of the layer dict's buffers
 # (memory.layer_bytes).
@@ -50,6 +53,17 @@ _CODE_REMAT = 0.1  # the recomputation's share of a block's code under remat
 # recomputation gathers again); test-size T5 18.8 / 22.5 MiB (`none` / `full`) against
 # megatron's 14.6 / 16.0.
 _CODE_GATHERED_BLOCK = 0.4 * 2**20
+# The same four constants on other generations, by device kind (fixed, per block, remat share,
+# per gathering block), and each context-parallel attention's key/value gathers and their
+# gradients' reduce-scatters a pass (v5e: within the gathering block's). v5p (v5p:2x2x2 ahead
+# of time, bf16): test-size T5 megatron `none` 13.84 MiB (10 blocks), decoder-only 7.8-8.0
+# (4 blocks), `full` 0.5-0.8 more; FSDP's and the 2D layouts' gathers 0.0-0.5 more on 4
+# blocks (v5e: 0.4 a block); context parallelism's 2 attentions 3.0 more (`none`), 3.5 (`full`).
+_CODE_BY_KIND = {"TPU v5": (3.94 * 2**20, 0.99 * 2**20, 0.15, 0.025 * 2**20, 0.75 * 2**20)}
+# A ring attention step's kernels, a pass: fitted on v5e ahead of time, the test-size
+# decoder-only ring (2 layers, 4 devices on the ring, fp32): 5.3 MiB more executable than the
+# model's blocks without remat, 8.2 under `full`.
+_CODE_RING_STEP = 0.44 * 2**20
 VMEM_SHARE = 0.25
 # HBM a parameter array takes in scalar slots and the reserve beside them (module docstring).
 ARRAY_SLOTS = 20 * 16 * 2**10
@@ -99,11 +113,34 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def vmem_budget(device_kind: str) -> int:
+    """Bytes of VMEM the model lets memory-space assignment give the peak's values on one
+    device: a quarter of a core's VMEM, divided by the TensorCores the device spans (a v5p or
+    v4 megacore: 2). Fitted, not the compiler's rule: v5p:2x2x2 ahead of time keeps the 8 MiB
+    fp32 logits of the test-size decoder-only Megatron step in HBM while its VMEM in use peaks
+    at 20.9 MiB of 64 (as on v5e, of 128): the assignment is cost-driven, and this budget
+    puts 22 of 24 v5p test-size programs within 10% (docs/performance.md)."""
+    cores = tensor_cores_per_device(device_kind)
+    return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // cores
+
+
+def _in_hbm(values: dict[str, int], vmem: int) -> tuple[dict[str, int], int]:
+    """What of one moment's `values` overflows the VMEM budget (the loss's first: it is the
+    shortest-lived), and the bytes held in VMEM."""
+    out, left = dict(values), vmem
+    for k in ("logits+loss", *(k for k in out if k != "logits+loss")):
+        moved = min(left, out.get(k, 0))
+        out[k] = out.get(k, 0) - moved
+        left -= moved
+    return out, vmem - left
+
+
 def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0, arrays: int = 0):
-    """The backward's peak temporaries in HBM by kind, and its terms: every layer's saved
-    values; under `full` one recomputed layer of each stack and (FSDP) every layer's gathered
-    weights; the loss's buffers; all of it beyond what VMEM holds (`vmem`: the budget, bytes),
-    the loss's first; and each of the `arrays` parameter arrays' scalar slots."""
+    """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
+    each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
+    saved values and the loss's buffers) and, under `full`, inside the backward (the saved
+    values, one recomputed layer of each stack and (FSDP) every layer's gathered weights; the
+    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -111,23 +148,34 @@ def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0
     work = _add(*(saved(a, "none") for _, a in layers)) if remat == "full" else {}
     loss = {"logits+loss": _LOSS_BUFFERS * logits}
     regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
-    values = {**_add(loss, kept, work), **regathered}
-    # Memory-space assignment moves the peak's values into VMEM while they fit: what is left in
-    # HBM is what overflows it (the loss first: it is the shortest-lived).
-    left = vmem
-    for k in ("logits+loss", *(k for k in values if k != "logits+loss")):
-        moved = min(left, values[k])
-        values[k] -= moved
-        left -= moved
+    values, held = _in_hbm(_add(loss, kept), vmem)
+    if remat == "full":
+        inside, held_inside = _in_hbm({**_add(kept, work), **regathered}, vmem)
+        if sum(inside.values()) > sum(values.values()):
+            values, held = inside, held_inside
+    if any(a["ring_steps"] for _, a in layers):
+        values["ring attention"] = ring_in_hbm(layers, remat)
     values["parameter scalars"] = arrays * ARRAY_SLOTS
     terms = (
         ("saved activations", sum(kept.values())),
         ("layer working set", sum(work.values())),
         ("loss temporaries", loss["logits+loss"]),
-        ("held in VMEM", vmem - left),
+        ("held in VMEM", held),
         ("parameter scalars", values["parameter scalars"]),
     )
     return values, terms
+
+
+def ring_in_hbm(layers: list, remat: str) -> int:
+    """Ring attention's own buffers, in HBM whatever the VMEM budget (v5e's buffer assignment of
+    the test-size decoder-only ring, fp32: its fp32 key/value chunks and stacked keys and
+    values live across the ring's steps, in HBM beside VMEM's free space), at their peak, the
+    first layer differentiated: every layer's custom_vjp residuals (one layer's, recomputed,
+    under `full`) and that layer's ring in flight (`memory.layer_bytes`)."""
+    residuals = [a["ring_saved"] * (1 if remat == "full" else n) for n, a in layers]
+    return (max(residuals) if remat == "full" else sum(residuals)) + max(
+        a["ring_flight"] for _, a in layers
+    )
 
 
 def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
@@ -137,18 +185,33 @@ def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
     return fsdp or any(a["embed_split"] or a["sp_gathered"] or a["kv_gathered"] for _, a in layers)
 
 
-def code_bytes(blocks: list[tuple[int, int]], remat: str, gathered: bool = False) -> int:
+def code_bytes(
+    blocks: list[tuple[int, int]],
+    remat: str,
+    gathered: bool = False,
+    ring_steps: int = 0,
+    device_kind: str = "",
+    cp_attentions: int = 0,
+) -> int:
     """Bytes of the TPU executable. `blocks`: (count, elements) per stack, `count` the blocks
     compiled as their own kernels (every block of unrolled layers, one layer's per stack when
     scanned), `elements` a block's per-device [B, L, D] activation; `gathered`: each block
-    gathers and reduce-scatters (`gathers_in_blocks`)."""
+    gathers and reduce-scatters (`gathers_in_blocks`); `ring_steps`: the ring attentions'
+    steps compiled as their own kernels (each step's permutes and block attention, forward,
+    backward and, under `full`, the forward again); `device_kind`: the chip (v5e's figures
+    where `_CODE_BY_KIND` has none); `cp_attentions`: the attentions compiled as their own
+    kernels that gather keys and values (context parallelism)."""
     remat_on = remat == "full"  # `minimal` recomputes only what is fused anyway
-    total = _CODE_FIXED
+    fixed, block, remat_share, gathering, cp = _CODE_BY_KIND.get(
+        device_kind, (_CODE_FIXED, _CODE_PER_BLOCK, _CODE_REMAT, _CODE_GATHERED_BLOCK, 0)
+    )
+    total = fixed + cp_attentions * cp * (2 + remat_on)
     for count, elements in blocks:
         # Kernels unroll over their tiles: a block's code grows with its activations beyond
         # the test-size models' (_CODE_ELEMENTS) sublinearly (_CODE_GROWTH, T5.1.1-small).
         scale = max(1.0, elements / _CODE_ELEMENTS) ** _CODE_GROWTH
-        per_block = _CODE_PER_BLOCK * scale * (1 + (_CODE_REMAT if remat_on else 0))
-        per_block += _CODE_GATHERED_BLOCK * (1 + remat_on) if gathered else 0
+        per_block = block * scale * (1 + (remat_share if remat_on else 0))
+        per_block += gathering * (1 + remat_on) if gathered else 0
         total += count * per_block
+    total += ring_steps * _CODE_RING_STEP * (2 + remat_on)
     return int(total)
