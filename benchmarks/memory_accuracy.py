@@ -2,7 +2,7 @@
 
 Goal (issue 19): `predict_memory` (analytic, no compilation) within 10% of XLA's figure
 (`memory_report(compiled).total`) on 8 fake CPU devices, for T5.1.1-like and decoder-only models
-(`memory.accuracy_trainer`, the test's models), layers scanned or (`--unscanned`) unrolled,
+(`accuracy.accuracy_trainer`, the test's models), layers scanned or (`--unscanned`) unrolled,
 two a stack or `--layers N` (the unscanned counts are checked at 2 and 4 for every
 combination, and T5 at 8 on five; the `full` counts were fitted on 2, 4 and 6).
 `--precision` takes the mixed-precision policies too (`bf16`: bf16 parameters and compute, fp32
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import write_record
 
-from t5lite.insight import memory
+from t5lite.insight import accuracy, memory
 from t5lite.insight.meshes import partitioner_on
 from t5lite.insight.report import compile_train_step
 from t5lite.model.config import REMAT_POLICIES
@@ -100,7 +100,7 @@ def measure(
     if small:
         tr = small_trainer(fam, preset, remat, scan, POLICIES[precision], devices)
     else:
-        tr = memory.accuracy_trainer(
+        tr = accuracy.accuracy_trainer(
             fam, preset, remat, scan=scan, layers=layers, precision=POLICIES[precision]
         )
         if topology:  # the same layout over the slice's chips
@@ -151,7 +151,7 @@ def main() -> None:
     combos = [
         (f, p, r, pol)
         for pol in policies
-        for f in memory.ACCURACY_FAMILIES
+        for f in accuracy.ACCURACY_FAMILIES
         for p in presets
         for r in remats
     ]

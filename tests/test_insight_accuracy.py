@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import require_devices
 
-from t5lite.insight import activation_memory, communication, comparison, flops, memory
+from t5lite.insight import accuracy, activation_memory, communication, comparison, flops, memory
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.report import compile_train_step
 from t5lite.insight.sharding import sharding_report
@@ -84,7 +84,7 @@ def test_throughput_without_peak_says_so():
 def _trainer(
     family, preset, remat, batch_size=16, scan=True, layers=2, precision="float32", experts=0
 ):
-    return memory.accuracy_trainer(
+    return accuracy.accuracy_trainer(
         family,
         preset,
         remat,

@@ -5,7 +5,7 @@ unscanned layers, on 8 fake devices (docs/performance.md has the whole matrix)."
 import pytest
 from conftest import require_devices
 
-from t5lite.insight import memory, moe_memory
+from t5lite.insight import accuracy, memory, moe_memory
 from t5lite.insight.activation_memory import PENDING
 from t5lite.insight.report import compile_train_step
 
@@ -40,7 +40,7 @@ CASES = [
 def _trainer(family, preset, remat, scan, dispatch, every):
     # data_parallel puts `expert` on data=8: it needs 8 experts.
     experts = 8 if preset == "data_parallel" else 4
-    return memory.accuracy_trainer(
+    return accuracy.accuracy_trainer(
         family, preset, remat, scan, experts=experts, dispatch=dispatch, moe_every=every
     )
 

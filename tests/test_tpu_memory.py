@@ -1,6 +1,6 @@
 """`predict_memory` for XLA:TPU against the TPU compiler's own figure, ahead of time on this CPU.
 
-libtpu (the `[tpu]` extra) compiles the train step of `memory.accuracy_trainer`'s test-size
+libtpu (the `[tpu]` extra) compiles the train step of `accuracy.accuracy_trainer`'s test-size
 models for a v5e:2x4 slice (data=2 x model=4, data=8 without model parallelism); the analytic
 prediction, which models XLA:TPU (`tpu_memory`: bf16 dots, fused elementwise work, in-place
 gradient reduction, the executable in HBM), must be within 10% of `memory_analysis()`'s total.
@@ -49,7 +49,7 @@ _MORE_CASES = [
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from t5lite.insight import memory
+    from t5lite.insight import accuracy, memory
     from t5lite.insight.meshes import partitioner_on
     from t5lite.insight.report import compile_train_step
     from t5lite.insight.topology import get_topology
@@ -59,7 +59,7 @@ _SCRIPT = textwrap.dedent(
     for fam, preset, remat, precision, *more in json.loads(sys.argv[1]):
         scan, experts, dispatch, topology = more + [False, 0, "capacity", "v5e:2x4"][len(more):]
         topo = get_topology(topology)
-        tr = memory.accuracy_trainer(
+        tr = accuracy.accuracy_trainer(
             fam, preset, remat, scan=scan, precision=precision, experts=experts,
             dispatch=dispatch,
         )

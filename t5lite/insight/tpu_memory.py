@@ -6,7 +6,7 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
 - Elementwise work is fused into the dots' prologues and epilogues, forward and backward: what a
   layer saves for its backward is the output of its dots and norms, not the elementwise values
   between them (read from `--xla_dump_to`'s buffer assignment and live ranges, v5e ahead of
-  time, the test-size T5 of `memory.accuracy_trainer`). Per block the norm's output; per
+  time, the test-size T5 of `accuracy.accuracy_trainer`). Per block the norm's output; per
   attention q and the context, keys and values once, the fp32 logits once (the softmax is
   recomputed from them in the backward's fusion); the MLP's pre-activations (one per input
   projection: two for a gated MLP).

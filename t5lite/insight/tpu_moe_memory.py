@@ -2,7 +2,7 @@
 (`memory.predict_memory` on platform "tpu", beside tpu_memory's dense terms).
 
 Read from the TPU compiler's buffer assignment and live ranges (v5e:2x4 ahead of time, the
-test-size decoder-only model of `memory.accuracy_trainer` with four experts, `expert_parallel`,
+test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `expert_parallel`,
 `megatron`, `fully_sharded`, capacity and dropless dispatch):
 - The scan stacks what each MoE layer saves for its backward over the layers
   (`f32[layers, E, G, C, F]`, five of them for capacity dispatch; the sorted rows and the
