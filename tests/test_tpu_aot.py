@@ -69,5 +69,5 @@ def test_t5_train_step_compiles_for_v5e_2x2_megatron_and_fsdp():
 def test_unknown_topology_is_a_clear_error():
     from t5lite.insight.topology import TopologyError, get_topology
 
-    with pytest.raises(TopologyError, match="expected GENERATION:AxB"):
+    with pytest.raises(TopologyError, match=r"expected \[SLICESx\]GENERATION:AxB"):
         get_topology("v99:2x2")
