@@ -35,39 +35,25 @@ def accuracy_trainer(
     from t5lite.model.network import DecoderOnlyConfig, T5Config
     from t5lite.partitioning import PRESETS, create_mesh, preset_rules
 
+    # The two families' shared shapes and settings.
+    common = dict(
+        vocab_size=8192,
+        emb_dim=256,
+        num_heads=4,
+        head_dim=64,
+        remat_policy=remat,
+        scan_layers=scan,
+        precision=precision,
+        num_experts=experts,
+        moe_dispatch=dispatch,
+        moe_every=moe_every,
+    )
     if family == "t5":
-        cfg = T5Config(
-            vocab_size=8192,
-            emb_dim=256,
-            num_heads=4,
-            head_dim=64,
-            mlp_dim=1024,
-            num_encoder_layers=layers,
-            num_decoder_layers=layers,
-            remat_policy=remat,
-            scan_layers=scan,
-            precision=precision,
-            num_experts=experts,
-            moe_dispatch=dispatch,
-            moe_every=moe_every,
-        )
+        cfg = T5Config(**common, mlp_dim=1024, num_encoder_layers=layers, num_decoder_layers=layers)
         model, lengths = EncoderDecoderModel(network_config=cfg), {"inputs": 128, "targets": 64}
     elif family == "lm":
-        cfg = DecoderOnlyConfig(
-            vocab_size=8192,
-            emb_dim=256,
-            num_heads=4,
-            head_dim=64,
-            mlp_dim=768,
-            num_layers=layers,
-            remat_policy=remat,
-            scan_layers=scan,
-            precision=precision,
-            num_experts=experts,
-            moe_dispatch=dispatch,
-            moe_every=moe_every,
-        )
-        model, lengths = DecoderOnlyModel(network_config=cfg), {"targets": 128}
+        lm = DecoderOnlyConfig(**common, mlp_dim=768, num_layers=layers)
+        model, lengths = DecoderOnlyModel(network_config=lm), {"targets": 128}
     else:
         raise ValueError(f"family {family!r}: one of {ACCURACY_FAMILIES}")
     model_parallel = 1 if PRESETS[preset] is None else 4
