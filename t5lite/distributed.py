@@ -7,12 +7,15 @@ collectives go through gloo, so a multi-process run works on plain machines and 
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
+import numpy as np
 
 # Environment variables that mean "this process is one of several in a cluster JAX can detect".
 _CLUSTER_ENV = (
@@ -74,6 +77,52 @@ def initialize(
 def is_chief() -> bool:
     """Process 0: the one that logs, writes metrics and prints."""
     return jax.process_index() == 0
+
+
+# Processes agree on small host values through the coordination service, not through device
+# collectives: `multihost_utils.process_allgather` / `broadcast_one_to_all` /
+# `sync_global_devices` run a jitted collective on every local device and return when the
+# first device's copy is ready. The other devices' parts can still be connecting to a peer
+# that has already read its copy and exited; the process then hangs at exit in gloo's
+# connect (a two-process restore test hung 1 run in ~8 on a loaded 2-core host).
+_AGREE_TIMEOUT_MS = 30 * 60 * 1000
+_exchanges = itertools.count()
+
+
+def coordination_client() -> Any:
+    """The coordination service's client of a multi-process run."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def host_allgather(local: np.ndarray | np.generic) -> np.ndarray:
+    """Every process's `local` (one shape and dtype on all), stacked in process order.
+
+    Every process must call it, in the same order as its other agreements (the n-th call
+    on one process meets the n-th call on the others).
+    """
+    local = np.asarray(local)
+    if jax.process_count() == 1:
+        return local[None]
+    client, key = coordination_client(), f"t5lite_allgather/{next(_exchanges)}"
+    client.key_value_set_bytes(f"{key}/{jax.process_index()}", local.tobytes())
+    parts = [
+        client.blocking_key_value_get_bytes(f"{key}/{i}", _AGREE_TIMEOUT_MS)
+        for i in range(jax.process_count())
+    ]
+    return np.stack([np.frombuffer(b, local.dtype).reshape(local.shape) for b in parts])
+
+
+def broadcast_from_chief(value: int) -> int:
+    """Process 0's `value` on every process."""
+    return int(host_allgather(np.int64(value))[0])
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (`name`: unique for the run)."""
+    if jax.process_count() > 1:
+        coordination_client().wait_at_barrier(name, _AGREE_TIMEOUT_MS)
 
 
 def exit_on_peer_failure(command: str, error: BaseException) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores; the README test command runs it
@@ -215,3 +216,12 @@ def test_watchdog_ends_a_stuck_process():
     assert out.returncode == 1
     assert time.time() - t0 < 20
     assert "no training progress for 1 s (step_timeout_s=1)" in out.stderr
+
+
+def test_host_agreements_on_one_process_keep_shapes():
+    from t5lite import distributed
+
+    assert distributed.host_allgather(np.int64(3)).shape == (1,)
+    assert distributed.host_allgather(np.array([True, False])).tolist() == [[True, False]]
+    assert distributed.broadcast_from_chief(5) == 5
+    distributed.barrier("t5lite_test_one_process")  # a no-op: nothing to wait for

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5lite import distributed
 from t5lite.checkpoint import layout
 from t5lite.checkpoint.layout import CheckpointError
 from t5lite.pytree import finite_by_array
@@ -41,12 +42,10 @@ def check_finite(
     """
     known = list(known) if known is not None else [None] * len(values)
     if jax.process_count() > 1 and any(k is not None for k in known):
-        from jax.experimental import multihost_utils
-
         # Which entries are known is the same on every process (it depends on the stored
         # format and dtypes only); their verdicts are not.
         local = np.array([k is not False for k in known])
-        every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(known))
+        every = distributed.host_allgather(local)
         known = [None if k is None else bool(ok) for k, ok in zip(known, every.all(axis=0))]
     floats = [
         (n, v, k) for n, v, k in zip(names, values, known) if jnp.issubdtype(v.dtype, jnp.inexact)

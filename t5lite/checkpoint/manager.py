@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from t5lite import distributed
 from t5lite.checkpoint import layout, staging
 from t5lite.checkpoint import tensorstore_io as tsio
 from t5lite.checkpoint.layout import (
@@ -65,42 +66,22 @@ def _is_process0() -> bool:
     return jax.process_index() == 0
 
 
-def _barrier(name: str, background: bool = False) -> None:
-    """All processes wait here; a no-op with one process.
-
-    NOTE: `sync_global_devices` runs a device computation, which must not race the trainer's
-    steps from the writer thread; there the coordination service's barrier is used instead.
-    """
-    if jax.process_count() == 1:
-        return
-    if not background:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-        return
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier(name, 30 * 60 * 1000)
-
-
 def _any_process_failed(name: str, ok: bool) -> bool:
     """Barrier from the writer thread; returns True if any process reported a failure."""
     if jax.process_count() == 1:
         return not ok
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = distributed.coordination_client()
     if not ok:
         client.key_value_set(f"{name}_failed/{jax.process_index()}", "1")
-    client.wait_at_barrier(f"{name}_written", 30 * 60 * 1000)
+    distributed.barrier(f"{name}_written")
     return bool(client.key_value_dir_get(f"{name}_failed/"))
 
 
 def _preemption_sync_manager() -> Any:
     """JAX's preemption sync manager of a multi-process run (None when there is none)."""
-    from jax._src import distributed  # the public API has no accessor for it
+    from jax._src import distributed as jax_distributed  # no public accessor for it
 
-    return getattr(distributed.global_state, "preemption_sync_manager", None)
+    return getattr(jax_distributed.global_state, "preemption_sync_manager", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +251,7 @@ class CheckpointManager:
             (tmp / "arrays").mkdir(parents=True)
         self._saves += 1
         self._last_saved_step = step
-        _barrier(f"t5lite_ckpt_{step}_{self._saves}_mkdir")
+        distributed.barrier(f"t5lite_ckpt_{step}_{self._saves}_mkdir")
         n = self._saves
         job = lambda: self._write_and_commit(step, n, tmp, final, staged, meta, extra_json, stats)
         if self.async_save:
@@ -322,7 +303,7 @@ class CheckpointManager:
             layout.fsync_dir(self.directory)
             stats["commit_s"] = time.perf_counter() - t_commit
             self._apply_keep_policy()
-        _barrier(f"t5lite_ckpt_{step}_{n}_committed", background=True)
+        distributed.barrier(f"t5lite_ckpt_{step}_{n}_committed")
         if self.keep_host_buffers:
             self._spare = {
                 path: h for path, (_, h) in zip(meta["arrays"], staged) if not h.device_copies

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
+from t5lite import distributed
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import Partitioner
 from t5lite.programs.configs import DataConfig
@@ -69,9 +69,7 @@ def infer(
             boundaries.add(offset)
     done = _resume_point(output_file, expected, boundaries) if is_chief else 0
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        done = int(multihost_utils.broadcast_one_to_all(np.int32(done)))
+        done = distributed.broadcast_from_chief(done)
     if done < 0:
         raise FileExistsError(
             f"infer: {output_file} is complete ({len(expected)} records); refusing to overwrite it"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 
+from t5lite import distributed
 from t5lite.checkpoint import CheckpointManager
 from t5lite.checkpoint.layout import read_extra
 from t5lite.programs import metrics_writer as mw
@@ -212,7 +213,4 @@ class HealthCheck:
 
 def _sync(name: str) -> None:
     """All processes of a multi-process run reach this point before any goes on."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+    distributed.barrier(name)

@@ -16,9 +16,9 @@ from dataclasses import asdict
 from typing import Any
 
 import jax
-import numpy as np
 
 import seqio_lite
+from t5lite import distributed
 from t5lite.checkpoint.layout import read_extra
 from t5lite.model.config import config_record
 from t5lite.programs.run_lock import RunLock, RunLockError
@@ -35,9 +35,7 @@ def acquire_lock(model_dir: str, stack: contextlib.ExitStack) -> None:
         except RunLockError as e:
             error = e
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        refused = distributed.broadcast_from_chief(error is not None)
         if refused and error is None:
             error = RunLockError(f"{model_dir} is in use by another run (see process 0)")
     if error is not None:
