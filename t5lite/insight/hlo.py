@@ -283,9 +283,9 @@ _MEGASCALE_KINDS = {
 }
 
 
-def device_slices(mesh: Mesh) -> np.ndarray:
-    """Each mesh position's slice (its device's `slice_index`, 0 where it has none)."""
-    return np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(mesh.devices)
+def device_slices(devices: np.ndarray) -> np.ndarray:
+    """Each device's slice (its `slice_index`, 0 where it has none), shaped as `devices`."""
+    return np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(devices)
 
 
 def axes_along(mesh: Mesh, ids: np.ndarray) -> tuple[str, ...]:
@@ -307,7 +307,7 @@ def _megascale(m: re.Match, mesh: Mesh | None) -> Collective:
     sent = arrays[0] if arrays else 0
     if mesh is None:
         return Collective(kind, sent, None, ())
-    axes = axes_along(mesh, device_slices(mesh))
+    axes = axes_along(mesh, device_slices(mesh.devices))
     shape = dict(mesh.shape)
     groups = tuple(tuple(sorted(g)) for g in _axis_groups(shape, axes)) if axes else ()
     n = math.prod(shape[a] for a in axes) if axes else 1

@@ -44,7 +44,7 @@ from t5lite.insight.plan_output import (
 from t5lite.insight.plot import check_plot_path, plot_layouts
 from t5lite.insight.report import analytic_figures, step_report
 from t5lite.insight.sharding import format_bytes
-from t5lite.insight.slices import dcn_axes, link_seconds, mesh_slices
+from t5lite.insight.slices import dcn_axes, link_seconds, mesh_slices, slice_count
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import ranking_lines, whole_step_lines
 from t5lite.insight.topology import get_topology
@@ -157,7 +157,7 @@ def build_trainer(
         shape = {REPLICA: layout.replicas, DATA: layout.data, MODEL: layout.model}
         grid = np.asarray(list(devices), dtype=object).reshape(tuple(shape.values()))
         mesh = Mesh(grid, tuple(shape))
-    elif layout.stages == 1 and (n := _slice_count(devices)) > 1 and layout.data % n == 0:
+    elif layout.stages == 1 and (n := slice_count(devices)) > 1 and layout.data % n == 0:
         # across slices: the outer part of `data` over DCN, each process's batch contiguous
         ici, dcn = (layout.data // n, layout.model), (n, 1)
         mesh = create_mesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, devices=list(devices))
@@ -183,14 +183,6 @@ def build_trainer(
         lengths=lengths,
         num_microbatches=num_microbatches,
     )
-
-
-def _slice_count(devices: Sequence[Any], spec: DeviceSpec | None = None) -> int:
-    """Slices among `devices`: `spec.slice_devices` consecutive devices a slice where set,
-    else by the devices' `slice_index` (a multi-slice topology's)."""
-    if spec is not None and spec.slice_devices:
-        return len(devices) // spec.slice_devices
-    return len({getattr(d, "slice_index", 0) or 0 for d in devices})
 
 
 def screen_layout(
@@ -430,7 +422,7 @@ def plan(
     if presets is None:
         presets = presets_for(getattr(model.network_config, "num_experts", 0))
     search = (presets, remat_policies, model_sizes, stage_counts, batch_size, schedules)
-    layouts = enumerate_layouts(len(devices), *search, _slice_count(devices, spec))
+    layouts = enumerate_layouts(len(devices), *search, slice_count(devices, spec))
     say = _progress(progress)
     say(f"plan: screening {len(layouts)} layouts on {len(devices)} devices analytically")
     screened, trainers = [], {}
@@ -492,14 +484,14 @@ def _with_slices(
     n = len(devices)
     if slices < 1 or n % slices:
         raise ValueError(f"plan: slices={slices} does not divide the {n} devices")
-    slices = max(slices, _slice_count(devices))
+    slices = max(slices, slice_count(devices))
     dcn = dcn_gbps * 1e9 if dcn_gbps else spec.dcn_bytes_per_s
     if slices > 1 and not dcn:
         raise ValueError(
             f"plan: slices={slices} needs plan.dcn_bandwidth_gbps: the hardware table has no "
             f"DCN figure for {spec.device_kind!r}"
         )
-    size = n // slices if slices > 1 and _slice_count(devices) == 1 else None
+    size = n // slices if slices > 1 and slice_count(devices) == 1 else None
     return dataclasses.replace(spec, dcn_bytes_per_s=dcn, slice_devices=size)
 
 

@@ -10,6 +10,7 @@ DCN bandwidth and every other one at the link bandwidth (`link_seconds`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
@@ -19,16 +20,24 @@ from t5lite.insight.hardware import DeviceSpec
 from t5lite.insight.hlo import Collective, axes_along, device_slices
 
 
-def mesh_slices(mesh: Mesh, device: DeviceSpec) -> np.ndarray | None:
-    """Each mesh position's slice, shaped as the mesh (None: all in one slice):
-    `device.slice_devices` consecutive device ids a slice where it is set (fake CPU devices, or
-    one slice's compile-only devices planned as several), else the devices' own `slice_index`
-    (a multi-slice machine or topology)."""
-    if device.slice_devices:
+def slice_ids(devices: np.ndarray, device: DeviceSpec | None = None) -> np.ndarray:
+    """Each device's slice, shaped as `devices`: `device.slice_devices` consecutive device ids
+    a slice where it is set (fake CPU devices, or one slice's compile-only devices planned as
+    several), else the devices' own `slice_index` (a multi-slice machine or topology)."""
+    if device is not None and device.slice_devices:
         size = device.slice_devices
-        ids = np.vectorize(lambda d: d.id // size, otypes=[int])(mesh.devices)
-    else:
-        ids = device_slices(mesh)
+        return np.vectorize(lambda d: d.id // size, otypes=[int])(devices)
+    return device_slices(devices)
+
+
+def slice_count(devices: Sequence[Any], device: DeviceSpec | None = None) -> int:
+    """How many slices `devices` span (`slice_ids`)."""
+    return len(np.unique(slice_ids(np.asarray(devices, dtype=object), device)))
+
+
+def mesh_slices(mesh: Mesh, device: DeviceSpec) -> np.ndarray | None:
+    """Each mesh position's slice, shaped as the mesh (`slice_ids`); None: all in one slice."""
+    ids = slice_ids(mesh.devices, device)
     return ids if len(np.unique(ids)) > 1 else None
 
 
