@@ -1,0 +1,209 @@
+"""What XLA:TPU needs in HBM for a pipelined train step (model/pipeline.py, model/schedules.py),
+and the one place pipelined memory dispatches by platform (`stage_memory`).
+
+Read from the TPU compiler's memory report and buffer assignment (v5e:2x4 ahead of time, libtpu,
+the test-size pipelined models of tests/test_pipeline.py: 4 layers a stack, 4 microbatches):
+- The state and batch take their tiles: XLA:TPU pads an array's two minor dimensions to its
+  (8, 128) tile (16 sublanes in bf16; fewer for a dimension under 8) in whichever order pads
+  least, and no buffer takes under 512 bytes. At test size that is 8x the arrays' bytes
+  (`emb_dim` 16 padded to 128 lanes); the donated state's aliased bytes match `tile_bytes`.
+- The activations the schedule holds (every tick's residuals under GPipe, 1F1B's slots, the
+  stack buffers: pipeline.pipeline_memory) sit in VMEM while they fit in `vmem_budget`, as the
+  unpipelined step's do (tpu_memory); only what overflows it is in HBM.
+- The temporaries are scalar slots: each of the heap's buffers takes its own 16 KiB-aligned
+  slot (the tick loops' carried flags and indices, each collective's), and the step's 3.3 MiB
+  heap of 512-byte buffers is 5.6 MiB of `temp_size` (test-size decoder-only model, megatron,
+  stage 2, GPipe). tpu_memory's per-array slots (`ARRAY_SLOTS`, `LOOP_SLOTS`) hold as in the
+  unpipelined step, and the schedule adds its own, with its kernels (`generated_code`), by
+  what the compiled loops contain: the stage's blocks' all-reduces under tensor parallelism,
+  a stack's weight gathers under FSDP (more for bf16 parameters, cast before their gather),
+  and 1F1B's separately compiled forward and backward of each of the stage's layers.
+  Those five terms are fitted (`_SCHEDULE_CODE`, `_SCHEDULE_SLOTS`); docs/performance.md has
+  the matrix they were fitted and validated on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from t5lite.insight import memory, pipeline, tpu_memory
+from t5lite.insight.sharded_bytes import bytes_per_device
+from t5lite.insight.sharding import format_bytes
+from t5lite.model.config import T5Config
+from t5lite.partitioning import STAGE, mesh_axes_of
+from t5lite.trainer import Trainer
+
+# Fitted on 21 of the 31 pipelined programs measured (v5e:2x4 ahead of time, 2026-11-27), both
+# families, GPipe and 1F1B, stage 2 and 4, data parallel, FSDP and megatron, each remat policy,
+# fp32 and bf16; the other 10 held out (docs/performance.md). Bytes (KiB) by what the compiled
+# step holds: (fixed; a block of the stage's layers under tensor parallelism; a stack under
+# FSDP; a layer of the stage's under 1F1B; a block under FSDP with bf16 weights; a stack under
+# FSDP and 1F1B, which gathers the stage's weights in each F and again in each B). A block: an
+# attention or an MLP (tpu_memory's unit). The slots' FSDP stack term is negative: it is what
+# the bf16 and 1F1B terms leave of it.
+_SCHEDULE_CODE = (1532, 173, 979, 228, 196, 469)
+_SCHEDULE_SLOTS = (-130, 90, -322, 410, 474, 1138)
+_KIB = 2**10
+# The smallest buffer XLA:TPU allocates, and the tile of an array's two minor dimensions in
+# 32-bit words (sublanes, lanes).
+_MIN_BUFFER = 512
+_SUBLANES, _LANES = 8, 128
+
+
+def tile_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes XLA:TPU allocates for an array of `shape`: its two minor dimensions padded to the
+    tile, in the layout that pads least (a sublane dimension under the tile's takes the next
+    power of two: `f32[2,16]` is tiled (2, 128))."""
+    if len(shape) < 2:
+        n = shape[0] if shape else 1
+        return max(_MIN_BUFFER, -(-n // _LANES) * _LANES * itemsize)
+    sub = _SUBLANES * 4 // itemsize
+    best = None
+    for i, j in itertools.permutations(range(len(shape)), 2):
+        lanes, rows = shape[i], shape[j]
+        rows = -(-rows // sub) * sub if rows >= sub else 1 << (rows - 1).bit_length()
+        rest = math.prod(d for k, d in enumerate(shape) if k not in (i, j))
+        size = rest * rows * -(-lanes // _LANES) * _LANES * itemsize
+        best = size if best is None else min(best, size)
+    return max(_MIN_BUFFER, best)
+
+
+def _tiled_tree_bytes(tree) -> int:
+    """Bytes per device of a tree of sharded `ShapeDtypeStruct`s, each shard in its tiles."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += tile_bytes(tuple(shape), np.dtype(x.dtype).itemsize)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuPipelineMemory(pipeline.PipelineMemory):
+    """`PipelineMemory` on XLA:TPU: the state and batch in their tiles, the schedule's values
+    only where they overflow VMEM (`in_flight`, `stack_buffers`, `working`, `gradients`), and
+    the scalar slots and executable the schedule's loops compile to."""
+
+    vmem: int = 0  # the schedule's values memory-space assignment keeps on chip
+    scalars: int = 0  # the heap's scalar slots (tpu_memory's per array, and the schedule's)
+    code: int = 0  # the executable
+
+    @property
+    def total(self) -> int:
+        return super().total + self.scalars + self.code
+
+    def format(self, compiled: int | None = None) -> str:
+        values = super().total - self.state - self.batch
+        line = (
+            f"  memory per device (XLA:TPU): analytic {format_bytes(self.total)} = state "
+            f"{format_bytes(self.state)} + batch {format_bytes(self.batch)} (tiled) + scalar "
+            f"slots {format_bytes(self.scalars)} + code {format_bytes(self.code)} + schedule "
+            f"values in HBM {format_bytes(values)} ({format_bytes(self.vmem)} in VMEM)"
+        )
+        if compiled:
+            line += f"; compiled {format_bytes(compiled)} ({compiled / self.total:.2f}x)"
+        return line
+
+
+def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int, ...]:
+    """The fitted terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
+    parallelism, the stacks under FSDP, the stage's layers under 1F1B, the stage's blocks under
+    FSDP with bf16 weights, the stacks under FSDP and 1F1B."""
+    cfg = trainer.model.network_config
+    part = trainer.partitioner
+    if isinstance(cfg, T5Config):
+        stacks = [(cfg.num_encoder_layers, 2), (cfg.num_decoder_layers, 3)]
+    else:
+        stacks = [(cfg.num_layers, 2)]
+    layers = sum(n // f.stages for n, _ in stacks)
+    blocks = sum(n // f.stages * per for n, per in stacks)
+    tensor = bytes_per_device(part, ("mlp",), (cfg.mlp_dim,), 4) < 4 * cfg.mlp_dim
+    fsdp = _layers_split_over_batch(trainer)
+    # The weights as the layers read them (a bf16 policy's, cast before their gather).
+    bf16 = fsdp and np.dtype(cfg.policy.params).itemsize == 2
+    one_f_one_b = f.schedule == "1f1b"
+    return (
+        1,
+        blocks * tensor,
+        len(stacks) * fsdp,
+        layers * one_f_one_b,
+        blocks * bf16,
+        len(stacks) * fsdp * one_f_one_b,
+    )
+
+
+def _layers_split_over_batch(trainer: Trainer) -> bool:
+    """Whether the rules split a stacked layer weight over the batch's mesh axes (FSDP: each
+    tick gathers the stage's weights)."""
+    part = trainer.partitioner
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0])) - {STAGE}
+    for s, names in zip(
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+    ):
+        axes = {t for e, n in zip(s.spec, names) if n != "layers" for t in mesh_axes_of(e)}
+        if "layers" in tuple(names) and axes & batch_axes:
+            return True
+    return False
+
+
+def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
+    """A pipelined train step's peak bytes per device on XLA:TPU (module docstring); None
+    without stages."""
+    f = pipeline.pipeline_figures(trainer)
+    pm = pipeline.pipeline_memory(trainer)
+    if f is None or pm is None:
+        return None
+    state = _tiled_tree_bytes(trainer.abstract_state())
+    batch = _tiled_tree_bytes(
+        jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            trainer.batch_abstract,
+            trainer.batch_shardings,
+        )
+    )
+    kind = trainer.partitioner.mesh.devices.flat[0].device_kind
+    vmem = tpu_memory.vmem_budget(kind)
+    # The schedule's values (pipeline.pipeline_memory's, sized in the compute dtype): on chip
+    # up to the budget, the rest in HBM, the largest group first out.
+    values = {
+        "gradients": pm.gradients,
+        "in_flight": pm.in_flight,
+        "stack_buffers": pm.stack_buffers,
+        "working": pm.working,
+        "position_bias": pm.position_bias,
+    }
+    left = vmem
+    for k in sorted(values, key=values.get):
+        moved = min(left, values[k])
+        values[k] -= moved
+        left -= moved
+    params = trainer.state_abstract.params
+    arrays = len(jax.tree_util.tree_leaves(params))
+    stacked = sum(
+        "layers" in tuple(names)
+        for names in jax.tree_util.tree_leaves(
+            trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
+        )
+    )
+    counts = _schedule_counts(trainer, f)
+    slots = arrays * tpu_memory.ARRAY_SLOTS + stacked * tpu_memory.LOOP_SLOTS
+    slots += _KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts))
+    code = _KIB * sum(c * n for c, n in zip(_SCHEDULE_CODE, counts))
+    return TpuPipelineMemory(
+        state, batch, **values, vmem=vmem - left, scalars=max(slots, 0), code=code
+    )
+
+
+def stage_memory(trainer: Trainer) -> pipeline.PipelineMemory | None:
+    """A pipelined train step's peak memory per device, by the compiler of its devices:
+    XLA:TPU's (`tpu_pipeline_memory`) on TPU devices (a topology's compile-only ones
+    included), XLA:CPU's (`pipeline.pipeline_memory`) elsewhere; None without stages."""
+    if memory.platform_of(trainer) == "tpu":
+        return tpu_pipeline_memory(trainer)
+    return pipeline.pipeline_memory(trainer)
