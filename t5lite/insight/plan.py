@@ -33,7 +33,7 @@ from t5lite.insight.estimate import estimate_step
 from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_named
 from t5lite.insight.memory import PredictedMemory
 from t5lite.insight.meshes import mesh_over
-from t5lite.insight.pipeline import PipelineFigures, pipeline_figures, pipeline_memory
+from t5lite.insight.pipeline import PipelineFigures, pipeline_figures
 from t5lite.insight.plan_output import (
     FIT_MARGIN,
     format_table,
@@ -48,6 +48,7 @@ from t5lite.insight.slices import dcn_axes, link_seconds, mesh_slices, slice_cou
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import ranking_lines, whole_step_lines
 from t5lite.insight.topology import get_topology
+from t5lite.insight.tpu_pipeline_memory import TpuPipelineMemory, stage_memory
 from t5lite.insight.types import AnalyticFigures, Candidate, Layout
 from t5lite.model.config import PIPELINE_SCHEDULES, REMAT_POLICIES
 from t5lite.model.models import BaseModel
@@ -215,17 +216,20 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
     every tick's residuals of one stage's layers) and a step whose compute runs `T / m` times
     the work of the microbatches (every stage computes through the `p - 1` bubble ticks too;
     1F1B's is below)."""
-    pm = pipeline_memory(trainer)
+    pm = stage_memory(trainer)
     f = pipeline_figures(trainer)
     if pm is None or f is None:
         return a
-    activations = pm.in_flight + pm.stack_buffers + pm.working
+    # On TPU the executable and the heap's scalar slots count too (tpu_pipeline_memory).
+    tpu = isinstance(pm, TpuPipelineMemory)
+    code, slots = (pm.code, pm.scalars + pm.position_bias) if tpu else (0, 0)
+    activations = pm.in_flight + pm.stack_buffers + pm.working + slots
     terms = (
         ("residuals in flight", pm.in_flight),
         ("stack buffers", pm.stack_buffers),
         ("working set", pm.working),
     )
-    predicted = PredictedMemory(pm.state, pm.batch, pm.gradients, 0, activations, terms)
+    predicted = PredictedMemory(pm.state, pm.batch, pm.gradients, 0, activations, terms, code=code)
     est = estimate_step(trainer, predicted, a.communication, a.report, device)
     hardware = est.hardware_flops * f.ticks / f.microbatches
     if f.schedule == "1f1b":

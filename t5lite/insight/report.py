@@ -35,7 +35,7 @@ from t5lite.insight.hardware import DeviceSpec, GiB, device_spec, device_spec_na
 from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.memory import memory_report, predict_memory
 from t5lite.insight.meshes import partitioner_on
-from t5lite.insight.pipeline import pipeline_figures, pipeline_memory
+from t5lite.insight.pipeline import pipeline_figures
 from t5lite.insight.plot import check_plot_path, plot_steps
 from t5lite.insight.sharding import ShardingReport, format_bytes, sharding_report
 from t5lite.insight.slices import compiled_link_bytes, link_seconds, mesh_slices
@@ -43,6 +43,7 @@ from t5lite.insight.summary import format_summary, memory_verdict
 from t5lite.insight.tables import terminal_width
 from t5lite.insight.tensor_nd import step_part_lines, tensor_nd_lines
 from t5lite.insight.topology import get_topology
+from t5lite.insight.tpu_pipeline_memory import stage_memory
 from t5lite.insight.types import AnalyticFigures, StepReport
 from t5lite.model.models import BaseModel
 from t5lite.partitioning import CompiledFunction, Partitioner
@@ -271,7 +272,7 @@ def inspect(
     stages = pipeline_figures(trainer, compiled.as_text() if compiled else None)
     if stages is not None:
         stream.write("\n" + stages.format() + "\n")
-        pm = pipeline_memory(trainer)
+        pm = stage_memory(trainer)
         stream.write(pm.format(step.memory.total if step.memory else None) + "\n")
     if compile and (nd_lines := tensor_nd_lines(trainer)):
         nd_lines += step_part_lines(trainer, compiled.as_text())
