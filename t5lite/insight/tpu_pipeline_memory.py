@@ -39,9 +39,9 @@ from t5lite.model.config import T5Config
 from t5lite.partitioning import STAGE, mesh_axes_of
 from t5lite.trainer import Trainer
 
-# Fitted on 21 of the 31 pipelined programs measured (v5e:2x4 ahead of time, 2026-11-27), both
+# Fitted on 21 of the 33 pipelined programs measured (v5e:2x4 ahead of time, 2026-11-27), both
 # families, GPipe and 1F1B, stage 2 and 4, data parallel, FSDP and megatron, each remat policy,
-# fp32 and bf16; the other 10 held out (docs/performance.md). Bytes (KiB) by what the compiled
+# fp32 and bf16; the other 12 held out (docs/performance.md). Bytes (KiB) by what the compiled
 # step holds: (fixed; a block of the stage's layers under tensor parallelism; a stack under
 # FSDP; a layer of the stage's under 1F1B; a block under FSDP with bf16 weights; a stack under
 # FSDP and 1F1B, which gathers the stage's weights in each F and again in each B). A block: an
