@@ -7,10 +7,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from t5lite.partitioning import DATA, Partitioner, create_mesh
+from t5lite.partitioning import DATA, STAGE, Partitioner, create_mesh
 
 
 def mesh_over(shape: Mapping[str, int], devices: Sequence[Any]) -> Mesh:
@@ -41,7 +42,13 @@ def partitioner_on(partitioner: Partitioner, devices: Sequence[Any]) -> Partitio
             f"{others} (all axes but data) does not divide it"
         )
     shape[DATA] = len(devices) // others
-    mesh = mesh_over(shape, devices)
+    if STAGE in shape:
+        # Stages are consecutive device blocks, each a mesh of the other axes (as
+        # plan.build_trainer lays them): only stage-to-stage activations cross between blocks.
+        grid = np.asarray(list(devices), dtype=object).reshape(tuple(shape.values()))
+        mesh = Mesh(grid, tuple(shape))
+    else:
+        mesh = mesh_over(shape, devices)
     return Partitioner(
         mesh,
         logical_axis_rules=partitioner.rules,
