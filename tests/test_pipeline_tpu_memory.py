@@ -37,6 +37,7 @@ _SCRIPT = textwrap.dedent(
     """
     import json, sys
     from t5lite.insight import memory
+    from t5lite.insight.meshes import partitioner_on
     from t5lite.insight.plan import build_trainer
     from t5lite.insight.report import compile_train_step
     from t5lite.insight.topology import get_topology
@@ -62,8 +63,14 @@ _SCRIPT = textwrap.dedent(
         tr = build_trainer(layout, m, devices, 16, lengths)
         compiled = memory.memory_report(compile_train_step(tr))
         pm = stage_memory(tr)
-        out.append({"tpu": isinstance(pm, TpuPipelineMemory), "compiled": compiled.total,
-                    "aliased": compiled.aliased, "predicted": pm.total, "state": pm.state})
+        # inspect --topology lays the trainer's mesh over the devices (partitioner_on): the
+        # same consecutive stage blocks as plan's.
+        mesh = partitioner_on(tr.partitioner, devices).mesh
+        same = mesh.shape == tr.partitioner.mesh.shape and (
+            mesh.devices == tr.partitioner.mesh.devices).all()
+        out.append({"same_mesh": bool(same), "tpu": isinstance(pm, TpuPipelineMemory),
+                    "compiled": compiled.total, "aliased": compiled.aliased,
+                    "predicted": pm.total, "state": pm.state})
     print("RESULT " + json.dumps(out))
     """
 )
@@ -82,7 +89,7 @@ def test_pipelined_memory_within_ten_percent_on_tpu():
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     for case, r in zip(_CASES, json.loads(line.removeprefix("RESULT "))):
-        assert r["tpu"], case  # dispatched to XLA:TPU's model, not XLA:CPU's
+        assert r["tpu"] and r["same_mesh"], case  # XLA:TPU's model, on plan's stage blocks
         # The donated state in its tiles: exactly the buffers the new state aliases.
         assert r["state"] == r["aliased"], (case, r)
         ratio = r["predicted"] / r["compiled"]
