@@ -262,6 +262,11 @@ def unscanned_backward(
     the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
     recomputed, the earlier stacks' held values, no loss buffers left)."""
     first = layers[-1][1]  # the first layer differentiated: the last stack's last
+    if remat == "full" and all(a.get("moe_share") == 1 and "moe_held_last" in a for _, a in layers):
+        # Every layer a CPU dropless MoE whose recomputation is hoisted (moe_held_last):
+        # `minimal` saves none of its MLP and the attention's recomputation is hoisted under
+        # both, so XLA:CPU compiles `full` to `minimal`'s program (the same buffers).
+        remat = "minimal"
 
     def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
         hidden = 4 if _gelu_2d(a, remat, gathered) else _UNSCANNED_HIDDEN
@@ -273,7 +278,6 @@ def unscanned_backward(
         return out
 
     held = [[held_by(a, i)] * n for i, (n, a) in enumerate(layers)]
-    saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
@@ -285,8 +289,7 @@ def unscanned_backward(
     )
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": loss_buffers * logits}
-    loss = _moe_backward_extra(layers, remat, last, loss)
-    at_loss = _add(saved, last, loss)
+    at_loss, loss = _moe_backward_extra(layers, remat, held, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
         """Stack `s`'s backward (stacks are differentiated last to first): the earlier stacks
@@ -326,7 +329,7 @@ def unscanned_backward(
         )
         return moment, terms
     terms = (
-        ("saved activations", sum(saved.values())),
+        ("saved activations", sum(at_loss.values()) - sum(last.values()) - sum(loss.values())),
         ("layer working set", sum(last.values())),
         ("loss temporaries", loss["logits+loss"]),
     )
@@ -347,20 +350,44 @@ def _pending(moment: tuple[dict, dict], layers: list, s: int) -> tuple[dict, dic
     return ({**moment[0], PENDING: -pending} if pending else moment[0]), moment[1]
 
 
-def _moe_backward_extra(layers: list, remat: str, last: dict, loss: dict) -> dict[str, int]:
-    """The loss gradient's buffers once a mixture of experts' backward temporaries (which no
-    dense layer has: CPU's masked ragged-dot operands, expert hidden layers resharded to the
-    kernels' layout) are counted; adds them to `last` where they are live beside the loss's.
-    Without remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are
-    live; under remat it first recomputes the layer, after them. CPU's dropless layers hold
-    their forward masked operands at the loss gradient (moe_held), and their backward's own
-    temporaries come after the loss's buffers whatever the policy."""
-    extra = max(a.get("moe_extra", 0) for _, a in layers)
+def _moe_backward_extra(
+    layers: list, remat: str, held: list, last: dict, loss: dict
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The loss gradient's moment (`held`: what each stack's layers hold there) and the loss's
+    buffers, once a mixture of experts' backward temporaries (which no dense layer has: CPU's
+    masked ragged-dot operands, expert hidden layers resharded to the kernels' layout) are
+    counted; adds them to `last` where they are live beside the loss's. Without remat
+    XLA:CPU starts the last MoE layer's backward while the loss's buffers are live; under
+    remat it first recomputes the layer, after them. CPU's dropless layers hold their forward
+    masked operands at the loss gradient (moe_held), and their backward's own temporaries
+    come after the loss's buffers whatever the policy: in the backward of a stack's last
+    layer, where the later stacks' held values are freed (stacks are differentiated last to
+    first)."""
+    extras = [a.get("moe_extra", 0) for _, a in layers]
     after_loss = remat != "none" or any("moe_extra_none" in a for _, a in layers)
     if remat == "none":
-        extra = max(a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers)
+        extras = [a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers]
     if not after_loss:
-        last["mlp"] += extra
-    elif extra > loss["logits+loss"]:
-        return {"logits+loss": 0, "mlp": extra}
-    return loss
+        last["mlp"] += max(extras)
+    # Under remat, where XLA:CPU recomputes ahead of the loss gradient (moe_held_last), each
+    # stack's last MoE layer holds its masked operands and recomputed hidden layer there.
+    held_last = sum(a.get("moe_held_last", 0) for _, a in layers if a.get("moe_share"))
+    held_last = held_last if remat != "none" else 0
+    best = (_add(*(v for stack in held for v in stack), last, loss, {"mlp": held_last}), loss)
+    for s, extra in enumerate(extras if after_loss else ()):
+        if extra > loss["logits+loss"]:
+            # (the recomputed values a MoE layer holds at the loss gradient under `minimal`
+            # are gone by then)
+            gone = (
+                sum(
+                    round(n * a.get("moe_share", 0)) * a.get("moe_hoisted_remat", 0)
+                    for n, a in layers[: s + 1]
+                )
+                if remat == "minimal"
+                else 0
+            )
+            inside = {"logits+loss": 0, "mlp": extra - gone}
+            moment = _add(*(v for stack in held[: s + 1] for v in stack), last, inside)
+            if sum(moment.values()) > sum(best[0].values()):
+                best = (moment, inside)
+    return best

@@ -60,6 +60,12 @@ def moe_bytes(
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
     held_whole = _HELD_WHOLE * whole_f - _UNSTACKED_HIDDEN * hidden if resharded else 0
     recomputed = 2 * whole_f if resharded and cfg.remat_policy == "full" else 0
+    # Under `minimal` (the MLP recomputed ahead of the loss gradient where the weights are
+    # gathered), the same: every layer holds both pre-activations F-whole there, in place of
+    # its F-split hidden buffers (XLA:CPU's live ranges, T5 fully_sharded: f32[2,16,40,1024]
+    # `egcd,edf->egcf` outputs, two or three an encoder layer, two a decoder layer).
+    minimal = resharded and cfg.remat_policy == "minimal" and platform == "cpu"
+    recomputed_minimal = 2 * whole_f if minimal else 0
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
@@ -75,7 +81,9 @@ def moe_bytes(
         "moe_recomputed": recomputed,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
-        "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden,
+        "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden
+        if not recomputed_minimal
+        else saved - _MOE_HIDDEN * hidden + recomputed_minimal,
         # Without remat, where the hidden layer is resharded, a layer holds the matmuls'
         # outputs in the kernels' layout (both pre-activations F-whole, and the product's
         # F-whole copy the output matmul reads) in place of two more F-split buffers; its
@@ -157,7 +165,8 @@ def dropless_bytes(
     rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
     masked = smaller = held_masked = larger = packed = 0
-    if platform == "cpu":
+    cpu = platform == "cpu"
+    if cpu:
         e = cfg.num_experts
         masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
         smaller = min(e * rows, e * hidden) // e_split
@@ -173,7 +182,7 @@ def dropless_bytes(
         # operands are larger than any [M, F] buffer, and those four cannot reuse their
         # slots as they are freed: the heap holds them beside the masked operands though
         # they are not live at the same moment (the live peak is the model's without them).
-        if cfg.remat_policy == "full" and e > e_split:
+        if cfg.remat_policy != "none" and e > e_split:
             packed = _PACKED_HIDDEN * hidden
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
     # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
@@ -200,6 +209,13 @@ def dropless_bytes(
         # are held there (fitted on XLA:CPU's totals of megatron, data_parallel and T5
         # expert_parallel `minimal`).
         "moe_held_remat": saved - (_MOE_HIDDEN - 2) * hidden,
+        "moe_hoisted_remat": 2 * hidden if packed else 0,
+        # Where the expert kernels split F but not D (megatron), XLA:CPU recomputes under
+        # remat each stack's last MoE layer ahead of the loss gradient and masks its operands
+        # there: the three masked forward operands and the four [M, F] buffers of its
+        # recomputed hidden layer (both pre-activations, the tanh, the product) are held at
+        # the loss gradient (XLA:CPU's live ranges, T5 megatron `minimal` and `full`).
+        **({"moe_held_last": held_masked + 4 * hidden} if cpu and d_split == 1 < f_split else {}),
     }
 
 
