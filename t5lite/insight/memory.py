@@ -368,6 +368,9 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
         table = _embedding_gradient_bytes(trainer, upcast)
         lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
         update += (lookups - 1) * (table[0] + table[1]) + table[0]
+        # Expert kernels split over every batch axis need no reduction: no reduced copy.
+        moe = sum(round(n * a["moe_share"]) for n, a in layers)
+        update -= moe * moe_memory.local_expert_gradient_bytes(part, cfg)
     terms = (*terms, ("optimizer update", update))
     total = sum(backward.values())
     if total >= update:

@@ -128,6 +128,18 @@ def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
     return kernels * cfg.num_experts * cfg.emb_dim * cfg.mlp_dim * itemsize // split
 
 
+def local_expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
+    """`expert_gradient_bytes` where the rules put `expert` over every axis that splits the
+    batch (tokens travel to the experts: each device's expert gradients are whole sums that
+    no all-reduce or reduce-scatter touches, and the update has no reduced copy of them;
+    XLA:CPU's buffer assignment, unscanned T5 on data parallel), else 0."""
+    spec, _ = resolve_logical_axes(("expert",), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    batch = {t for t in mesh_axes_of(partitioner.data_partition_spec[0]) if mesh.get(t, 1) > 1}
+    local = batch <= set(mesh_axes_of(spec[0]))
+    return expert_gradient_bytes(partitioner, cfg) if local and cfg.num_experts else 0
+
+
 def kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
     """How many ways the rules split an expert kernel [E, D, F]'s three dimensions."""
     spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
