@@ -250,6 +250,17 @@ def scanned_backward(layers: list, remat: str, logits: int):
     return _add(saved, peak), terms
 
 
+def _compiled_policy(layers: list, remat: str) -> str:
+    """The policy whose program XLA:CPU compiles: where every layer is a CPU dropless MoE
+    whose recomputation is hoisted ahead of the loss gradient (moe_held_last), `minimal`
+    saves none of its MLP and the attention's recomputation is hoisted under both, so
+    `full` compiles to `minimal`'s program (the same buffers, T5 and decoder-only
+    megatron)."""
+    if remat == "full" and all(a.get("moe_share") == 1 and "moe_held_last" in a for _, a in layers):
+        return "minimal"
+    return remat
+
+
 def unscanned_backward(
     layers: list,
     remat: str,
@@ -261,12 +272,7 @@ def unscanned_backward(
     larger of the loss gradient (every layer's saved values, the last layer's working set and
     the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
     recomputed, the earlier stacks' held values, no loss buffers left)."""
-    first = layers[-1][1]  # the first layer differentiated: the last stack's last
-    if remat == "full" and all(a.get("moe_share") == 1 and "moe_held_last" in a for _, a in layers):
-        # Every layer a CPU dropless MoE whose recomputation is hoisted (moe_held_last):
-        # `minimal` saves none of its MLP and the attention's recomputation is hoisted under
-        # both, so XLA:CPU compiles `full` to `minimal`'s program (the same buffers).
-        remat = "minimal"
+    first, remat = layers[-1][1], _compiled_policy(layers, remat)  # first differentiated
 
     def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
         hidden = 4 if _gelu_2d(a, remat, gathered) else _UNSCANNED_HIDDEN

@@ -27,8 +27,14 @@ def moe_bytes(
         keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
         return dict.fromkeys(keys, 0)
     grads = {"moe_grads": expert_gradient_bytes(partitioner, cfg)}
-    if cfg.moe_dispatch == "dropless":
-        return {**dropless_bytes(partitioner, cfg, b, length, act, platform), **grads}
+    of_dispatch = dropless_bytes if cfg.moe_dispatch == "dropless" else capacity_bytes
+    return {**of_dispatch(partitioner, cfg, b, length, act, platform), **grads}
+
+
+def capacity_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str
+) -> dict[str, int]:
+    """`moe_bytes` of capacity dispatch (MoeBlock._capacity)."""
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -97,7 +103,7 @@ def moe_bytes(
         # expert_parallel alike, though only expert_parallel's holds an all-to-all).
         "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
-    return {"moe": saved, "moe_h": hidden, **work, **grads}
+    return {"moe": saved, "moe_h": hidden, **work}
 
 
 _MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3
@@ -188,12 +194,11 @@ def dropless_bytes(
         # layer masked for the output kernel ([E, M, F]), held by every MoE layer.
         held_masked = (2 * e * rows + e * hidden) // e_split
         larger = max(e * rows, e * hidden) // e_split
-        # Under `full` the recomputed hidden layer's four [M, F] buffers live across the
-        # backward's masked operands. XLA:CPU's heap places the largest buffers first (best
-        # fit by decreasing size): where a device holds more than one expert the masked
-        # operands are larger than any [M, F] buffer, and those four cannot reuse their
-        # slots as they are freed: the heap holds them beside the masked operands though
-        # they are not live at the same moment (the live peak is the model's without them).
+        # Under remat the recomputed hidden layer's four [M, F] live across the masked
+        # operands. XLA:CPU's heap places the largest buffers first: with more than one
+        # expert a device the masked operands are larger than any [M, F], whose four slots
+        # the heap holds beside them though they are not live at the same moment (the live
+        # peak is the model's without them: 32 to 48 MiB of heap above it, fully_sharded).
         if cfg.remat_policy != "none" and e > e_split:
             packed = _PACKED_HIDDEN * hidden
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
@@ -219,14 +224,13 @@ def dropless_bytes(
         # Under remat its hidden layer is not saved (ragged dots are no dots without batch
         # dims) and only partly hoisted ahead of the loss gradient: two [M, F] buffers a layer
         # are held there (fitted on XLA:CPU's totals of megatron, data_parallel and T5
-        # expert_parallel `minimal`).
+        # expert_parallel `minimal`); where the heap packs four (above), they are among
+        # those once the last layer's backward runs (none of them live there: fully_sharded).
         "moe_held_remat": saved - (_MOE_HIDDEN - 2) * hidden,
         "moe_hoisted_remat": 2 * hidden if packed else 0,
-        # Where the expert kernels split F but not D (megatron), XLA:CPU recomputes under
-        # remat each stack's last MoE layer ahead of the loss gradient and masks its operands
-        # there: the three masked forward operands and the four [M, F] buffers of its
-        # recomputed hidden layer (both pre-activations, the tanh, the product) are held at
-        # the loss gradient (XLA:CPU's live ranges, T5 megatron `minimal` and `full`).
+        # Where the kernels split F but not D (megatron), each stack's last MoE layer is
+        # recomputed under remat ahead of the loss gradient and holds there its three masked
+        # forward operands and four [M, F] (both pre-activations, the tanh, the product).
         **({"moe_held_last": held_masked + 4 * hidden} if cpu and d_split == 1 < f_split else {}),
     }
 
