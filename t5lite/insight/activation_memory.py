@@ -152,6 +152,19 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     }
 
 
+def _full_work(a: dict[str, int], hoisted: bool) -> dict[str, int]:
+    """The working set of an unscanned `full` layer's backward beside its recomputed values."""
+    # A hoisted layer's logits and probabilities are already among what it holds (and
+    # their cotangents take the loss buffers' place).
+    work = _add(_recomputed({**a, "scores": 0} if hoisted else a), scale=_RECOMPUTED_WORKING)
+    if a.get("moe_extra"):
+        # CPU dropless: the peak is in the MLP's backward, among its masked operands; it runs
+        # before the layer's attention's, so none of the attention's cotangents are live yet
+        # (XLA:CPU's live ranges, decoder-only megatron every other layer).
+        return {"mlp": work["mlp"] + a["moe_extra"]}
+    return work
+
+
 def _recomputed_mean(a: dict[str, int]) -> dict[str, int]:
     """`_recomputed` of a stack's mean layer: with mixtures of experts every `moe_every`-th
     layer, the share of its sparse layers' MLP and the rest's dense one."""
@@ -302,10 +315,7 @@ def unscanned_backward(
         hold what they held at the loss gradient, the later ones are done."""
         n, a = layers[s]
         hoisted = _hoisted(a, s, layers, gathered) == "all"
-        # A hoisted layer's logits and probabilities are already among what it holds (and
-        # their cotangents take the loss buffers' place).
-        work = _add(_recomputed({**a, "scores": 0} if hoisted else a), scale=_RECOMPUTED_WORKING)
-        work["mlp"] += a.get("moe_extra", 0)  # the MoE backward's own temporaries
+        work = _full_work(a, hoisted)
         earlier = (v for stack in held[:s] for v in stack)
         # A stack recomputed ahead of the loss gradient holds what it held there.
         own = held[s][0] if hoisted else _recomputed_mean(a)
