@@ -34,6 +34,15 @@ CASES = [
     # resharded recomputation's F-whole pre-activations (fully_sharded)
     ("t5", "megatron", "full", False, "capacity", 1),
     ("t5", "fully_sharded", "full", False, "capacity", 1),
+    # unscanned dropless under remat on megatron: each stack's last MoE layer recomputed
+    # ahead of the loss gradient, its masked operands held there (`full` compiles to
+    # `minimal`'s program); on fully_sharded the peak is in the encoder's last layer's
+    # backward, the decoder's held values freed
+    ("t5", "megatron", "full", False, "dropless", 1),
+    ("t5", "fully_sharded", "minimal", False, "dropless", 1),
+    # unscanned data parallel, experts over the batch's axis: no reduced copy of their
+    # gradients in the update
+    ("t5", "data_parallel", "minimal", False, "capacity", 2),
 ]
 
 

@@ -152,6 +152,19 @@ def _recomputed(a: dict[str, int]) -> dict[str, int]:
     }
 
 
+def _full_work(a: dict[str, int], hoisted: bool) -> dict[str, int]:
+    """The working set of an unscanned `full` layer's backward beside its recomputed values."""
+    # A hoisted layer's logits and probabilities are already among what it holds (and
+    # their cotangents take the loss buffers' place).
+    work = _add(_recomputed({**a, "scores": 0} if hoisted else a), scale=_RECOMPUTED_WORKING)
+    if a.get("moe_extra"):
+        # CPU dropless: the peak is in the MLP's backward, among its masked operands; it runs
+        # before the layer's attention's, so none of the attention's cotangents are live yet
+        # (XLA:CPU's live ranges, decoder-only megatron every other layer).
+        return {"mlp": work["mlp"] + a["moe_extra"]}
+    return work
+
+
 def _recomputed_mean(a: dict[str, int]) -> dict[str, int]:
     """`_recomputed` of a stack's mean layer: with mixtures of experts every `moe_every`-th
     layer, the share of its sparse layers' MLP and the rest's dense one."""
@@ -250,6 +263,17 @@ def scanned_backward(layers: list, remat: str, logits: int):
     return _add(saved, peak), terms
 
 
+def _compiled_policy(layers: list, remat: str) -> str:
+    """The policy whose program XLA:CPU compiles: where every layer is a CPU dropless MoE
+    whose recomputation is hoisted ahead of the loss gradient (moe_held_last), `minimal`
+    saves none of its MLP and the attention's recomputation is hoisted under both, so
+    `full` compiles to `minimal`'s program (the same buffers, T5 and decoder-only
+    megatron)."""
+    if remat == "full" and all(a.get("moe_share") == 1 and "moe_held_last" in a for _, a in layers):
+        return "minimal"
+    return remat
+
+
 def unscanned_backward(
     layers: list,
     remat: str,
@@ -261,7 +285,7 @@ def unscanned_backward(
     larger of the loss gradient (every layer's saved values, the last layer's working set and
     the loss's buffers) and, under `full`, each stack's backward (that stack's every layer
     recomputed, the earlier stacks' held values, no loss buffers left)."""
-    first = layers[-1][1]  # the first layer differentiated: the last stack's last
+    first, remat = layers[-1][1], _compiled_policy(layers, remat)  # first differentiated
 
     def held_by(a: dict[str, int], stack: int) -> dict[str, int]:
         hidden = 4 if _gelu_2d(a, remat, gathered) else _UNSCANNED_HIDDEN
@@ -273,7 +297,6 @@ def unscanned_backward(
         return out
 
     held = [[held_by(a, i)] * n for i, (n, a) in enumerate(layers)]
-    saved = _add(*(v for stack in held for v in stack))
     # NOTE: sequence parallelism counts its layers' gathered block inputs instead of the GELU
     # buffers (_saved_unscanned): T5's `full` compiles to `minimal`'s figure.
     sp = any(a["sp_gathered"] for _, a in layers)
@@ -285,18 +308,14 @@ def unscanned_backward(
     )
     last = {"norms+residual": _UNSCANNED_LAST_X * first["x"], "mlp": 0 if sp else gelu}
     loss = {"logits+loss": loss_buffers * logits}
-    loss = _moe_backward_extra(layers, remat, last, loss)
-    at_loss = _add(saved, last, loss)
+    at_loss, loss = _moe_backward_extra(layers, remat, held, last, loss)
 
     def inside(s: int) -> tuple[dict[str, int], dict[str, int]]:
         """Stack `s`'s backward (stacks are differentiated last to first): the earlier stacks
         hold what they held at the loss gradient, the later ones are done."""
         n, a = layers[s]
         hoisted = _hoisted(a, s, layers, gathered) == "all"
-        # A hoisted layer's logits and probabilities are already among what it holds (and
-        # their cotangents take the loss buffers' place).
-        work = _add(_recomputed({**a, "scores": 0} if hoisted else a), scale=_RECOMPUTED_WORKING)
-        work["mlp"] += a.get("moe_extra", 0)  # the MoE backward's own temporaries
+        work = _full_work(a, hoisted)
         earlier = (v for stack in held[:s] for v in stack)
         # A stack recomputed ahead of the loss gradient holds what it held there.
         own = held[s][0] if hoisted else _recomputed_mean(a)
@@ -326,7 +345,7 @@ def unscanned_backward(
         )
         return moment, terms
     terms = (
-        ("saved activations", sum(saved.values())),
+        ("saved activations", sum(at_loss.values()) - sum(last.values()) - sum(loss.values())),
         ("layer working set", sum(last.values())),
         ("loss temporaries", loss["logits+loss"]),
     )
@@ -347,20 +366,44 @@ def _pending(moment: tuple[dict, dict], layers: list, s: int) -> tuple[dict, dic
     return ({**moment[0], PENDING: -pending} if pending else moment[0]), moment[1]
 
 
-def _moe_backward_extra(layers: list, remat: str, last: dict, loss: dict) -> dict[str, int]:
-    """The loss gradient's buffers once a mixture of experts' backward temporaries (which no
-    dense layer has: CPU's masked ragged-dot operands, expert hidden layers resharded to the
-    kernels' layout) are counted; adds them to `last` where they are live beside the loss's.
-    Without remat XLA:CPU starts the last MoE layer's backward while the loss's buffers are
-    live; under remat it first recomputes the layer, after them. CPU's dropless layers hold
-    their forward masked operands at the loss gradient (moe_held), and their backward's own
-    temporaries come after the loss's buffers whatever the policy."""
-    extra = max(a.get("moe_extra", 0) for _, a in layers)
+def _moe_backward_extra(
+    layers: list, remat: str, held: list, last: dict, loss: dict
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The loss gradient's moment (`held`: what each stack's layers hold there) and the loss's
+    buffers, once a mixture of experts' backward temporaries (which no dense layer has: CPU's
+    masked ragged-dot operands, expert hidden layers resharded to the kernels' layout) are
+    counted; adds them to `last` where they are live beside the loss's. Without remat
+    XLA:CPU starts the last MoE layer's backward while the loss's buffers are live; under
+    remat it first recomputes the layer, after them. CPU's dropless layers hold their forward
+    masked operands at the loss gradient (moe_held), and their backward's own temporaries
+    come after the loss's buffers whatever the policy: in the backward of a stack's last
+    layer, where the later stacks' held values are freed (stacks are differentiated last to
+    first)."""
+    extras = [a.get("moe_extra", 0) for _, a in layers]
     after_loss = remat != "none" or any("moe_extra_none" in a for _, a in layers)
     if remat == "none":
-        extra = max(a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers)
+        extras = [a.get("moe_extra_none", a.get("moe_extra", 0)) for _, a in layers]
     if not after_loss:
-        last["mlp"] += extra
-    elif extra > loss["logits+loss"]:
-        return {"logits+loss": 0, "mlp": extra}
-    return loss
+        last["mlp"] += max(extras)
+    # Under remat, where XLA:CPU recomputes ahead of the loss gradient (moe_held_last), each
+    # stack's last MoE layer holds its masked operands and recomputed hidden layer there.
+    held_last = sum(a.get("moe_held_last", 0) for _, a in layers if a.get("moe_share"))
+    held_last = held_last if remat != "none" else 0
+    best = (_add(*(v for stack in held for v in stack), last, loss, {"mlp": held_last}), loss)
+    for s, extra in enumerate(extras if after_loss else ()):
+        if extra > loss["logits+loss"]:
+            # (the recomputed values a MoE layer holds at the loss gradient under `minimal`
+            # are gone by then)
+            gone = (
+                sum(
+                    round(n * a.get("moe_share", 0)) * a.get("moe_hoisted_remat", 0)
+                    for n, a in layers[: s + 1]
+                )
+                if remat == "minimal"
+                else 0
+            )
+            inside = {"logits+loss": 0, "mlp": extra - gone}
+            moment = _add(*(v for stack in held[: s + 1] for v in stack), last, inside)
+            if sum(moment.values()) > sum(best[0].values()):
+                best = (moment, inside)
+    return best

@@ -360,20 +360,29 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     # optimizer's parameter-sized update).
     update = _tree_bytes_per_device(trainer.abstract_state().params, upcast)
     if not cfg.scan_layers:
-        # Unscanned, each lookup of the token embedding keeps its own scatter-add gradient up
-        # to the reduction (an encoder-decoder's shared table is looked up by both stacks, and
-        # each lookup's gradient is reduced as its own operand of the combined all-reduce
-        # before they are summed), beside the scatter's zero-initialised table (XLA:CPU's
-        # buffer assignment, T5 on data parallel). The scanned program sums them first.
-        table = _embedding_gradient_bytes(trainer, upcast)
-        lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
-        update += (lookups - 1) * (table[0] + table[1]) + table[0]
+        update += _unscanned_update(trainer, layers, upcast)
     terms = (*terms, ("optimizer update", update))
     total = sum(backward.values())
     if total >= update:
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, grads, 0, total, terms, kinds, 0, layer_grads)
     return PredictedMemory(state, batch, grads, update, 0, terms, (), 0, layer_grads)
+
+
+def _unscanned_update(trainer: Trainer, layers: list, upcast: int) -> int:
+    """What the unscanned program's update holds beyond the parameters' reduced copies."""
+    cfg = trainer.model.network_config
+    # Unscanned, each lookup of the token embedding keeps its own scatter-add gradient up
+    # to the reduction (an encoder-decoder's shared table is looked up by both stacks, and
+    # each lookup's gradient is reduced as its own operand of the combined all-reduce
+    # before they are summed), beside the scatter's zero-initialised table (XLA:CPU's
+    # buffer assignment, T5 on data parallel). The scanned program sums them first.
+    table = _embedding_gradient_bytes(trainer, upcast)
+    lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
+    # Expert kernels split over every batch axis need no reduction: no reduced copy.
+    moe = sum(round(n * a["moe_share"]) for n, a in layers)
+    local = moe * moe_memory.local_expert_gradient_bytes(trainer.partitioner, cfg)
+    return (lookups - 1) * (table[0] + table[1]) + table[0] - local
 
 
 def _state_and_batch(trainer: Trainer) -> tuple[int, int]:

@@ -27,8 +27,14 @@ def moe_bytes(
         keys = ("moe", "moe_h", "moe_work", "moe_rework", "moe_extra", "moe_held", "moe_recomputed")
         return dict.fromkeys(keys, 0)
     grads = {"moe_grads": expert_gradient_bytes(partitioner, cfg)}
-    if cfg.moe_dispatch == "dropless":
-        return {**dropless_bytes(partitioner, cfg, b, length, act, platform), **grads}
+    of_dispatch = dropless_bytes if cfg.moe_dispatch == "dropless" else capacity_bytes
+    return {**of_dispatch(partitioner, cfg, b, length, act, platform), **grads}
+
+
+def capacity_bytes(
+    partitioner: Partitioner, cfg: Any, b: int, length: int, act: int, platform: str
+) -> dict[str, int]:
+    """`moe_bytes` of capacity dispatch (MoeBlock._capacity)."""
     # Imported here: the model package is only needed for a sparse model's shapes.
     from t5lite.model.moe import DISPATCHED_AXES, HIDDEN_AXES, expert_capacity
 
@@ -60,6 +66,12 @@ def moe_bytes(
     resharded = _RESHARDED_HIDDEN * max(whole_f - hidden, 0)
     held_whole = _HELD_WHOLE * whole_f - _UNSTACKED_HIDDEN * hidden if resharded else 0
     recomputed = 2 * whole_f if resharded and cfg.remat_policy == "full" else 0
+    # Under `minimal` (the MLP recomputed ahead of the loss gradient where the weights are
+    # gathered), the same: every layer holds both pre-activations F-whole there, in place of
+    # its F-split hidden buffers (XLA:CPU's live ranges, T5 fully_sharded: f32[2,16,40,1024]
+    # `egcd,edf->egcf` outputs, two or three an encoder layer, two a decoder layer).
+    minimal = resharded and cfg.remat_policy == "minimal" and platform == "cpu"
+    recomputed_minimal = 2 * whole_f if minimal else 0
     # Its backward: the values' cotangents (as many again); under remat the recomputed values
     # and part of their cotangents, _MOE_RECOMPUTED times them (fitted on XLA:CPU's compiled
     # totals of both families under megatron and expert_parallel).
@@ -75,7 +87,9 @@ def moe_bytes(
         "moe_recomputed": recomputed,
         # Unscanned (no loop stacks them) a layer holds two of the six hidden buffers fewer,
         # as a dense layer holds five [B, L, F] of the scanned nine (activation_memory).
-        "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden,
+        "moe_held_remat": saved - _UNSTACKED_HIDDEN * hidden
+        if not recomputed_minimal
+        else saved - _MOE_HIDDEN * hidden + recomputed_minimal,
         # Without remat, where the hidden layer is resharded, a layer holds the matmuls'
         # outputs in the kernels' layout (both pre-activations F-whole, and the product's
         # F-whole copy the output matmul reads) in place of two more F-split buffers; its
@@ -89,7 +103,7 @@ def moe_bytes(
         # expert_parallel alike, though only expert_parallel's holds an all-to-all).
         "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
-    return {"moe": saved, "moe_h": hidden, **work, **grads}
+    return {"moe": saved, "moe_h": hidden, **work}
 
 
 _MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3
@@ -118,6 +132,18 @@ def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
     itemsize = np.dtype(cfg.policy.params).itemsize
     kernels = len(cfg.mlp_activations) + 1
     return kernels * cfg.num_experts * cfg.emb_dim * cfg.mlp_dim * itemsize // split
+
+
+def local_expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
+    """`expert_gradient_bytes` where the rules put `expert` over every axis that splits the
+    batch (tokens travel to the experts: each device's expert gradients are whole sums that
+    no all-reduce or reduce-scatter touches, and the update has no reduced copy of them;
+    XLA:CPU's buffer assignment, unscanned T5 on data parallel), else 0."""
+    spec, _ = resolve_logical_axes(("expert",), partitioner.rules)
+    mesh = partitioner.mesh.shape
+    batch = {t for t in mesh_axes_of(partitioner.data_partition_spec[0]) if mesh.get(t, 1) > 1}
+    local = batch <= set(mesh_axes_of(spec[0]))
+    return expert_gradient_bytes(partitioner, cfg) if local and cfg.num_experts else 0
 
 
 def kernel_splits(partitioner: Partitioner) -> tuple[int, int, int]:
@@ -157,7 +183,8 @@ def dropless_bytes(
     rows, hidden = m * d * act // d_split, m * f * act // f_split
     saved = rows + _MOE_HIDDEN * hidden + of(("batch", None, "embed"), (b, length * k, d))
     masked = smaller = held_masked = larger = packed = 0
-    if platform == "cpu":
+    cpu = platform == "cpu"
+    if cpu:
         e = cfg.num_experts
         masked = _MASKED_COPIES * max(e * rows, e * hidden) // e_split
         smaller = min(e * rows, e * hidden) // e_split
@@ -167,13 +194,12 @@ def dropless_bytes(
         # layer masked for the output kernel ([E, M, F]), held by every MoE layer.
         held_masked = (2 * e * rows + e * hidden) // e_split
         larger = max(e * rows, e * hidden) // e_split
-        # Under `full` the recomputed hidden layer's four [M, F] buffers live across the
-        # backward's masked operands. XLA:CPU's heap places the largest buffers first (best
-        # fit by decreasing size): where a device holds more than one expert the masked
-        # operands are larger than any [M, F] buffer, and those four cannot reuse their
-        # slots as they are freed: the heap holds them beside the masked operands though
-        # they are not live at the same moment (the live peak is the model's without them).
-        if cfg.remat_policy == "full" and e > e_split:
+        # Under remat the recomputed hidden layer's four [M, F] live across the masked
+        # operands. XLA:CPU's heap places the largest buffers first: with more than one
+        # expert a device the masked operands are larger than any [M, F], whose four slots
+        # the heap holds beside them though they are not live at the same moment (the live
+        # peak is the model's without them: 32 to 48 MiB of heap above it, fully_sharded).
+        if cfg.remat_policy != "none" and e > e_split:
             packed = _PACKED_HIDDEN * hidden
     # The backward: the masked operands, the sorted inputs' cotangent and three [M, F]
     # cotangents (both pre-activations', the product's); under remat five [M, F] buffers, the
@@ -198,8 +224,14 @@ def dropless_bytes(
         # Under remat its hidden layer is not saved (ragged dots are no dots without batch
         # dims) and only partly hoisted ahead of the loss gradient: two [M, F] buffers a layer
         # are held there (fitted on XLA:CPU's totals of megatron, data_parallel and T5
-        # expert_parallel `minimal`).
+        # expert_parallel `minimal`); where the heap packs four (above), they are among
+        # those once the last layer's backward runs (none of them live there: fully_sharded).
         "moe_held_remat": saved - (_MOE_HIDDEN - 2) * hidden,
+        "moe_hoisted_remat": 2 * hidden if packed else 0,
+        # Where the kernels split F but not D (megatron), each stack's last MoE layer is
+        # recomputed under remat ahead of the loss gradient and holds there its three masked
+        # forward operands and four [M, F] (both pre-activations, the tanh, the product).
+        **({"moe_held_last": held_masked + 4 * hidden} if cpu and d_split == 1 < f_split else {}),
     }
 
 
