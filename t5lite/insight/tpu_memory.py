@@ -109,7 +109,7 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     for part in parts:
         for k, v in part.items():
-            out[k] += v
+            out[k] = out.get(k, 0) + v
     return out
 
 
@@ -135,12 +135,47 @@ def _in_hbm(values: dict[str, int], vmem: int) -> tuple[dict[str, int], int]:
     return out, vmem - left
 
 
-def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0, arrays: int = 0):
+def _pinned(a: dict[str, int], remat: str) -> dict[str, int]:
+    """What of one layer's saved values a megacore's memory-space assignment leaves in HBM:
+    each attention's fp32 logits and the MLP's pre-activations (v5p:2x2x2's buffer assignment,
+    decoder-only Megatron `none`: both layers' in HBM in bf16, the logits and two of four
+    pre-activations in fp32; q, keys, values, the context and the norms' outputs in VMEM)."""
+    if remat == "full":
+        return {}
+    scores = _SCORES * a["scores"] if remat == "none" else 0
+    return {"attention": scores, "mlp": a["moe"] or a["mlp_in"] * a["h"]}
+
+
+def _moment_in_hbm(
+    values: dict[str, int], pinned: dict[str, int], vmem: int
+) -> tuple[dict[str, int], int]:
+    """`_in_hbm` of one moment's `values` of which `pinned` (a part of them) stays in HBM."""
+    rest = {k: v - pinned.get(k, 0) for k, v in values.items()}
+    out, held = _in_hbm(rest, vmem)
+    return _add(out, pinned), held
+
+
+def backward(
+    layers: list,
+    remat: str,
+    logits: int,
+    vmem: int,
+    gathered: int = 0,
+    arrays: int = 0,
+    device_kind: str = "",
+    casts: int = 0,
+):
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
     saved values and the loss's buffers) and, under `full`, inside the backward (the saved
     values, one recomputed layer of each stack and (FSDP) every layer's gathered weights; the
-    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots."""
+    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots.
+    On a megacore `device_kind` (v5p) the logits, the attentions' fp32 logits and the MLPs'
+    pre-activations stay in HBM (`_pinned`) and the rest has a whole core's budget; so do, under
+    `full`, the parameters cast to the compute dtype (`casts`: their bytes, 0 when the masters
+    are the compute dtype), which the forward casts once and the recomputation reads again
+    (v5p:2x2x2, decoder-only fully sharded `full`, fp32 masters: every layer's bf16 weights
+    live from their layer's forward to its backward; v5e keeps them in VMEM at test sizes)."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -148,9 +183,22 @@ def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0
     work = _add(*(saved(a, "none") for _, a in layers)) if remat == "full" else {}
     loss = {"logits+loss": _LOSS_BUFFERS * logits}
     regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
-    values, held = _in_hbm(_add(loss, kept), vmem)
+    pinned, pinned_inside = {}, {}
+    if tensor_cores_per_device(device_kind) > 1:
+        vmem = int(VMEM_SHARE * vmem_bytes_of_kind(device_kind))
+        pinned = _add(
+            {"logits+loss": logits}, *(_pinned(a, remat) for n, a in layers for _ in range(n))
+        )
+        pinned_inside = _add(*(_pinned(a, "none") for _, a in layers)) if remat == "full" else {}
+        if remat == "full" and casts:
+            pinned, pinned_inside = (
+                _add(p, {"cast weights": casts}) for p in (pinned, pinned_inside)
+            )
+    values, held = _moment_in_hbm(_add(loss, kept), pinned, vmem)
     if remat == "full":
-        inside, held_inside = _in_hbm({**_add(kept, work), **regathered}, vmem)
+        inside, held_inside = _moment_in_hbm(
+            {**_add(kept, work), **regathered}, pinned_inside, vmem
+        )
         if sum(inside.values()) > sum(values.values()):
             values, held = inside, held_inside
     if any(a["ring_steps"] for _, a in layers):
