@@ -171,11 +171,13 @@ def backward(
     values, one recomputed layer of each stack and (FSDP) every layer's gathered weights; the
     loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots.
     On a megacore `device_kind` (v5p) the logits, the attentions' fp32 logits and the MLPs'
-    pre-activations stay in HBM (`_pinned`) and the rest has a whole core's budget; so do the
-    parameters cast to the compute dtype (`casts`: their bytes, 0 when the masters are the
-    compute dtype), which the forward casts once and the backward reads again (v5p:2x2x2,
-    decoder-only fully sharded, fp32 masters, `none` and `full`: every layer's bf16 weights
-    live from their layer's forward to its backward; v5e keeps them in VMEM at test sizes)."""
+    pre-activations stay in HBM (`_pinned`) and the rest has a whole core's budget; so do,
+    where FSDP gathers the weights (`gathered`), the parameters' shards cast to the compute
+    dtype (`casts`: their bytes, 0 when the masters are the compute dtype): the gathers'
+    operands, kept for the backward's (v5p:2x2x2, decoder-only fully sharded, fp32 masters,
+    `none` and `full`: every layer's bf16 shards live from their layer's forward to its
+    backward; Megatron's and context parallelism's casts are fused into their dots; v5e keeps
+    them in VMEM at test sizes)."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -190,7 +192,7 @@ def backward(
             {"logits+loss": logits}, *(_pinned(a, remat) for n, a in layers for _ in range(n))
         )
         pinned_inside = _add(*(_pinned(a, "none") for _, a in layers)) if remat == "full" else {}
-        if casts:
+        if casts and gathered:
             pinned, pinned_inside = (
                 _add(p, {"cast weights": casts}) for p in (pinned, pinned_inside)
             )
