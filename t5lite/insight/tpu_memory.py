@@ -19,8 +19,8 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   every layer's weights gathered again for the recomputation (live-range dumps, `full`).
 - Memory-space assignment moves the peak's values into the core's VMEM (on chip, not counted
   in HBM) while they fit, the loss's logits and cotangent first: up to a budget of a quarter of
-  VMEM (`VMEM_SHARE`; halved on a megacore device, `vmem_budget`), which holds every
-  activation of the test-size models on v5e (their temporaries are the same in fp32 and
+  VMEM (`VMEM_SHARE`, `vmem_budget`; a megacore keeps more in HBM: `backward`), which holds
+  every activation of the test-size models on v5e (their temporaries are the same in fp32 and
   bf16, with remat and without); what overflows it stays in HBM (T5.1.1-small's sizes:
   hundreds of MiB). Gradients on their way through the
   all-reduce (operands in `S(1)` in the compiled HLO) stay on chip up to the same budget.
@@ -116,10 +116,9 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
 def vmem_budget(device_kind: str) -> int:
     """Bytes of VMEM the model lets memory-space assignment give the peak's values on one
     device: a quarter of a core's VMEM, divided by the TensorCores the device spans (a v5p or
-    v4 megacore: 2). Fitted, not the compiler's rule: v5p:2x2x2 ahead of time keeps the 8 MiB
-    fp32 logits of the test-size decoder-only Megatron step in HBM while its VMEM in use peaks
-    at 20.9 MiB of 64 (as on v5e, of 128): the assignment is cost-driven, and this budget
-    puts 22 of 24 v5p test-size programs within 10% (docs/performance.md)."""
+    v4 megacore: 2). Fitted, not the compiler's rule (the assignment is cost-driven): on a
+    megacore it sizes what of the gradients stays on chip at the update; the backward's
+    values have their own split there (`backward`'s `device_kind`)."""
     cores = tensor_cores_per_device(device_kind)
     return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // cores
 
