@@ -418,8 +418,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
             activation_itemsize(cfg, "tpu"),
         )
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
-    # The parameters cast from their masters to a narrower compute dtype (bf16 of fp32 masters)
-    # for the forward: they live through the backward (tpu_memory.backward).
+    # The parameters cast from their masters to a narrower compute dtype (bf16 of fp32 masters):
+    # on a megacore, where FSDP gathers them, they live through the backward (tpu_memory).
     params = trainer.abstract_state().params
     master = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
     narrow = activation_itemsize(cfg, "tpu")
