@@ -38,11 +38,14 @@ _CASES = [
     ("lm", "fully_sharded", "full", BF16, True),
     ("lm", "megatron", "full", "float32", True, 4, "capacity"),
 ]
-# A v5p megacore device (half the VMEM budget: tpu_memory.vmem_budget) and ring attention
+# A v5p megacore device (the logits, attention logits, MLP pre-activations and parameters cast
+# from fp32 masters in HBM: tpu_memory.backward's `device_kind`, `casts`) and ring attention
 # (its buffers in HBM, its steps' kernels: tpu_memory.ring_in_hbm, code_bytes), each with its
 # topology; the ring unscanned in fp32 (libtpu refuses it unscanned in bf16).
 _MORE_CASES = [
     ("lm", "megatron", "full", BF16, False, 0, "capacity", "v5p:2x2x2"),
+    ("lm", "megatron", "none", "float32", False, 0, "capacity", "v5p:2x2x2"),
+    ("lm", "fully_sharded", "full", BF16, False, 0, "capacity", "v5p:2x2x2"),
     ("lm", "context_parallel_ring", "none", "float32", False, 0, "capacity", "v5e:2x4"),
 ]
 

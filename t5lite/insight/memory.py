@@ -427,7 +427,15 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
             activation_itemsize(cfg, "tpu"),
         )
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
-    backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
+    # The parameters cast from their masters to a narrower compute dtype (bf16 of fp32 masters):
+    # on a megacore, where FSDP gathers them, they live through the backward (tpu_memory).
+    params = trainer.abstract_state().params
+    master = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
+    narrow = activation_itemsize(cfg, "tpu")
+    casts = _tree_bytes_per_device(params) * narrow // master if master > narrow else 0
+    backward, terms = tpu_memory.backward(
+        layers, cfg.remat_policy, logits, vmem, gathered, arrays, device_kind=kind, casts=casts
+    )
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
     if cfg.scan_layers:
         stacked = sum(

@@ -19,8 +19,8 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   every layer's weights gathered again for the recomputation (live-range dumps, `full`).
 - Memory-space assignment moves the peak's values into the core's VMEM (on chip, not counted
   in HBM) while they fit, the loss's logits and cotangent first: up to a budget of a quarter of
-  VMEM (`VMEM_SHARE`; halved on a megacore device, `vmem_budget`), which holds every
-  activation of the test-size models on v5e (their temporaries are the same in fp32 and
+  VMEM (`VMEM_SHARE`, `vmem_budget`; a megacore keeps more in HBM: `backward`), which holds
+  every activation of the test-size models on v5e (their temporaries are the same in fp32 and
   bf16, with remat and without); what overflows it stays in HBM (T5.1.1-small's sizes:
   hundreds of MiB). Gradients on their way through the
   all-reduce (operands in `S(1)` in the compiled HLO) stay on chip up to the same budget.
@@ -109,17 +109,16 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     for part in parts:
         for k, v in part.items():
-            out[k] += v
+            out[k] = out.get(k, 0) + v
     return out
 
 
 def vmem_budget(device_kind: str) -> int:
     """Bytes of VMEM the model lets memory-space assignment give the peak's values on one
     device: a quarter of a core's VMEM, divided by the TensorCores the device spans (a v5p or
-    v4 megacore: 2). Fitted, not the compiler's rule: v5p:2x2x2 ahead of time keeps the 8 MiB
-    fp32 logits of the test-size decoder-only Megatron step in HBM while its VMEM in use peaks
-    at 20.9 MiB of 64 (as on v5e, of 128): the assignment is cost-driven, and this budget
-    puts 22 of 24 v5p test-size programs within 10% (docs/performance.md)."""
+    v4 megacore: 2). Fitted, not the compiler's rule (the assignment is cost-driven): on a
+    megacore it sizes what of the gradients stays on chip at the update; the backward's
+    values have their own split there (`backward`'s `device_kind`)."""
     cores = tensor_cores_per_device(device_kind)
     return int(VMEM_SHARE * vmem_bytes_of_kind(device_kind)) // cores
 
@@ -135,12 +134,49 @@ def _in_hbm(values: dict[str, int], vmem: int) -> tuple[dict[str, int], int]:
     return out, vmem - left
 
 
-def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0, arrays: int = 0):
+def _pinned(a: dict[str, int], remat: str) -> dict[str, int]:
+    """What of one layer's saved values a megacore's memory-space assignment leaves in HBM:
+    each attention's fp32 logits and the MLP's pre-activations (v5p:2x2x2's buffer assignment,
+    decoder-only Megatron `none`: both layers' in HBM in bf16, the logits and two of four
+    pre-activations in fp32; q, keys, values, the context and the norms' outputs in VMEM)."""
+    if remat == "full":
+        return {}
+    scores = _SCORES * a["scores"] if remat == "none" else 0
+    return {"attention": scores, "mlp": a["moe"] or a["mlp_in"] * a["h"]}
+
+
+def _moment_in_hbm(
+    values: dict[str, int], pinned: dict[str, int], vmem: int
+) -> tuple[dict[str, int], int]:
+    """`_in_hbm` of one moment's `values` of which `pinned` (a part of them) stays in HBM."""
+    rest = {k: v - pinned.get(k, 0) for k, v in values.items()}
+    out, held = _in_hbm(rest, vmem)
+    return _add(out, pinned), held
+
+
+def backward(
+    layers: list,
+    remat: str,
+    logits: int,
+    vmem: int,
+    gathered: int = 0,
+    arrays: int = 0,
+    device_kind: str = "",
+    casts: int = 0,
+):
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
     saved values and the loss's buffers) and, under `full`, inside the backward (the saved
     values, one recomputed layer of each stack and (FSDP) every layer's gathered weights; the
-    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots."""
+    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots.
+    On a megacore `device_kind` (v5p) the logits, the attentions' fp32 logits and the MLPs'
+    pre-activations stay in HBM (`_pinned`) and the rest has a whole core's budget; so do,
+    where FSDP gathers the weights (`gathered`), the parameters' shards cast to the compute
+    dtype (`casts`: their bytes, 0 when the masters are the compute dtype): the gathers'
+    operands, kept for the backward's (v5p:2x2x2, decoder-only fully sharded, fp32 masters,
+    `none` and `full`: every layer's bf16 shards live from their layer's forward to its
+    backward; Megatron's and context parallelism's casts are fused into their dots; v5e keeps
+    them in VMEM at test sizes)."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -148,9 +184,22 @@ def backward(layers: list, remat: str, logits: int, vmem: int, gathered: int = 0
     work = _add(*(saved(a, "none") for _, a in layers)) if remat == "full" else {}
     loss = {"logits+loss": _LOSS_BUFFERS * logits}
     regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
-    values, held = _in_hbm(_add(loss, kept), vmem)
+    pinned, pinned_inside = {}, {}
+    if tensor_cores_per_device(device_kind) > 1:
+        vmem = int(VMEM_SHARE * vmem_bytes_of_kind(device_kind))
+        pinned = _add(
+            {"logits+loss": logits}, *(_pinned(a, remat) for n, a in layers for _ in range(n))
+        )
+        pinned_inside = _add(*(_pinned(a, "none") for _, a in layers)) if remat == "full" else {}
+        if casts and gathered:
+            pinned, pinned_inside = (
+                _add(p, {"cast weights": casts}) for p in (pinned, pinned_inside)
+            )
+    values, held = _moment_in_hbm(_add(loss, kept), pinned, vmem)
     if remat == "full":
-        inside, held_inside = _in_hbm({**_add(kept, work), **regathered}, vmem)
+        inside, held_inside = _moment_in_hbm(
+            {**_add(kept, work), **regathered}, pinned_inside, vmem
+        )
         if sum(inside.values()) > sum(values.values()):
             values, held = inside, held_inside
     if any(a["ring_steps"] for _, a in layers):
