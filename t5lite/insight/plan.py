@@ -219,7 +219,7 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
     f = pipeline_figures(trainer)
     if pm is None or f is None:
         return a
-    activations = pm.in_flight + pm.stack_buffers + pm.working
+    activations = pm.in_flight + pm.stack_buffers + pm.working + pm.weight_split
     terms = (
         ("residuals in flight", pm.in_flight),
         ("stack buffers", pm.stack_buffers),
