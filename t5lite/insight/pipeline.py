@@ -429,22 +429,27 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         per = n // f.stages
         saved = sum(activation_memory.layer_saved(a, cfg.remat_policy).values())
         # A B differentiates its stage's layers one at a time (their scan's backward): the
-        # others keep what the policy saves, the one in hand all it saves without remat
-        # (recomputed from its saved input under remat; with one layer a stage, remat
-        # changes nothing).
+        # others keep what the policy saves. With one layer a stage the backward works in
+        # the buffers of that layer's residuals (all it saves without remat: remat changes
+        # nothing). With several, the one in hand holds those residuals and its working set
+        # on top of them without remat; under remat, its recomputed values and cotangents
+        # (`_recomputed_backward`); and the B's layer scan returns the stage's layer
+        # gradients of this stack stacked, beside the schedule's accumulator they are then
+        # added to.
         whole = sum(activation_memory.layer_saved(a, "none").values())
         working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
-        # With one layer a stage the backward works in the buffers of that layer's
-        # residuals. With several, a B's layer scan also returns the stage's layer gradients
-        # of this stack stacked, beside the schedule's accumulator they are then added to.
-        # NOTE: under remat XLA:CPU's buffer assignment holds `_recomputed_backward` in the
-        # B's layer scan (decoder-only and T5 alike), less than the working set counted
-        # here on top of `whole`; T5's compiled figure holds that much more again in its
-        # allocator's slack (docs/pipeline.md), so the larger count stays.
-        extra = 0
-        if per > 1:
-            extra = sum(working.values()) + memory.layer_gradient_bytes(trainer, 4, stack.name)[0]
-        recompute.append((per - 1) * saved + whole + extra)
+        in_hand = whole
+        if per > 1 and cfg.remat_policy == "none":
+            in_hand = whole + sum(working.values())
+        elif per > 1:
+            in_hand = _recomputed_backward(a)
+        stacked = memory.layer_gradient_bytes(trainer, 4, stack.name)[0] if per > 1 else 0
+        # A relative position bias reaches the stack whole (not cut into microbatches), so
+        # its cotangent is summed over the B's layers and microbatches: the schedule's
+        # accumulator, the B's result, its layer scan's carry and the layer's own (four
+        # [1, H, L, L] fp32 buffers in XLA:CPU's buffer assignment of T5's decoder B).
+        bias = 4 * _bias_bytes(trainer, stack.length)
+        recompute.append((per - 1) * saved + in_hand + stacked + bias)
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
@@ -464,6 +469,17 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
         _position_one_hots(trainer),
+    )
+
+
+def _bias_bytes(trainer: Trainer, length: int) -> int:
+    """Bytes per device of a stack's [1, H, L, L] fp32 relative position bias (0: none)."""
+    if not _position_one_hots(trainer):
+        return 0
+    heads = trainer.model.network_config.num_heads
+    part = trainer.partitioner
+    return sharded_bytes.bytes_per_device(
+        part, (None, "heads", None, None), (1, heads, length, length), 4
     )
 
 
