@@ -331,8 +331,8 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         _position_one_hots(trainer),
         # Written out with several layers a stage, each stacked weight is split once into its
         # layers (`run`): a copy of the stage's weights, live through the step (XLA:CPU's
-        # buffer assignment: the split's [16, 2, 8], [2, 8, 16], [16, 32] ... pieces). One
-        # layer a stage splits nothing.
+        # buffer assignment: one weight-shaped piece a layer and kernel). One layer a stage
+        # splits nothing.
         memory.layer_gradient_bytes(trainer)[0] if written_out and per > 1 else 0,
     )
 
@@ -341,8 +341,7 @@ def _recomputed_backward(a: dict[str, int]) -> int:
     """One layer's backward in a layer scan under remat, on one microbatch: its values
     recomputed from its saved input (all it saves without remat) and its cotangents and
     gradient temporaries beside them, half as many again (XLA:CPU's buffer assignment of the
-    decoder-only stage's scan body, GPipe under FSDP and 1F1B alike: 15 KiB recomputed, 7 KiB
-    of the backward's)."""
+    stage's scan body, GPipe under FSDP and 1F1B alike; docs/pipeline.md)."""
     whole = sum(activation_memory.layer_saved(a, "none").values())
     return whole + whole // 2
 
