@@ -52,13 +52,15 @@ def test_t5_1f1b_memory_within_10_percent(base, stages, num_partitions):
         ("t5", "data_parallel", 2, 1, "minimal"),
         ("t5", "fsdp", 4, 1, "full"),
         ("lm", "megatron", 4, 2, "minimal"),
+        ("lm", "fsdp", 2, 1, "full"),
+        ("lm", "megatron", 2, 2, "minimal"),
     ],
 )
 def test_1f1b_memory_under_remat_within_10_percent(family, base, stages, num_partitions, remat):
     """1F1B under remat: a B differentiates its stage's layers one at a time, the others
-    keeping what the policy saves and the one in hand all it saves without remat (recomputed
-    from its input), so with one layer a stage (4 + 4 layers over 4 stages) the prediction is
-    remat 'none''s; within 10% of XLA's memory analysis of the compiled step."""
+    keeping what the policy saves and the one in hand its values recomputed from its input
+    beside their cotangents, so with one layer a stage (4 + 4 layers over 4 stages) the
+    prediction is remat 'none''s; within 10% of XLA's memory analysis of the compiled step."""
     from t5lite.insight.memory import memory_report
     from t5lite.insight.report import compile_train_step
 
@@ -73,6 +75,44 @@ def test_1f1b_memory_under_remat_within_10_percent(family, base, stages, num_par
         assert pm == none
     else:
         assert pm.in_flight < none.in_flight and pm.stack_buffers == none.stack_buffers
+    if (family, base, remat) == ("lm", "fsdp", "full"):
+        # 2 slots and the other layer's input ([1, 8, 16] fp32 on this device), the layer in
+        # hand recomputed (16 KiB) with half as much again of cotangents, and the B's stacked
+        # gradients of the stage's 2 layers (10368 bytes each, split over the 4 FSDP devices)
+        assert pm.in_flight == 2 * 512 + 512 + 16384 * 3 // 2 + 2 * 10368 // 4
+    compiled = memory_report(compile_train_step(tr)).total
+    assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
+
+
+@pytest.mark.parametrize(
+    "base, num_partitions, remat", [("data_parallel", 1, "minimal"), ("fsdp", 1, "full")]
+)
+def test_gpipe_two_layers_a_stage_memory_within_10_percent(base, num_partitions, remat):
+    """GPipe with two layers a stage (the 4-layer LM over 2 stages), within 10% of XLA's memory
+    analysis of the compiled step. Written out (data parallel, `minimal`), the stage's stacked
+    weights are split once into its layers, a copy held through the step: 2 layers x (four
+    [16, 2, 8] projections, [16, 32] x 2 and [32, 16] MLP kernels, two [16] norm scales) fp32
+    = 20736 bytes; Megatron holds half the kernels, one layer a stage splits nothing. In a layer
+    scan under remat (FSDP, `full`), a layer's backward holds its values recomputed, 16 KiB at
+    one microbatch (1 row of 8 positions on this device), and half as much again of
+    cotangents."""
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.report import compile_train_step
+
+    tr = _lm_trainer(base, 2, num_partitions, 4, "gpipe", remat)
+    pm = insight_pipeline.pipeline_memory(tr)
+    if base == "data_parallel":
+        assert pm.weight_split == 2 * (4 * 16 * 2 * 8 + 3 * 16 * 32 + 2 * 16) * 4
+        assert "+ stage weights split per layer 20.25 KiB" in pm.format()
+        megatron = _lm_trainer("megatron", 2, 2, 4, "gpipe", remat)
+        assert (
+            insight_pipeline.pipeline_memory(megatron).weight_split
+            == 2 * ((4 * 16 * 2 * 8 + 3 * 16 * 32) // 2 + 2 * 16) * 4
+        )
+        one_layer = _lm_trainer(base, 4, num_partitions, 4, "gpipe", remat)
+        assert insight_pipeline.pipeline_memory(one_layer).weight_split == 0
+    else:
+        assert pm.weight_split == 0 and pm.working == 16384 * 3 // 2
     compiled = memory_report(compile_train_step(tr)).total
     assert abs(compiled / pm.total - 1) <= 0.10, (compiled, pm)
 

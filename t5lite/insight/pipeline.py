@@ -227,6 +227,7 @@ class PipelineMemory:
     stack_buffers: int  # the stacks' microbatched inputs (m), tick outputs (T), merged output (m)
     working: int  # the larger of one layer's backward on one microbatch and the loss's buffers
     position_bias: int = 0  # T5's relative-position one-hots (`_position_one_hots`)
+    weight_split: int = 0  # GPipe's written-out stage: its layers' weights, split per layer
 
     @property
     def total(self) -> int:
@@ -238,6 +239,7 @@ class PipelineMemory:
             + self.stack_buffers
             + self.working
             + self.position_bias
+            + self.weight_split
         )
 
     def format(self, compiled: int | None = None) -> str:
@@ -250,6 +252,8 @@ class PipelineMemory:
         )
         if self.position_bias:
             line += f" + position one-hots {format_bytes(self.position_bias)}"
+        if self.weight_split:
+            line += f" + stage weights split per layer {format_bytes(self.weight_split)}"
         if compiled:
             line += f"; compiled {format_bytes(compiled)} ({compiled / self.total:.2f}x)"
         return line
@@ -285,6 +289,11 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         return one_f_one_b_memory(trainer, f)
     cfg = trainer.model.network_config
     layers, logits = _stage_layers(trainer, f)
+    per = layers[0][0] // f.stages
+    # As model/pipeline.py runs the stage: its layers written out in each tick unless a layer
+    # saves only its input (remat 'full') or the rules split its weights over the batch's
+    # axes (FSDP: a layer's gradient then has a part in hand, whole over them).
+    written_out = cfg.remat_policy != "full" and not memory.layer_gradient_bytes(trainer)[1]
     in_flight, works, stack_buffers, encoder_x = 0, [], 0, 0
     for n, kv, a in layers:
         saved = activation_memory.layer_saved(a, cfg.remat_policy)
@@ -294,9 +303,11 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         # that tick saved and allocates only what it recomputes beside them (under remat
         # 'none' almost nothing; under 'full' the whole layer). With more layers a stage, a
         # layer's backward runs while the other layers' residuals of the tick are held, so
-        # its whole working set is live on top of them.
+        # its whole working set is live on top of them; in a layer scan under remat, the
+        # recomputed layer's backward (`_recomputed_backward`).
         kept = sum(saved.values()) if n // f.stages == 1 else 0
-        works.append(sum(work.values()) - kept)
+        remat_scan = per > 1 and not written_out and cfg.remat_policy != "none"
+        works.append(_recomputed_backward(a) if remat_scan else sum(work.values()) - kept)
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
         # T5's decoder reads the encoder output at every tick: its loop stashes the tick's
         # encoder microbatch for the backward pass (T of them) and its backward accumulates
@@ -318,7 +329,21 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         stack_buffers,
         max(working, activation_memory.LOSS_BUFFERS * logits),
         _position_one_hots(trainer),
+        # Written out with several layers a stage, each stacked weight is split once into its
+        # layers (`run`): a copy of the stage's weights, live through the step (XLA:CPU's
+        # buffer assignment: one weight-shaped piece a layer and kernel). One layer a stage
+        # splits nothing.
+        memory.layer_gradient_bytes(trainer)[0] if written_out and per > 1 else 0,
     )
+
+
+def _recomputed_backward(a: dict[str, int]) -> int:
+    """One layer's backward in a layer scan under remat, on one microbatch: its values
+    recomputed from its saved input (all it saves without remat) and its cotangents and
+    gradient temporaries beside them, half as many again (XLA:CPU's buffer assignment of the
+    stage's scan body, GPipe under FSDP and 1F1B alike; docs/pipeline.md)."""
+    whole = sum(activation_memory.layer_saved(a, "none").values())
+    return whole + whole // 2
 
 
 # 1F1B (model/schedules.py): its figures and memory, apart from GPipe's.
@@ -403,18 +428,27 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         per = n // f.stages
         saved = sum(activation_memory.layer_saved(a, cfg.remat_policy).values())
         # A B differentiates its stage's layers one at a time (their scan's backward): the
-        # others keep what the policy saves, the one in hand all it saves without remat
-        # (recomputed from its saved input under remat; with one layer a stage, remat
-        # changes nothing).
+        # others keep what the policy saves. With one layer a stage the backward works in
+        # the buffers of that layer's residuals (all it saves without remat: remat changes
+        # nothing). With several, the one in hand holds those residuals and its working set
+        # on top of them without remat; under remat, its recomputed values and cotangents
+        # (`_recomputed_backward`); and the B's layer scan returns the stage's layer
+        # gradients of this stack stacked, beside the schedule's accumulator they are then
+        # added to.
         whole = sum(activation_memory.layer_saved(a, "none").values())
         working = activation_memory.layer_saved(a, "none", activation_memory.SCORES_WORKING)
-        # With one layer a stage the backward works in the buffers of that layer's
-        # residuals. With several, a B's layer scan also returns the stage's layer gradients
-        # of this stack stacked, beside the schedule's accumulator they are then added to.
-        extra = 0
-        if per > 1:
-            extra = sum(working.values()) + memory.layer_gradient_bytes(trainer, 4, stack.name)[0]
-        recompute.append((per - 1) * saved + whole + extra)
+        in_hand = whole
+        if per > 1 and cfg.remat_policy == "none":
+            in_hand = whole + sum(working.values())
+        elif per > 1:
+            in_hand = _recomputed_backward(a)
+        stacked = memory.layer_gradient_bytes(trainer, 4, stack.name)[0] if per > 1 else 0
+        # A relative position bias reaches the stack whole (not cut into microbatches), so
+        # its cotangent is summed over the B's layers and microbatches: the schedule's
+        # accumulator, the B's result, its layer scan's carry and the layer's own (four
+        # [1, H, L, L] fp32 buffers in XLA:CPU's buffer assignment of T5's decoder B).
+        bias = 4 * _bias_bytes(trainer, stack.length)
+        recompute.append((per - 1) * saved + in_hand + stacked + bias)
         slots += f.stages * a["x"]
         # its input, output's gradient and input's gradient, m microbatches each
         stack_buffers += 3 * f.microbatches * a["x"]
@@ -434,6 +468,17 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
         stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
         _position_one_hots(trainer),
+    )
+
+
+def _bias_bytes(trainer: Trainer, length: int) -> int:
+    """Bytes per device of a stack's [1, H, L, L] fp32 relative position bias (0: none)."""
+    if not _position_one_hots(trainer):
+        return 0
+    heads = trainer.model.network_config.num_heads
+    part = trainer.partitioner
+    return sharded_bytes.bytes_per_device(
+        part, (None, "heads", None, None), (1, heads, length, length), 4
     )
 
 

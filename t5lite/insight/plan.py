@@ -223,7 +223,7 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
     # On TPU the executable and the heap's scalar slots count too (tpu_pipeline_memory).
     tpu = isinstance(pm, TpuPipelineMemory)
     code, slots = (pm.code, pm.scalars + pm.position_bias) if tpu else (0, 0)
-    activations = pm.in_flight + pm.stack_buffers + pm.working + slots
+    activations = pm.in_flight + pm.stack_buffers + pm.working + pm.weight_split + slots
     terms = (
         ("residuals in flight", pm.in_flight),
         ("stack buffers", pm.stack_buffers),
