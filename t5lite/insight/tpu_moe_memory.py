@@ -56,7 +56,17 @@ _COMPUTE_DTYPE_SHARE = 0.6
 # The MoE layer's code, once a stack (scanned), and its recomputation's share under remat:
 # 4.2-5.8 MiB without remat, 5.4-6.9 with (compiled code less the dense twin's, same presets).
 CODE_MOE = 5.0 * 2**20
+# Unrolled (scan_layers=False), as _UNITS: per MoE layer without remat, per model under `full`.
+_UNROLLED_UNITS = {
+    ("capacity", "none"): (6.38, 0.0, 0.0),
+    ("capacity", "full"): (0.0, 0.0, 1.28),
+    ("dropless", "none"): (5.24, 0.0, 0.0),
+    ("dropless", "full"): (0.0, 0.0, 1.28),
+}
 _CODE_MOE_REMAT = 0.2
+# Each unrolled MoE layer's own kernels, and their recomputation's share under `full`.
+CODE_MOE_UNROLLED = 3.9 * 2**20
+_CODE_UNROLLED_REMAT = 0.27
 
 
 def scanned_moe(
@@ -103,7 +113,41 @@ def scanned_moe(
     return {"moe (scanned)": int(values), "stacked gradients": gradients}
 
 
-def moe_code(layers: list, remat: str) -> int:
-    """Code of the stacks' MoE layers (one layer's kernels a scanned stack)."""
+def unscanned_moe(
+    layers: list,
+    remat: str,
+    dispatch: str,
+    gradients: int,
+    copies: int,
+    one_axis: bool,
+    itemsize: int = 4,
+) -> dict[str, int]:
+    """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
+    `scanned_moe`): each MoE layer's values beyond VMEM (`moe (unrolled)`, in hidden buffers
+    without remat) or, under `full`, the parameters' copies, and every gradient."""
+    units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
+    values, sparse = 0.0, False
+    for n, a in layers:
+        moe_layers = round(n * a["moe_share"])
+        if not moe_layers:
+            continue
+        sparse = True
+        per = units[0] * a["moe_h"] + units[1] * max(a["moe"] - 6 * a["moe_h"], 0)
+        if remat != "full":
+            per *= (1 - _COMPUTE_DTYPE_SHARE) * 4 / itemsize + _COMPUTE_DTYPE_SHARE
+        values += per * moe_layers
+    if not sparse:
+        return {}
+    values += units[2] * copies
+    return {"moe (unrolled)": int(values), "stacked gradients": gradients}
+
+
+def moe_code(layers: list, remat: str, scanned: bool = True) -> int:
+    """Code of the stacks' MoE layers: one layer's kernels a scanned stack, every MoE layer's
+    when unrolled."""
+    if not scanned:
+        moe_layers = sum(round(n * a["moe_share"]) for n, a in layers)
+        share = _CODE_UNROLLED_REMAT if remat == "full" else 0
+        return int(moe_layers * CODE_MOE_UNROLLED * (1 + share))
     stacks = sum(1 for n, a in layers if round(n * a["moe_share"]))
     return int(stacks * CODE_MOE * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
