@@ -408,16 +408,12 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         master = np.dtype(jax.tree_util.tree_leaves(trainer.state_abstract.params)[0].dtype)
         copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
         one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
-        of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
-        moe = of(
-            layers,
-            cfg.remat_policy,
-            cfg.moe_dispatch,
-            whole,
-            copies,
-            one_axis,
-            activation_itemsize(cfg, "tpu"),
-        )
+        itemsize = activation_itemsize(cfg, "tpu")
+        args = (layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies)
+        if cfg.scan_layers:
+            moe = tpu_moe_memory.scanned_moe(*args, one_axis, itemsize, cfg.moe_top_k)
+        else:
+            moe = tpu_moe_memory.unscanned_moe(*args, cfg.moe_top_k, itemsize)
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
@@ -439,7 +435,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     cp = sum(a["attentions"] * (1 if cfg.scan_layers else n) for n, a in layers if a["kv_gathered"])
     code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps, kind, cp)
-    code += tpu_moe_memory.moe_code(layers, cfg.remat_policy, cfg.scan_layers) if moe else 0
+    if getattr(cfg, "num_experts", 0):
+        code += tpu_moe_memory.moe_code(layers, cfg.remat_policy, cfg.scan_layers, cfg.moe_top_k)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

@@ -61,7 +61,7 @@ _UNROLLED_UNITS = {
     ("capacity", "none"): (6.38, 0.0, 0.0),
     ("capacity", "full"): (0.0, 0.0, 1.28),
     ("dropless", "none"): (5.24, 0.0, 0.0),
-    ("dropless", "full"): (0.0, 0.0, 1.28),
+    ("dropless", "full"): (3.1, 3.1, 1.28),
 }
 _CODE_MOE_REMAT = 0.2
 # Each unrolled MoE layer's own kernels, and their recomputation's share under `full`.
@@ -77,6 +77,7 @@ def scanned_moe(
     copies: int,
     one_axis: bool,
     itemsize: int = 4,
+    top_k: int = 2,
 ) -> dict[str, int]:
     """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
     saved values and one layer's working set (`moe (scanned)`), and every gradient (the
@@ -84,7 +85,13 @@ def scanned_moe(
     `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
     the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
     splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
-    with it)."""
+    with it); `top_k`: experts a token (top-1's values and gradients stay in VMEM)."""
+    if top_k < 2:
+        # The gradients stay in VMEM; only the scan's stacked MoE values are in HBM, and
+        # under `full` each layer's input alone (test-size T5, expert_parallel capacity
+        # `none`: 25.8 MiB of values in HBM for 25.2 saved; megatron `full`: 4.6).
+        saved = sum(round(n * a["moe_share"]) * a["moe"] for n, a in layers)
+        return {"moe (scanned)": 0 if remat == "full" else saved}
     if one_axis:
         # On a one-axis mesh (data=8, experts over it) memory-space assignment keeps the
         # stacked values in VMEM; only the gradients stay in HBM (test-size decoder-only
@@ -119,35 +126,38 @@ def unscanned_moe(
     dispatch: str,
     gradients: int,
     copies: int,
-    one_axis: bool,
+    top_k: int,
     itemsize: int = 4,
 ) -> dict[str, int]:
     """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
-    `scanned_moe`): each MoE layer's values beyond VMEM (`moe (unrolled)`, in hidden buffers
-    without remat) or, under `full`, the parameters' copies, and every gradient."""
+    `scanned_moe`): nothing for top-1 routing (its values and the gradients stay in VMEM);
+    with two experts a token each MoE
+    layer's values (`moe (unrolled)`, in hidden buffers) or, under `full`, one recomputed
+    layer's a stack and the parameters' copies, and every gradient."""
+    if top_k < 2:
+        return {}
     units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
-    values, sparse = 0.0, False
+    values = 0.0
     for n, a in layers:
         moe_layers = round(n * a["moe_share"])
         if not moe_layers:
             continue
-        sparse = True
         per = units[0] * a["moe_h"] + units[1] * max(a["moe"] - 6 * a["moe_h"], 0)
         if remat != "full":
             per *= (1 - _COMPUTE_DTYPE_SHARE) * 4 / itemsize + _COMPUTE_DTYPE_SHARE
-        values += per * moe_layers
-    if not sparse:
-        return {}
+        values += per * (1 if remat == "full" else moe_layers)
     values += units[2] * copies
     return {"moe (unrolled)": int(values), "stacked gradients": gradients}
 
 
-def moe_code(layers: list, remat: str, scanned: bool = True) -> int:
+def moe_code(layers: list, remat: str, scanned: bool = True, top_k: int = 2) -> int:
     """Code of the stacks' MoE layers: one layer's kernels a scanned stack, every MoE layer's
-    when unrolled."""
+    when unrolled; top-1 routing's take two thirds of top-2's (unrolled decoder-only layers
+    2.2 and 3.3 MiB: the second choice's dispatch and combine kernels)."""
+    scale = (1 + top_k) / 3
     if not scanned:
         moe_layers = sum(round(n * a["moe_share"]) for n, a in layers)
         share = _CODE_UNROLLED_REMAT if remat == "full" else 0
-        return int(moe_layers * CODE_MOE_UNROLLED * (1 + share))
+        return int(moe_layers * CODE_MOE_UNROLLED * scale * (1 + share))
     stacks = sum(1 for n, a in layers if round(n * a["moe_share"]))
-    return int(stacks * CODE_MOE * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
+    return int(stacks * CODE_MOE * scale * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
