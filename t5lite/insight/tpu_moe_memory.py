@@ -1,5 +1,5 @@
-"""What XLA:TPU keeps in HBM for a mixture of experts' layers run by the layer scan
-(`memory.predict_memory` on platform "tpu", beside tpu_memory's dense terms).
+"""What XLA:TPU keeps in HBM for a mixture of experts' layers, run by the layer scan or
+unrolled (`memory.predict_memory` on platform "tpu", beside tpu_memory's dense terms).
 
 Read from the TPU compiler's buffer assignment and live ranges (v5e:2x4 ahead of time, the
 test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `expert_parallel`,
@@ -15,6 +15,16 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   values and their cotangents beside every gradient, and the parameters' prefetched copies.
 - The MoE layer's kernels (routing, dispatch, the expert matmuls, combine and their
   gradients) add code once per stack: the scan compiles one layer.
+- Unrolled (`scan_layers=False`, same dumps): the default memory space holds every gradient
+  (the `[E, D, F]` expert kernels', the output layer's and the embedding's), each MoE layer's
+  `f32[E, G, C, F]` hidden buffers (tile-padded) and their bf16 copies as the MXU reads them,
+  and the `[B, L, D]` values they push out of VMEM; under `full` the parameters' copies as
+  scanned. Each unrolled MoE layer adds its own kernels' code.
+- Top-1 routing (T5's Switch default; a top-1 decoder-only program too) keeps all of it in
+  VMEM, scanned or not: 1.5 MiB of temporaries beyond the dense model's scalars for a T5
+  whose gradients are 11.5 MiB. Scanned, only the stacked MoE values stay in HBM (without
+  remat). Why top-2 spills is not known (not the total: T5's 15 MiB dropless layers stay, a
+  decoder-only model's 13 MiB top-2 ones do not); this is what the compiler was seen to do.
 The counts below are fitted (the compiled temporaries less the dense model's terms, less every
 gradient), in units of the layer's own buffers (`moe_memory.moe_bytes`): `moe_h`, one expert
 hidden buffer ([E, G, C, F] or dropless's [M, F]), and the rest of what the layer saves
@@ -56,15 +66,22 @@ _COMPUTE_DTYPE_SHARE = 0.6
 # The MoE layer's code, once a stack (scanned), and its recomputation's share under remat:
 # 4.2-5.8 MiB without remat, 5.4-6.9 with (compiled code less the dense twin's, same presets).
 CODE_MOE = 5.0 * 2**20
-# Unrolled (scan_layers=False), as _UNITS: per MoE layer without remat, per model under `full`.
+_CODE_MOE_REMAT = 0.2
+# Unrolled (scan_layers=False), as _UNITS, beside every gradient: per MoE layer without
+# remat, per stack under `full`. Fitted on the decoder-only expert_parallel programs (v5e:2x4,
+# fp32, 2026-11-27), gradients 13.5 MiB: capacity `none` leaves 23.9 MiB for 2 layers of
+# 1.875 MiB hidden buffers, dropless `none` 125.7 for 2 of 12; capacity `full` 17.3 (1.28
+# gradients: the parameters' copies, as scanned but one fewer); megatron dropless `full` 28.1
+# beyond those for one layer's 3 MiB hidden buffer and 6 MiB of rows.
 _UNROLLED_UNITS = {
     ("capacity", "none"): (6.38, 0.0, 0.0),
     ("capacity", "full"): (0.0, 0.0, 1.28),
     ("dropless", "none"): (5.24, 0.0, 0.0),
     ("dropless", "full"): (3.1, 3.1, 1.28),
 }
-_CODE_MOE_REMAT = 0.2
-# Each unrolled MoE layer's own kernels, and their recomputation's share under `full`.
+# Each unrolled MoE layer's own kernels (top-2; `moe_code` scales them by routing) and their
+# recomputation's share under `full`: expert_parallel capacity 3.3 MiB a layer `none`, 5.0
+# `full`, dropless 4.6 (compiled code less the dense model's predicted code).
 CODE_MOE_UNROLLED = 3.9 * 2**20
 _CODE_UNROLLED_REMAT = 0.27
 
