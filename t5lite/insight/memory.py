@@ -410,10 +410,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
         itemsize = activation_itemsize(cfg, "tpu")
         args = (layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies)
-        if cfg.scan_layers:
-            moe = tpu_moe_memory.scanned_moe(*args, one_axis, itemsize, cfg.moe_top_k)
-        else:
-            moe = tpu_moe_memory.unscanned_moe(*args, cfg.moe_top_k, itemsize)
+        of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
+        moe = of(*args, one_axis, itemsize, cfg.moe_top_k)
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     backward, terms = {**backward, **moe}, (*terms, *moe.items())

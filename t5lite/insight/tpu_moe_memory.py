@@ -71,13 +71,14 @@ _CODE_MOE_REMAT = 0.2
 # remat, per stack under `full`. Fitted on the decoder-only expert_parallel programs (v5e:2x4,
 # fp32, 2026-11-27), gradients 13.5 MiB: capacity `none` leaves 23.9 MiB for 2 layers of
 # 1.875 MiB hidden buffers, dropless `none` 125.7 for 2 of 12; capacity `full` 17.3 (1.28
-# gradients: the parameters' copies, as scanned but one fewer); megatron dropless `full` 28.1
-# beyond those for one layer's 3 MiB hidden buffer and 6 MiB of rows.
+# gradients: the parameters' copies, as scanned but one fewer); dropless `full` beyond those
+# 90.5 / 28.1 MiB (expert_parallel / megatron) for one layer's 12 / 3 MiB hidden buffer and
+# 6 / 6 MiB of rows.
 _UNROLLED_UNITS = {
     ("capacity", "none"): (6.38, 0.0, 0.0),
     ("capacity", "full"): (0.0, 0.0, 1.28),
     ("dropless", "none"): (5.24, 0.0, 0.0),
-    ("dropless", "full"): (3.1, 3.1, 1.28),
+    ("dropless", "full"): (6.94, 1.21, 1.28),
 }
 # Each unrolled MoE layer's own kernels (top-2; `moe_code` scales them by routing) and their
 # recomputation's share under `full`: expert_parallel capacity 3.3 MiB a layer `none`, 5.0
@@ -143,15 +144,18 @@ def unscanned_moe(
     dispatch: str,
     gradients: int,
     copies: int,
-    top_k: int,
+    one_axis: bool,
     itemsize: int = 4,
+    top_k: int = 2,
 ) -> dict[str, int]:
     """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
-    `scanned_moe`): nothing for top-1 routing (its values and the gradients stay in VMEM);
-    with two experts a token each MoE
-    layer's values (`moe (unrolled)`, in hidden buffers) or, under `full`, one recomputed
-    layer's a stack and the parameters' copies, and every gradient."""
-    if top_k < 2:
+    `scanned_moe`): nothing for top-1 routing (its values and the gradients stay in VMEM) or
+    on a one-axis mesh; with two experts a token each MoE layer's values (`moe (unrolled)`,
+    in hidden buffers) or, under `full`, one recomputed layer's a stack and the parameters'
+    copies, and every gradient."""
+    if top_k < 2 or one_axis:
+        # On a one-axis mesh (data_parallel) nothing leaves VMEM either: 2 MiB of
+        # temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
         return {}
     units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
     values = 0.0
