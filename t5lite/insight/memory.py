@@ -411,7 +411,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         itemsize = activation_itemsize(cfg, "tpu")
         args = (layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies)
         of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
-        moe = of(*args, one_axis, itemsize, cfg.moe_top_k)
+        spill = tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize)
+        moe = of(*args, one_axis, itemsize, spill)
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     backward, terms = tpu_memory.backward(layers, cfg.remat_policy, logits, vmem, gathered, arrays)
     backward, terms = {**backward, **moe}, (*terms, *moe.items())

@@ -95,7 +95,7 @@ def scanned_moe(
     copies: int,
     one_axis: bool,
     itemsize: int = 4,
-    top_k: int = 2,
+    spill: bool = True,
 ) -> dict[str, int]:
     """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
     saved values and one layer's working set (`moe (scanned)`), and every gradient (the
@@ -103,8 +103,9 @@ def scanned_moe(
     `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
     the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
     splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
-    with it); `top_k`: experts a token (top-1's values and gradients stay in VMEM)."""
-    if top_k < 2:
+    with it); `spill`: the layers' values leave VMEM (`spills`; else only the stacked MoE
+    values are in HBM)."""
+    if not spill:
         # The gradients stay in VMEM; only the scan's stacked MoE values are in HBM, and
         # under `full` each layer's input alone (test-size T5, expert_parallel capacity
         # `none`: 25.8 MiB of values in HBM for 25.2 saved; megatron `full`: 4.6).
@@ -146,14 +147,14 @@ def unscanned_moe(
     copies: int,
     one_axis: bool,
     itemsize: int = 4,
-    top_k: int = 2,
+    spill: bool = True,
 ) -> dict[str, int]:
     """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
-    `scanned_moe`): nothing for top-1 routing (its values and the gradients stay in VMEM) or
-    on a one-axis mesh; with two experts a token each MoE layer's values (`moe (unrolled)`,
+    `scanned_moe`): nothing where the values do not spill (they and the gradients stay in
+    VMEM) or on a one-axis mesh; else each MoE layer's values (`moe (unrolled)`,
     in hidden buffers) or, under `full`, one recomputed layer's a stack and the parameters'
     copies, and every gradient."""
-    if top_k < 2 or one_axis:
+    if not spill or one_axis:
         # On a one-axis mesh (data_parallel) nothing leaves VMEM either: 2 MiB of
         # temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
         return {}
@@ -169,6 +170,19 @@ def unscanned_moe(
         values += per * (1 if remat == "full" else moe_layers)
     values += units[2] * copies
     return {"moe (unrolled)": int(values), "stacked gradients": gradients}
+
+
+def spills(layers: list, top_k: int, vmem: int, itemsize: int = 4) -> bool:
+    """Whether memory-space assignment takes the MoE layers' values and every gradient out of
+    VMEM into HBM: a layer's expert hidden buffers, one a choice (`top_k`) and as fp32,
+    exceed a tenth of the VMEM budget (`vmem`, bytes). Seen on v5e, not the compiler's rule:
+    top-1 T5 layers of 1.25 and 2 MiB hidden buffers and a top-1 decoder-only one of 0.94
+    stay, top-2 decoder-only ones of 1.9 (bf16: 0.9) and more and a top-1 T5 one of 8 spill."""
+    return any(
+        top_k * a["moe_h"] * 4 // itemsize > vmem // 10
+        for n, a in layers
+        if round(n * a["moe_share"])
+    )
 
 
 def moe_code(layers: list, remat: str, scanned: bool = True, top_k: int = 2) -> int:
