@@ -154,11 +154,13 @@ def unscanned_moe(
     VMEM) or on a one-axis mesh; else each MoE layer's values (`moe (unrolled)`,
     in hidden buffers) or, under `full`, one recomputed layer's a stack and the parameters'
     copies, and every gradient."""
-    if not spill or one_axis:
-        # On a one-axis mesh (data_parallel) nothing leaves VMEM either: 2 MiB of
-        # temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
+    if not spill or (one_axis and remat != "full"):
+        # On a one-axis mesh (data_parallel) without remat nothing leaves VMEM either: 2 MiB
+        # of temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
         return {}
     units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
+    if one_axis:  # under `full` the gradients and the copies only (dropless: 45.6 MiB)
+        units = (0.0, 0.0, units[2])
     values = 0.0
     for n, a in layers:
         moe_layers = round(n * a["moe_share"])
