@@ -403,7 +403,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
     moe = {}
     if getattr(cfg, "num_experts", 0):
-        # MoE values and every gradient stay in HBM (tpu_moe_memory).
+        # Where the MoE layers' values leave VMEM they and every gradient are in HBM
+        # (tpu_moe_memory.spills).
         whole = _gradient_bytes(trainer, scan_reduces=False)[0]
         master = np.dtype(jax.tree_util.tree_leaves(trainer.state_abstract.params)[0].dtype)
         copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
