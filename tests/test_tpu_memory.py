@@ -114,3 +114,17 @@ def test_predicted_memory_within_ten_percent_on_tpu():
 
 def test_predicted_memory_on_v5p_and_for_ring_attention():
     _check_within_ten_percent(_MORE_CASES)
+
+
+# A mixture of experts with its layers unrolled (tpu_moe_memory.unscanned_moe): top-2 routing
+# (decoder-only) spills its MoE values and every gradient to HBM (fitted); top-1 (T5) keeps
+# them in VMEM; Megatron capacity `none` was held out of the fit.
+_MOE_CASES = [
+    ("lm", "expert_parallel", "none", "float32", False, 4, "capacity"),
+    ("t5", "megatron", "full", "float32", False, 4, "dropless"),
+    ("lm", "megatron", "none", "float32", False, 4, "capacity"),
+]
+
+
+def test_predicted_memory_of_unrolled_moe_layers_on_tpu():
+    _check_within_ten_percent(_MOE_CASES)

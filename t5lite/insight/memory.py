@@ -411,21 +411,18 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     gathered = _gathered_layer_bytes(trainer)
     arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
     moe = {}
-    if cfg.scan_layers and getattr(cfg, "num_experts", 0):
-        # A scanned stack's MoE values stay in HBM, beside every gradient (tpu_moe_memory).
+    if getattr(cfg, "num_experts", 0):
+        # Where the MoE layers' values leave VMEM they and every gradient are in HBM
+        # (tpu_moe_memory.spills).
         whole = _gradient_bytes(trainer, scan_reduces=False)[0]
         master = np.dtype(jax.tree_util.tree_leaves(trainer.state_abstract.params)[0].dtype)
         copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
         one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
-        moe = tpu_moe_memory.scanned_moe(
-            layers,
-            cfg.remat_policy,
-            cfg.moe_dispatch,
-            whole,
-            copies,
-            one_axis,
-            activation_itemsize(cfg, "tpu"),
-        )
+        itemsize = activation_itemsize(cfg, "tpu")
+        args = (layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies)
+        of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
+        spill = tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize)
+        moe = of(*args, one_axis, itemsize, spill)
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     # The parameters cast from their masters to a narrower compute dtype (bf16 of fp32 masters):
     # on a megacore, where FSDP gathers them, they live through the backward (tpu_memory).
@@ -455,7 +452,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     cp = sum(a["attentions"] * (1 if cfg.scan_layers else n) for n, a in layers if a["kv_gathered"])
     code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps, kind, cp)
-    code += tpu_moe_memory.moe_code(layers, cfg.remat_policy) if moe else 0
+    if getattr(cfg, "num_experts", 0):
+        code += tpu_moe_memory.moe_code(layers, cfg.remat_policy, cfg.scan_layers, cfg.moe_top_k)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())

@@ -1,5 +1,5 @@
-"""What XLA:TPU keeps in HBM for a mixture of experts' layers run by the layer scan
-(`memory.predict_memory` on platform "tpu", beside tpu_memory's dense terms).
+"""What XLA:TPU keeps in HBM for a mixture of experts' layers, run by the layer scan or
+unrolled (`memory.predict_memory` on platform "tpu", beside tpu_memory's dense terms).
 
 Read from the TPU compiler's buffer assignment and live ranges (v5e:2x4 ahead of time, the
 test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `expert_parallel`,
@@ -15,6 +15,16 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   values and their cotangents beside every gradient, and the parameters' prefetched copies.
 - The MoE layer's kernels (routing, dispatch, the expert matmuls, combine and their
   gradients) add code once per stack: the scan compiles one layer.
+- Unrolled (`scan_layers=False`, same dumps): the default memory space holds every gradient
+  (the `[E, D, F]` expert kernels', the output layer's and the embedding's), each MoE layer's
+  `f32[E, G, C, F]` hidden buffers (tile-padded) and their bf16 copies as the MXU reads them,
+  and the `[B, L, D]` values they push out of VMEM; under `full` the parameters' copies as
+  scanned. Each unrolled MoE layer adds its own kernels' code.
+- Top-1 routing (T5's Switch default; a top-1 decoder-only program too) keeps all of it in
+  VMEM, scanned or not: 1.5 MiB of temporaries beyond the dense model's scalars for a T5
+  whose gradients are 11.5 MiB. Scanned, only the stacked MoE values stay in HBM (without
+  remat). Why top-2 spills is not known (not the total: T5's 15 MiB dropless layers stay, a
+  decoder-only model's 13 MiB top-2 ones do not); this is what the compiler was seen to do.
 The counts below are fitted (the compiled temporaries less the dense model's terms, less every
 gradient), in units of the layer's own buffers (`moe_memory.moe_bytes`): `moe_h`, one expert
 hidden buffer ([E, G, C, F] or dropless's [M, F]), and the rest of what the layer saves
@@ -57,6 +67,24 @@ _COMPUTE_DTYPE_SHARE = 0.6
 # 4.2-5.8 MiB without remat, 5.4-6.9 with (compiled code less the dense twin's, same presets).
 CODE_MOE = 5.0 * 2**20
 _CODE_MOE_REMAT = 0.2
+# Unrolled (scan_layers=False), as _UNITS, beside every gradient: per MoE layer without
+# remat, per stack under `full`. Fitted on the decoder-only expert_parallel programs (v5e:2x4,
+# fp32, 2026-11-27), gradients 13.5 MiB: capacity `none` leaves 23.9 MiB for 2 layers of
+# 1.875 MiB hidden buffers, dropless `none` 125.7 for 2 of 12; capacity `full` 17.3 (1.28
+# gradients: the parameters' copies, as scanned but one fewer); dropless `full` beyond those
+# 90.5 / 28.1 MiB (expert_parallel / megatron) for one layer's 12 / 3 MiB hidden buffer and
+# 6 / 6 MiB of rows.
+_UNROLLED_UNITS = {
+    ("capacity", "none"): (6.38, 0.0, 0.0),
+    ("capacity", "full"): (0.0, 0.0, 1.28),
+    ("dropless", "none"): (5.24, 0.0, 0.0),
+    ("dropless", "full"): (6.94, 1.21, 1.28),
+}
+# Each unrolled MoE layer's own kernels (top-2; `moe_code` scales them by routing) and their
+# recomputation's share under `full`: expert_parallel capacity 3.3 MiB a layer `none`, 5.0
+# `full`, dropless 4.6 (compiled code less the dense model's predicted code).
+CODE_MOE_UNROLLED = 3.9 * 2**20
+_CODE_UNROLLED_REMAT = 0.27
 
 
 def scanned_moe(
@@ -67,6 +95,7 @@ def scanned_moe(
     copies: int,
     one_axis: bool,
     itemsize: int = 4,
+    spill: bool = True,
 ) -> dict[str, int]:
     """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
     saved values and one layer's working set (`moe (scanned)`), and every gradient (the
@@ -74,7 +103,14 @@ def scanned_moe(
     `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
     the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
     splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
-    with it)."""
+    with it); `spill`: the layers' values leave VMEM (`spills`; else only the stacked MoE
+    values are in HBM)."""
+    if not spill:
+        # The gradients stay in VMEM; only the scan's stacked MoE values are in HBM, and
+        # under `full` each layer's input alone (test-size T5, expert_parallel capacity
+        # `none`: 25.8 MiB of values in HBM for 25.2 saved; megatron `full`: 4.6).
+        saved = sum(round(n * a["moe_share"]) * a["moe"] for n, a in layers)
+        return {"moe (scanned)": 0 if remat == "full" else saved}
     if one_axis:
         # On a one-axis mesh (data=8, experts over it) memory-space assignment keeps the
         # stacked values in VMEM; only the gradients stay in HBM (test-size decoder-only
@@ -103,7 +139,62 @@ def scanned_moe(
     return {"moe (scanned)": int(values), "stacked gradients": gradients}
 
 
-def moe_code(layers: list, remat: str) -> int:
-    """Code of the stacks' MoE layers (one layer's kernels a scanned stack)."""
+def unscanned_moe(
+    layers: list,
+    remat: str,
+    dispatch: str,
+    gradients: int,
+    copies: int,
+    one_axis: bool,
+    itemsize: int = 4,
+    spill: bool = True,
+) -> dict[str, int]:
+    """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
+    `scanned_moe`): nothing where the values do not spill (they and the gradients stay in
+    VMEM) or on a one-axis mesh; else each MoE layer's values (`moe (unrolled)`,
+    in hidden buffers) or, under `full`, one recomputed layer's a stack and the parameters'
+    copies, and every gradient."""
+    if not spill or (one_axis and remat != "full"):
+        # On a one-axis mesh (data_parallel) without remat nothing leaves VMEM either: 2 MiB
+        # of temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
+        return {}
+    units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
+    if one_axis:  # under `full` the gradients and the copies only (dropless: 45.6 MiB)
+        units = (0.0, 0.0, units[2])
+    values = 0.0
+    for n, a in layers:
+        moe_layers = round(n * a["moe_share"])
+        if not moe_layers:
+            continue
+        per = units[0] * a["moe_h"] + units[1] * max(a["moe"] - 6 * a["moe_h"], 0)
+        if remat != "full":
+            per *= (1 - _COMPUTE_DTYPE_SHARE) * 4 / itemsize + _COMPUTE_DTYPE_SHARE
+        values += per * (1 if remat == "full" else moe_layers)
+    values += units[2] * copies
+    return {"moe (unrolled)": int(values), "stacked gradients": gradients}
+
+
+def spills(layers: list, top_k: int, vmem: int, itemsize: int = 4) -> bool:
+    """Whether memory-space assignment takes the MoE layers' values and every gradient out of
+    VMEM into HBM: a layer's expert hidden buffers, one a choice (`top_k`) and as fp32,
+    exceed a tenth of the VMEM budget (`vmem`, bytes). Seen on v5e, not the compiler's rule:
+    top-1 T5 layers of 1.25 and 2 MiB hidden buffers and a top-1 decoder-only one of 0.94
+    stay, top-2 decoder-only ones of 1.9 (bf16: 0.9) and more and a top-1 T5 one of 8 spill."""
+    return any(
+        top_k * a["moe_h"] * 4 // itemsize > vmem // 10
+        for n, a in layers
+        if round(n * a["moe_share"])
+    )
+
+
+def moe_code(layers: list, remat: str, scanned: bool = True, top_k: int = 2) -> int:
+    """Code of the stacks' MoE layers: one layer's kernels a scanned stack, every MoE layer's
+    when unrolled; top-1 routing's take two thirds of top-2's (unrolled decoder-only layers
+    2.2 and 3.3 MiB: the second choice's dispatch and combine kernels)."""
+    scale = (1 + top_k) / 3
+    if not scanned:
+        moe_layers = sum(round(n * a["moe_share"]) for n, a in layers)
+        share = _CODE_UNROLLED_REMAT if remat == "full" else 0
+        return int(moe_layers * CODE_MOE_UNROLLED * scale * (1 + share))
     stacks = sum(1 for n, a in layers if round(n * a["moe_share"]))
-    return int(stacks * CODE_MOE * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
+    return int(stacks * CODE_MOE * scale * (1 + (_CODE_MOE_REMAT if remat == "full" else 0)))
