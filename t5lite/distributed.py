@@ -7,6 +7,7 @@ collectives go through gloo, so a multi-process run works on plain machines and 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import sys
@@ -87,6 +88,11 @@ def is_chief() -> bool:
 # connect (a two-process restore test hung 1 run in ~8 on a loaded 2-core host).
 _AGREE_TIMEOUT_MS = 30 * 60 * 1000
 _exchanges = itertools.count()
+# How often each barrier name has been waited at: a coordination-service barrier id is for
+# one use, so a name used again (a second manager saving the same step) gets a fresh id.
+# Counted per name, so threads that wait at different names stay in step across processes.
+_barrier_uses: collections.Counter[str] = collections.Counter()
+_barrier_lock = threading.Lock()
 
 
 def coordination_client() -> Any:
@@ -120,9 +126,13 @@ def broadcast_from_chief(value: int) -> int:
 
 
 def barrier(name: str) -> None:
-    """Every process waits here until all have arrived (`name`: unique for the run)."""
+    """Every process waits here until all have arrived at `name` (each process's n-th wait at
+    a name meets the others' n-th)."""
     if jax.process_count() > 1:
-        coordination_client().wait_at_barrier(name, _AGREE_TIMEOUT_MS)
+        with _barrier_lock:
+            _barrier_uses[name] += 1
+            n = _barrier_uses[name]
+        coordination_client().wait_at_barrier(f"{name}/{n}", _AGREE_TIMEOUT_MS)
 
 
 def exit_on_peer_failure(command: str, error: BaseException) -> None:
