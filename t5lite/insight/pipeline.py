@@ -293,7 +293,9 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     # As model/pipeline.py runs the stage: its layers written out in each tick unless a layer
     # saves only its input (remat 'full') or the rules split its weights over the batch's
     # axes (FSDP: a layer's gradient then has a part in hand, whole over them).
-    written_out = cfg.remat_policy != "full" and not memory.layer_gradient_bytes(trainer)[1]
+    layer_grads = memory.layer_gradient_bytes(trainer)
+    written_out = cfg.remat_policy != "full" and not layer_grads[1]
+    remat_scan = per > 1 and not written_out and cfg.remat_policy != "none"
     in_flight, works, stack_buffers, encoder_x = 0, [], 0, 0
     for n, kv, a in layers:
         saved = activation_memory.layer_saved(a, cfg.remat_policy)
@@ -306,7 +308,6 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         # its whole working set is live on top of them; in a layer scan under remat, the
         # recomputed layer's backward (`_recomputed_backward`).
         kept = sum(saved.values()) if n // f.stages == 1 else 0
-        remat_scan = per > 1 and not written_out and cfg.remat_policy != "none"
         works.append(_recomputed_backward(a) if remat_scan else sum(work.values()) - kept)
         stack_buffers += (2 * f.microbatches + f.ticks) * a["x"]
         # T5's decoder reads the encoder output at every tick: its loop stashes the tick's
@@ -333,7 +334,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
         # layers (`run`): a copy of the stage's weights, live through the step (XLA:CPU's
         # buffer assignment: one weight-shaped piece a layer and kernel). One layer a stage
         # splits nothing.
-        memory.layer_gradient_bytes(trainer)[0] if written_out and per > 1 else 0,
+        layer_grads[0] if written_out and per > 1 else 0,
     )
 
 
