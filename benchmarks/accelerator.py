@@ -18,6 +18,7 @@ implementations compute the same function, so their losses agree to bf16 roundin
     python benchmarks/accelerator.py                      # on whatever backend JAX finds
     python benchmarks/accelerator.py --attention xla,cudnn --batch 8 --length 2048 --remat full
     python benchmarks/accelerator.py --attention cudnn --remat full,minimal,none  # one run each
+    python benchmarks/accelerator.py --attention cudnn --remat minimal --profile  # time by op
     python benchmarks/accelerator.py --smoke              # tiny model, CPU, 2 steps (CI)
     python benchmarks/accelerator.py --topology v5p:2x2x1 # compiled for a TPU slice, no TPU
 
@@ -69,6 +70,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--precision", default=BF16)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 timed steps")
+    ap.add_argument("--unscanned", action="store_true", help="layers unrolled, not scanned")
+    ap.add_argument(
+        "--profile", action="store_true", help="trace 3 more steps: device time by kind and op"
+    )
     ap.add_argument("--no_check", action="store_true", help="skip the attention-only check")
     ap.add_argument("--out", default="benchmarks/results/accelerator.json")
     ap.add_argument("--topology", default=None, help="estimate for a TPU slice, e.g. v5p:2x2x1")
@@ -108,7 +113,7 @@ def _child(args: argparse.Namespace) -> dict:
         cfg,
         precision=args.precision,
         remat_policy=args.remat,
-        scan_layers=True,
+        scan_layers=not args.unscanned,
         attention_implementation=args.child,
     )
     device = jax.devices()[0]
@@ -150,6 +155,17 @@ def _child(args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(elapsed)
     step_s = statistics.median(times)
+    profile = None
+    if args.profile:
+        from _step_profile import profile_steps
+
+        held = [state]
+
+        def one_step():
+            held[0], m = step(held[0], tr.global_batch(batches[0]))
+            return held[0], m
+
+        profile = profile_steps(one_step)
     tokens = args.batch * args.length
     peak = hardware.peak_flops(device.device_kind)
     stats = device.memory_stats() or {}
@@ -169,6 +185,9 @@ def _child(args: argparse.Namespace) -> dict:
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        "scan_layers": not args.unscanned,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "profile": profile,
     }
     if mem is not None:
         out["compiled_bytes"] = (
@@ -408,6 +427,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}",
             flush=True,
         )
+        if r.get("profile"):
+            from _step_profile import print_profile
+
+            print_profile(label, r["profile"])
 
     ok = [r for r in results if "error" not in r]
     figures = []
@@ -444,7 +467,17 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": versions(),
         "settings": {
             k: getattr(args, k)
-            for k in ("gin_file", "gin", "batch", "length", "steps", "warmup", "remat", "precision")
+            for k in (
+                "gin_file",
+                "gin",
+                "batch",
+                "length",
+                "steps",
+                "warmup",
+                "remat",
+                "precision",
+                "unscanned",
+            )
         },
         "results": results,
         "kernel_check": checks,
@@ -462,7 +495,7 @@ def _forwarded(args: argparse.Namespace, remat: str) -> list[str]:
         out += [f"--{k}", str(getattr(args, k))]
     for binding in args.gin:
         out += ["--gin", binding]
-    return out
+    return out + [f"--{k}" for k in ("unscanned", "profile") if getattr(args, k)]
 
 
 if __name__ == "__main__":

@@ -313,7 +313,9 @@ def test_cudnn_gets_a_causal_mask_as_is_causal_and_the_rest_as_a_mask(monkeypatc
     real = jax.nn.dot_product_attention
 
     def recording(q, k, v, bias=None, mask=None, *, implementation=None, is_causal=False, **kw):
-        calls.append((is_causal, None if mask is None else mask.shape))
+        lengths = kw.get("key_value_seq_lengths")
+        lengths = None if lengths is None else np.asarray(lengths).tolist()
+        calls.append((is_causal, None if mask is None else mask.shape, lengths))
         return real(q, k, v, bias, mask, implementation="xla", is_causal=is_causal, **kw)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
@@ -329,9 +331,14 @@ def test_cudnn_gets_a_causal_mask_as_is_causal_and_the_rest_as_a_mask(monkeypatc
         got = attention.dot_product_attention(
             q, k, v, None, mask, implementation="cudnn", dtype=jnp.bfloat16
         )
-        np.testing.assert_allclose(np.float32(got), np.float32(want), atol=1e-2, err_msg=name)
-    # A plain causal mask is cuDNN's own (no mask array); a prefix is a per-row mask.
-    assert calls == [(True, None), (True, (B, 1, L, L)), (False, (B, 1, L, L))]
+        # Padding queries (no key to attend to) are read by no loss: left out.
+        live = np.asarray(mask.dense(L, L).any(-1))[:, 0, :, None, None]
+        np.testing.assert_allclose(
+            np.float32(got) * live, np.float32(want) * live, atol=1e-2, err_msg=name
+        )
+    # A plain causal mask is cuDNN's own (no mask array), padding is each row's length (a mask
+    # array is a bias cuDNN reads in every block), a prefix is a per-row mask.
+    assert calls == [(True, None, None), (True, None, [L, L - 2]), (False, (B, 1, L, L), None)]
 
 
 def test_chunked_through_the_networks_equals_xla():
@@ -390,7 +397,9 @@ def test_chunked_through_the_networks_equals_xla():
 
 
 @pytest.mark.skipif(not attention.IMPLEMENTATIONS["cudnn"].runs_here(), reason="no CUDA GPU")
-@pytest.mark.parametrize("mask_name", ["causal", "causal+padding", "causal+segments", "none"])
+@pytest.mark.parametrize(
+    "mask_name", ["causal", "causal+padding", "causal+segments", "none", "parts: causal+padding"]
+)
 def test_cudnn_on_a_gpu_equals_xla(mask_name):
     # bf16 inputs, L = S = 128, K = 64, GQA 8/2; tolerance 2e-2 of each array's largest value.
     b, length, h, g, kd = 2, 128, 8, 2, 64
@@ -408,11 +417,14 @@ def test_cudnn_on_a_gpu_equals_xla(mask_name):
             causal, layers.make_attention_mask(segments, segments, jnp.equal)
         ),
         "none": None,
+        # As the networks pass it: cuDNN gets the padding as each row's length.
+        "parts: causal+padding": MaskParts(valid, valid, causal=True),
     }
     mask = masks[mask_name]
     # A query with no key to attend to (padding) is read by no loss: its output and gradient
     # are compared as the loss sees them (zero cotangent there, output rows left out).
-    live_BL = jnp.ones((b, length), bool) if mask is None else mask.any(-1)[:, 0]
+    dense = mask.dense(length, length) if isinstance(mask, MaskParts) else mask
+    live_BL = jnp.ones((b, length), bool) if dense is None else dense.any(-1)[:, 0]
     cotangent = jax.random.normal(ks[3], q.shape, jnp.float32) * live_BL[:, :, None, None]
 
     def run(implementation):

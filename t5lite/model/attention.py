@@ -7,9 +7,10 @@ the network config's `attention_implementation` names which implementation runs 
 - `xla`: two einsums around a materialised fp32 `[B, G, R, L, S]` score tensor; takes every
   feature (additive bias, any boolean mask, grouped-query heads, dropout, any dtype).
 - `cudnn`: cuDNN's fused (flash) attention on NVIDIA GPUs, through
-  `jax.nn.dot_product_attention(..., implementation='cudnn')`. Takes boolean masks (causal,
-  padding, packed segments, prefix-LM: cuDNN adds them as a bias in the inputs' dtype) and
-  grouped-query heads. Refuses, in one line naming the feature and `xla`: an additive bias
+  `jax.nn.dot_product_attention(..., implementation='cudnn')`. Takes causal masks (as
+  `is_causal`), padding (as row lengths: padding at the end of a row), packed segments and
+  prefix-LM masks (cuDNN adds those as a bias in the inputs' dtype) and grouped-query heads.
+  Refuses, in one line naming the feature and `xla`: an additive bias
   (T5's relative positions), dropout, inputs that are not bfloat16 / float16, a head width
   that is not a multiple of 8 or above 256, a mask over an odd query or key length (cuDNN
   trains with a bias only over even lengths). A query that may attend to no key (a padding
@@ -117,7 +118,11 @@ def fused_attention(
     query head h reads key/value head h // R, masks are boolean [B or 1, 1, L, S] or by parts.
 
     A causal mask without a prefix is passed as `is_causal` (cuDNN then skips the blocks above
-    the diagonal) and only the rest of it (padding, segments) as a boolean mask.
+    the diagonal). Padding without packed segments is passed as each row's length, the count of
+    its valid positions (t5lite's pipelines pad at the end of a row: `trim_and_pad`), and only
+    what remains (segments, a prefix) as a boolean mask: cuDNN adds a boolean mask to the scores
+    as a bias tensor it reads in every block, which made its kernels 2x slower on an H200
+    (docs/performance.md).
 
     `cudnn` calls this with `implementation='cudnn'`; with `None` or `'xla'` it is JAX's own
     einsum path, which the tests compare with `_xla` on CPU."""
@@ -125,6 +130,11 @@ def fused_attention(
     is_causal = isinstance(mask, MaskParts) and mask.causal and mask.prefix_q is None
     if is_causal:
         mask = mask.without_causal()
+    q_lengths = kv_lengths = None
+    if isinstance(mask, MaskParts) and mask.valid_q is not None and mask.segment_q is None:
+        q_lengths = jnp.sum(mask.valid_q, axis=1, dtype=jnp.int32)
+        kv_lengths = jnp.sum(mask.valid_kv, axis=1, dtype=jnp.int32)
+        mask = dataclasses.replace(mask, valid_q=None, valid_kv=None, whole=None)
     return jax.nn.dot_product_attention(
         q_BLHK,
         k_BSGK,
@@ -133,6 +143,8 @@ def fused_attention(
         _dense(mask, length_q, length_kv),
         scale=1.0,
         is_causal=is_causal,
+        query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths,
         implementation=implementation,
     )
 
