@@ -142,3 +142,31 @@ def test_old_dtype_macros_name_their_replacement(capsys):
     assert code != 0
     assert err[-1].endswith("--gin.PARAM_DTYPE: renamed; set --gin.PRECISION (e.g. "
                             "\"'params=bfloat16'\"; the masters stay fp32)")  # fmt: skip
+
+
+@pytest.mark.parametrize(("output", "dot_dtype"), [("float32", "f32"), ("bfloat16", "bf16")])
+def test_logits_projection_runs_in_the_wider_of_compute_and_output(output, dot_dtype):
+    """fp32 logits are computed in fp32 (t5x); bf16 logits in bf16 (MaxText's default), and they
+    equal the fp32 product rounded to bf16 up to accumulation order."""
+    cfg = network.DecoderOnlyConfig(
+        vocab_size=256, emb_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+        num_layers=1, precision=f"params=bfloat16,compute=bfloat16,output={output}",
+    )  # fmt: skip
+    model = network.DecoderOnly(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 256, (2, 16)), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens, enable_dropout=False)["params"]
+    params = cfg.policy.cast_params(params)  # as a loss or a decode does
+
+    def logits(p, c):
+        return network.DecoderOnly(c).apply(
+            {"params": p}, tokens, tokens, None, None, None, enable_dropout=False
+        )
+
+    text = jax.jit(lambda p: logits(p, cfg)).lower(params).as_text()
+    last_dot = [line for line in text.splitlines() if "dot_general" in line][-1]
+    assert f"x{dot_dtype}>, tensor<64x256x{dot_dtype}>) -> tensor<32x256x{dot_dtype}>" in last_dot
+    got = logits(params, cfg)
+    wide = logits(params, dataclasses.replace(cfg, precision=cfg.policy.replace(output="float32")))
+    assert got.dtype == jnp.dtype(output)
+    ulp = np.abs(np.float32(wide)) * 2.0**-7  # one bf16 ulp (8 significant bits) or less
+    np.testing.assert_array_less(np.abs(np.float32(got) - np.float32(wide)), ulp + 1e-6)

@@ -362,8 +362,12 @@ class Decoder(nn.Module):
 
 
 def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) -> Array:
-    """Logits [B, L, V] in the policy's output dtype: tied to the embedding, or a
-    `logits_dense` projection (computed in fp32 either way, as t5x does)."""
+    """Logits [B, L, V] in the policy's output dtype: tied to the embedding (a compute-dtype
+    matmul with an fp32 result), or a `logits_dense` projection computed in the wider of the
+    compute and output dtypes: fp32 logits are computed in fp32 as t5x does; bf16 logits in
+    bf16 with fp32 accumulation as MaxText does by default (an fp32 product rounded to bf16
+    differs only in accumulation order, and on a GPU the fp32 path runs as TF32 matmuls at
+    half the bf16 rate)."""
     if cfg.logits_via_embedding:
         logits_BLV = shared_embedding.attend(x_BLD)
         if cfg.scale_tied_logits:
@@ -376,7 +380,7 @@ def _output_logits(cfg: AnyConfig, shared_embedding: nn.Module, x_BLD: Array) ->
             cfg.vocab_size,
             ("embed", "vocab"),
             input_axes=("batch", "length", "embed"),
-            dtype=jnp.float32,
+            dtype=jnp.promote_types(cfg.policy.compute, cfg.policy.output),
             param_dtype=cfg.policy.master,
             kernel_init=kernel_init,
             name="logits_dense",
