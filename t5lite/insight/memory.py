@@ -430,8 +430,9 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     master = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
     narrow = activation_itemsize(cfg, "tpu")
     casts = _tree_bytes_per_device(params) * narrow // master if master > narrow else 0
+    steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     backward, terms = tpu_memory.backward(
-        layers, cfg.remat_policy, logits, vmem, gathered, arrays, device_kind=kind, casts=casts
+        layers, cfg.remat_policy, logits, vmem, gathered, arrays, kind, casts, steps
     )
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
     if cfg.scan_layers:
@@ -449,16 +450,42 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         for n, a in layers
     ]
     gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
-    steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     cp = sum(a["attentions"] * (1 if cfg.scan_layers else n) for n, a in layers if a["kv_gathered"])
     code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps, kind, cp)
     if getattr(cfg, "num_experts", 0):
         code += tpu_moe_memory.moe_code(layers, cfg.remat_policy, cfg.scan_layers, cfg.moe_top_k)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
+    if steps and tpu_memory.ring_reduced_copy(1, kind):
+        return _ring_update_tpu(trainer, state, batch, grads, backward, terms, code)
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)
     return PredictedMemory(state, batch, grads, 0, 0, terms, code=code)
+
+
+def _ring_update_tpu(
+    trainer: Trainer,
+    state: int,
+    batch: int,
+    grads: int,
+    backward: dict,
+    terms: tuple,
+    code: int,
+) -> PredictedMemory:
+    """`_predict_tpu` of a ring layout on a megacore: the larger of the backward's moment and
+    the update's, which holds the gradients beyond VMEM (`grads`, bytes) and the largest
+    one's reduced copy (`tpu_memory.ring_reduced_copy`) beside the slots that live through
+    the step."""
+    kind = trainer.partitioner.mesh.devices.flat[0].device_kind
+    largest = max(reduced for _, _, _, reduced, _ in _gradient_leaves(trainer, 0))
+    copy = tpu_memory.ring_reduced_copy(largest, kind)
+    slots = {k: backward[k] for k in ("parameter scalars", "ring slots")}
+    terms = (*terms, ("gradients at the update", grads), ("reduced copy", copy))
+    if sum(backward.values()) >= grads + copy + sum(slots.values()):
+        kinds = tuple(backward.items())
+        return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)
+    kinds = tuple(slots.items())
+    return PredictedMemory(state, batch, grads, copy, sum(slots.values()), terms, kinds, code)
 
 
 def _gathered_layer_bytes(trainer: Trainer) -> int:
