@@ -3,7 +3,7 @@ compiler's own figure, ahead of time on this CPU (libtpu, the `[tpu]` extra).
 
 The test-size decoder-only model (`accuracy.accuracy_trainer`), layers unrolled, fp32 (libtpu
 refuses the unrolled ring in bf16), compiled for v5p:2x2x2: its peak is the update, where the
-vocabulary-sized gradients and one's reduced copy are in HBM (`tpu_memory.ring_reduced_copy`)
+vocabulary-sized gradients and one's reduced copy are in HBM (`tpu_memory.ring_update`)
 beside each ring step's small values' slots (`tpu_memory.ring_slots`), and each step adds
 kernels (`tpu_memory.code_bytes`). v5e's ring is checked in tests/test_tpu_memory.py; the
 figures are in docs/performance.md. Runs in a fresh process so the TPU plugin never meets the

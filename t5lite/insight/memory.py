@@ -258,13 +258,14 @@ class PredictedMemory:
       update: state + batch + gradients + the optimizer's parameter-sized update (the reduced
         gradients); unscanned, + the token embedding's scatter zeros and, per extra lookup of
         a shared table (T5), one more unreduced and reduced table gradient.
-    `activations` is what the backward moment adds (0 when the update is the peak), `update`
-    likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
-    by kind of layer (attention, MLP, norms and residual sums, logits and loss, and, at an
-    unscanned FSDP layout's inside-backward moment, the layers' gathered weights; they add up
-    to it). State and batch are exact (shardings); every activation is sized by resolving its
-    logical axes with the rules table, so any preset (sequence or context parallelism
-    included) is sized by what it shards.
+    `activations` is what the backward moment adds (0 when the update is the peak, but for the
+    HBM slots at a TPU ring layout's update: `tpu_memory.ring_update`), `update` likewise; `terms`
+    lists every modelled group and `activation_kinds` splits `activations` by kind of layer
+    (attention, MLP, norms and residual sums, logits and loss, and, at an unscanned FSDP
+    layout's inside-backward moment, the layers' gathered weights; they add up to it). State
+    and batch are exact (shardings); every activation is sized by resolving its logical axes
+    with the rules table, so any preset (sequence or context parallelism included) is sized
+    by what it shards.
 
     Accuracy is measured against XLA:CPU's compiled figure by tests/test_insight_accuracy.py
     and benchmarks/memory_accuracy.py (every preset x remat policy, both families, layers
@@ -455,37 +456,21 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     if getattr(cfg, "num_experts", 0):
         code += tpu_moe_memory.moe_code(layers, cfg.remat_policy, cfg.scan_layers, cfg.moe_top_k)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
-    if steps and tpu_memory.ring_reduced_copy(1, kind):
-        return _ring_update_tpu(trainer, state, batch, grads, backward, terms, code)
+    # A ring layout's update on a megacore, with the HBM slots that live through the step.
+    update = {}
+    if steps:
+        largest = max(reduced for _, _, _, reduced, _ in _gradient_leaves(trainer, 0))
+        update = tpu_memory.ring_update(backward, grads, largest, kind)
+    if sum(update.values()) > sum(backward.values()):
+        copy = update.pop("reduced copy")
+        slots = {k: v for k, v in update.items() if k != "gradients"}
+        terms = (*terms, ("gradients at the update", grads), ("reduced copy", copy))
+        kinds = tuple(slots.items())
+        return PredictedMemory(state, batch, grads, copy, sum(slots.values()), terms, kinds, code)
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)
     return PredictedMemory(state, batch, grads, 0, 0, terms, code=code)
-
-
-def _ring_update_tpu(
-    trainer: Trainer,
-    state: int,
-    batch: int,
-    grads: int,
-    backward: dict,
-    terms: tuple,
-    code: int,
-) -> PredictedMemory:
-    """`_predict_tpu` of a ring layout on a megacore: the larger of the backward's moment and
-    the update's, which holds the gradients beyond VMEM (`grads`, bytes) and the largest
-    one's reduced copy (`tpu_memory.ring_reduced_copy`) beside the slots that live through
-    the step."""
-    kind = trainer.partitioner.mesh.devices.flat[0].device_kind
-    largest = max(reduced for _, _, _, reduced, _ in _gradient_leaves(trainer, 0))
-    copy = tpu_memory.ring_reduced_copy(largest, kind)
-    slots = {k: backward[k] for k in ("parameter scalars", "ring slots")}
-    terms = (*terms, ("gradients at the update", grads), ("reduced copy", copy))
-    if sum(backward.values()) >= grads + copy + sum(slots.values()):
-        kinds = tuple(backward.items())
-        return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)
-    kinds = tuple(slots.items())
-    return PredictedMemory(state, batch, grads, copy, sum(slots.values()), terms, kinds, code)
 
 
 def _gathered_layer_bytes(trainer: Trainer) -> int:

@@ -245,15 +245,19 @@ def ring_slots(steps: int, remat: str) -> int:
     return steps * (2 + (remat == "full")) * _RING_STEP_SLOTS
 
 
-def ring_reduced_copy(largest: int, device_kind: str) -> int:
-    """HBM a ring layout's update takes on a megacore `device_kind` beyond the gradients
-    (0 elsewhere): the gradient all-reduce's output of the `largest` gradient (bytes), written
-    beside its operand (v5p:2x2x2's buffer assignment of the test-size decoder-only ring,
-    fp32: the logits' kernel and the embedding's fp32 gradients, `[256, 8192]` and
-    `[8192, 256]` with the vocabulary replicated, in HBM at the update, the former's reduced
-    copy in a third 8 MiB buffer; the layers' gradients in VMEM; v5e keeps them all in
-    VMEM)."""
-    return largest if tensor_cores_per_device(device_kind) > 1 else 0
+def ring_update(backward: dict, gradients: int, largest: int, device_kind: str) -> dict:
+    """What a ring layout's update holds in HBM on a megacore `device_kind` (empty elsewhere),
+    by kind: the gradients beyond VMEM (`gradients`, bytes) and the all-reduce's output of the
+    `largest` gradient, written beside its operand ("reduced copy"), beside the slots that
+    live through the step (`backward`'s). Read from v5p:2x2x2's buffer assignment of the
+    test-size decoder-only ring, fp32: the logits' kernel and the embedding's fp32 gradients,
+    `[256, 8192]` and `[8192, 256]` with the vocabulary replicated, in HBM at the update, the
+    former's reduced copy in a third 8 MiB buffer, the layers' gradients in VMEM; v5e keeps
+    them all in VMEM."""
+    if tensor_cores_per_device(device_kind) < 2:
+        return {}
+    slots = {k: backward[k] for k in ("parameter scalars", "ring slots")}
+    return {"gradients": gradients, "reduced copy": largest, **slots}
 
 
 def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
