@@ -258,13 +258,14 @@ class PredictedMemory:
       update: state + batch + gradients + the optimizer's parameter-sized update (the reduced
         gradients); unscanned, + the token embedding's scatter zeros and, per extra lookup of
         a shared table (T5), one more unreduced and reduced table gradient.
-    `activations` is what the backward moment adds (0 when the update is the peak), `update`
-    likewise; `terms` lists every modelled group and `activation_kinds` splits `activations`
-    by kind of layer (attention, MLP, norms and residual sums, logits and loss, and, at an
-    unscanned FSDP layout's inside-backward moment, the layers' gathered weights; they add up
-    to it). State and batch are exact (shardings); every activation is sized by resolving its
-    logical axes with the rules table, so any preset (sequence or context parallelism
-    included) is sized by what it shards.
+    `activations` is what the backward moment adds (0 when the update is the peak, but for the
+    HBM slots at a TPU ring layout's update: `tpu_memory.ring_update`), `update` likewise; `terms`
+    lists every modelled group and `activation_kinds` splits `activations` by kind of layer
+    (attention, MLP, norms and residual sums, logits and loss, and, at an unscanned FSDP
+    layout's inside-backward moment, the layers' gathered weights; they add up to it). State
+    and batch are exact (shardings); every activation is sized by resolving its logical axes
+    with the rules table, so any preset (sequence or context parallelism included) is sized
+    by what it shards.
 
     Accuracy is measured against XLA:CPU's compiled figure by tests/test_insight_accuracy.py
     and benchmarks/memory_accuracy.py (every preset x remat policy, both families, layers
@@ -430,8 +431,9 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     master = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
     narrow = activation_itemsize(cfg, "tpu")
     casts = _tree_bytes_per_device(params) * narrow // master if master > narrow else 0
+    steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     backward, terms = tpu_memory.backward(
-        layers, cfg.remat_policy, logits, vmem, gathered, arrays, device_kind=kind, casts=casts
+        layers, cfg.remat_policy, logits, vmem, gathered, arrays, kind, casts, steps
     )
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
     if cfg.scan_layers:
@@ -449,12 +451,22 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         for n, a in layers
     ]
     gathers = tpu_memory.gathers_in_blocks(layers, gathered > 0)
-    steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     cp = sum(a["attentions"] * (1 if cfg.scan_layers else n) for n, a in layers if a["kv_gathered"])
     code = tpu_memory.code_bytes(blocks, cfg.remat_policy, gathers, steps, kind, cp)
     if getattr(cfg, "num_experts", 0):
         code += tpu_moe_memory.moe_code(layers, cfg.remat_policy, cfg.scan_layers, cfg.moe_top_k)
     terms = (*terms, ("optimizer update", 0), ("generated code", code))
+    # A ring layout's update on a megacore, with the HBM slots that live through the step.
+    update = {}
+    if steps:
+        largest = max(reduced for _, _, _, reduced, _ in _gradient_leaves(trainer, 0))
+        update = tpu_memory.ring_update(backward, grads, largest, kind)
+    if sum(update.values()) > sum(backward.values()):
+        copy = update.pop("reduced copy")
+        slots = {k: v for k, v in update.items() if k != "gradients"}
+        terms = (*terms, ("gradients at the update", grads), ("reduced copy", copy))
+        kinds = tuple(slots.items())
+        return PredictedMemory(state, batch, grads, copy, sum(slots.values()), terms, kinds, code)
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)

@@ -62,8 +62,16 @@ _CODE_GATHERED_BLOCK = 0.4 * 2**20
 _CODE_BY_KIND = {"TPU v5": (3.94 * 2**20, 0.99 * 2**20, 0.15, 0.025 * 2**20, 0.75 * 2**20)}
 # A ring attention step's kernels, a pass: fitted on v5e ahead of time, the test-size
 # decoder-only ring (2 layers, 4 devices on the ring, fp32): 5.3 MiB more executable than the
-# model's blocks without remat, 8.2 under `full`.
+# model's blocks without remat, 8.2 under `full`; v5p's, by device kind (v5p:2x2x2, the same
+# programs: 7.7 and 10.3 MiB more code than its blocks').
 _CODE_RING_STEP = 0.44 * 2**20
+_CODE_RING_STEP_BY_KIND = {"TPU v5": 0.6 * 2**20}
+# A ring step's small values a pass (its permutes' tuples and flags, its softmax's finiteness
+# checks) each take a 16 KiB slot of their own in the HBM heap, and `memory_analysis` reserves
+# about as much again beyond the buffer assignment: 20 slots a step a pass, twice (v5p:2x2x2's
+# buffer assignment of the test-size decoder-only ring, fp32: 493 slots without remat, 644
+# under `full`, Megatron's program 263; temporaries beyond the heap 12.8 / 11.5 MiB, 4.4).
+_RING_STEP_SLOTS = 2 * 20 * 16 * 2**10
 VMEM_SHARE = 0.25
 # HBM a parameter array takes in scalar slots and the reserve beside them (module docstring).
 ARRAY_SLOTS = 20 * 16 * 2**10
@@ -163,6 +171,7 @@ def backward(
     arrays: int = 0,
     device_kind: str = "",
     casts: int = 0,
+    ring_steps: int = 0,
 ):
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
@@ -176,7 +185,8 @@ def backward(
     operands, kept for the backward's (v5p:2x2x2, decoder-only fully sharded, fp32 masters,
     `none` and `full`: every layer's bf16 shards live from their layer's forward to its
     backward; Megatron's and context parallelism's casts are fused into their dots; v5e keeps
-    them in VMEM at test sizes)."""
+    them in VMEM at test sizes). `ring_steps`: the ring attentions' steps compiled as their
+    own kernels (`ring_slots`)."""
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -204,6 +214,7 @@ def backward(
             values, held = inside, held_inside
     if any(a["ring_steps"] for _, a in layers):
         values["ring attention"] = ring_in_hbm(layers, remat)
+        values["ring slots"] = ring_slots(ring_steps, remat)
     values["parameter scalars"] = arrays * ARRAY_SLOTS
     terms = (
         ("saved activations", sum(kept.values())),
@@ -225,6 +236,28 @@ def ring_in_hbm(layers: list, remat: str) -> int:
     return (max(residuals) if remat == "full" else sum(residuals)) + max(
         a["ring_flight"] for _, a in layers
     )
+
+
+def ring_slots(steps: int, remat: str) -> int:
+    """HBM the ring's `steps` (compiled as their own kernels) take in small values' slots,
+    whatever the moment: each step's forward and backward pass, and under `full` its forward
+    again (`_RING_STEP_SLOTS`)."""
+    return steps * (2 + (remat == "full")) * _RING_STEP_SLOTS
+
+
+def ring_update(backward: dict, gradients: int, largest: int, device_kind: str) -> dict:
+    """What a ring layout's update holds in HBM on a megacore `device_kind` (empty elsewhere),
+    by kind: the gradients beyond VMEM (`gradients`, bytes) and the all-reduce's output of the
+    `largest` gradient, written beside its operand ("reduced copy"), beside the slots that
+    live through the step (`backward`'s). Read from v5p:2x2x2's buffer assignment of the
+    test-size decoder-only ring, fp32: the logits' kernel and the embedding's fp32 gradients,
+    `[256, 8192]` and `[8192, 256]` with the vocabulary replicated, in HBM at the update, the
+    former's reduced copy in a third 8 MiB buffer, the layers' gradients in VMEM; v5e keeps
+    them all in VMEM."""
+    if tensor_cores_per_device(device_kind) < 2:
+        return {}
+    slots = {k: backward[k] for k in ("parameter scalars", "ring slots")}
+    return {"gradients": gradients, "reduced copy": largest, **slots}
 
 
 def gathers_in_blocks(layers: list, fsdp: bool) -> bool:
@@ -262,5 +295,6 @@ def code_bytes(
         per_block = block * scale * (1 + (remat_share if remat_on else 0))
         per_block += gathering * (1 + remat_on) if gathered else 0
         total += count * per_block
-    total += ring_steps * _CODE_RING_STEP * (2 + remat_on)
+    ring_step = _CODE_RING_STEP_BY_KIND.get(device_kind, _CODE_RING_STEP)
+    total += ring_steps * ring_step * (2 + remat_on)
     return int(total)
