@@ -34,6 +34,8 @@ combine input).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # (hidden buffers, other saved buffers, parameter-sized copies) in HBM: per MoE layer without
 # remat, per stack under `full` (its one recomputed layer; the copies are of every gradient).
 # Fitted on the scanned programs (expert_parallel, megatron, fully_sharded x none/full x
@@ -87,24 +89,34 @@ CODE_MOE_UNROLLED = 3.9 * 2**20
 _CODE_UNROLLED_REMAT = 0.27
 
 
-def scanned_moe(
-    layers: list,
-    remat: str,
-    dispatch: str,
-    gradients: int,
-    copies: int,
-    one_axis: bool,
-    itemsize: int = 4,
-    spill: bool = True,
-) -> dict[str, int]:
+@dataclass(frozen=True)
+class MoeProgram:
+    """What `scanned_moe` and `unscanned_moe` read of a train step with MoE layers on TPU.
+
+    `layers`: (count, layer_bytes with `moe_share`) per stack; `remat`: the remat policy;
+    `dispatch`: "capacity" or "dropless"; `gradients`: every gradient, unreduced; `copies`: the
+    parameters in the compute dtype (what the backward's copies hold under remat); `one_axis`:
+    the mesh splits over one axis only; `itemsize`: the activations' (the layer's buffers are
+    sized with it); `spill`: the layers' values leave VMEM (`spills`)."""
+
+    layers: tuple
+    remat: str
+    dispatch: str
+    gradients: int
+    copies: int
+    one_axis: bool
+    itemsize: int = 4
+    spill: bool = True
+
+
+def scanned_moe(program: MoeProgram) -> dict[str, int]:
     """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
     saved values and one layer's working set (`moe (scanned)`), and every gradient (the
-    backward loop's stacked outputs, `stacked gradients`). `layers`: (count, layer_bytes with
-    `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
-    the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
-    splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
-    with it); `spill`: the layers' values leave VMEM (`spills`; else only the stacked MoE
-    values are in HBM)."""
+    backward loop's stacked outputs, `stacked gradients`); where the values do not spill,
+    only the stacked MoE values are in HBM."""
+    layers, remat, dispatch = program.layers, program.remat, program.dispatch
+    gradients, copies, itemsize = program.gradients, program.copies, program.itemsize
+    spill, one_axis = program.spill, program.one_axis
     if not spill:
         # The gradients stay in VMEM; only the scan's stacked MoE values are in HBM, and
         # under `full` each layer's input alone (test-size T5, expert_parallel capacity
@@ -139,21 +151,15 @@ def scanned_moe(
     return {"moe (scanned)": int(values), "stacked gradients": gradients}
 
 
-def unscanned_moe(
-    layers: list,
-    remat: str,
-    dispatch: str,
-    gradients: int,
-    copies: int,
-    one_axis: bool,
-    itemsize: int = 4,
-    spill: bool = True,
-) -> dict[str, int]:
-    """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
-    `scanned_moe`): nothing where the values do not spill (they and the gradients stay in
-    VMEM) or on a one-axis mesh; else each MoE layer's values (`moe (unrolled)`,
-    in hidden buffers) or, under `full`, one recomputed layer's a stack and the parameters'
-    copies, and every gradient."""
+def unscanned_moe(program: MoeProgram) -> dict[str, int]:
+    """HBM unrolled mixture-of-experts layers take on TPU, by term: nothing where the values
+    do not spill (they and the gradients stay in VMEM) or on a one-axis mesh; else each MoE
+    layer's values (`moe (unrolled)`, in hidden buffers) or, under `full`, one recomputed
+    layer's a stack and the parameters' copies, one layer's backward's F-whole hidden
+    buffers where the rules reshard them, and every gradient."""
+    layers, remat, dispatch = program.layers, program.remat, program.dispatch
+    gradients, copies, itemsize = program.gradients, program.copies, program.itemsize
+    spill, one_axis = program.spill, program.one_axis
     if not spill or (one_axis and remat != "full"):
         # On a one-axis mesh (data_parallel) without remat nothing leaves VMEM either: 2 MiB
         # of temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
@@ -171,6 +177,15 @@ def unscanned_moe(
             per *= (1 - _COMPUTE_DTYPE_SHARE) * 4 / itemsize + _COMPUTE_DTYPE_SHARE
         values += per * (1 if remat == "full" else moe_layers)
     values += units[2] * copies
+    # Where the expert kernels keep `expert_mlp` whole while the hidden layer's rules split it
+    # (fully_sharded: `embed` takes `model` first), the layer whose backward is the peak holds
+    # its hidden buffers as the matmuls give them, F whole: two f32 [E, G, C, F] and four
+    # bf16 copies the MXU reads beside five F-split bf16 ones (decoder-only fully_sharded
+    # capacity `none`: f32[2,16,80,768] against the rules' [2,16,80,192]; under `full` the
+    # recomputed layer's bf16 F-whole copies), as many as the F-whole buffers XLA:CPU's
+    # backward holds (moe_memory's `moe_resharded`). Once a program: the other layers' saved
+    # values are F-split.
+    values += max((a.get("moe_resharded", 0) for n, a in layers if n * a["moe_share"]), default=0)
     return {"moe (unrolled)": int(values), "stacked gradients": gradients}
 
 
