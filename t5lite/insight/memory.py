@@ -428,6 +428,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
             one_axis=one_axis,
             itemsize=itemsize,
             spill=tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize),
+            top_k=cfg.moe_top_k,
+            vmem=vmem,
         )
         of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
         moe = of(program)
