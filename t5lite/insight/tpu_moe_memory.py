@@ -145,7 +145,7 @@ def scanned_moe(program: MoeProgram) -> dict[str, int]:
         largest = max(a["moe_h"] for n, a in layers if round(n * a["moe_share"]))
         return {"stacked gradients": gradients} if gradients + largest > program.vmem else {}
     units = _UNITS[(dispatch, "full" if remat == "full" else "none")]
-    values, sparse = 0.0, False
+    values, recomputed, sparse = 0.0, 0.0, False
     for n, a in layers:
         moe_layers = round(n * a["moe_share"])
         if not moe_layers:
@@ -162,10 +162,16 @@ def scanned_moe(program: MoeProgram) -> dict[str, int]:
         if remat != "full":  # part of them keeps its dtype whatever the compute dtype
             share = _COMPUTE_DTYPE_SHARE
             per *= (1 - share) * 4 / itemsize + share
-        values += per * (1 if remat == "full" else moe_layers)
+            values += per * moe_layers
+        else:
+            # One recomputed layer at a time: the peak is in the backward of the stack with the
+            # largest (an encoder-decoder's encoder; T5 top-2 dropless: three [M, F] hidden
+            # buffers and two [M, D] rows of the encoder's layer, 56 MiB, none of the
+            # decoder's).
+            recomputed = max(recomputed, per)
     if not sparse:
         return {}
-    values += units[2] * copies
+    values += recomputed + units[2] * copies
     return {"moe (scanned)": int(values), "stacked gradients": gradients}
 
 
