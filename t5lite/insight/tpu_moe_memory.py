@@ -10,9 +10,13 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   gradients it writes (`dynamic-update-slice` into `[layers, E, D, F]` buffers) and one layer's
   working set. They are in the HBM heap (the default memory space's allocations), with the
   dense layers' stacked values and the gradients, which a dense model's keeps in VMEM
-  (tpu_memory); on a one-axis mesh only the gradients are.
+  (tpu_memory); on a one-axis mesh only the gradients are, and under `full` not even they
+  where they fit the VMEM budget.
 - Under `full` the stacks hold each layer's input only; the peak is one layer's recomputed
-  values and their cotangents beside every gradient, and the parameters' prefetched copies.
+  values and their cotangents (the largest stack's) beside every gradient, and the
+  parameters' prefetched copies; top-1 layers keep those in VMEM.
+- Where the rules reshard the hidden layer (fully_sharded), the peak layer holds its hidden
+  buffers F-whole as the matmuls give them (`moe_memory`'s `moe_resharded`).
 - The MoE layer's kernels (routing, dispatch, the expert matmuls, combine and their
   gradients) add code once per stack: the scan compiles one layer.
 - Unrolled (`scan_layers=False`, same dumps): the default memory space holds every gradient
@@ -25,6 +29,7 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   whose gradients are 11.5 MiB. Scanned, only the stacked MoE values stay in HBM (without
   remat). Why top-2 spills is not known (not the total: T5's 15 MiB dropless layers stay, a
   decoder-only model's 13 MiB top-2 ones do not); this is what the compiler was seen to do.
+  docs/performance.md has the programs, the compiled and predicted totals.
 The counts below are fitted (the compiled temporaries less the dense model's terms, less every
 gradient), in units of the layer's own buffers (`moe_memory.moe_bytes`): `moe_h`, one expert
 hidden buffer ([E, G, C, F] or dropless's [M, F]), and the rest of what the layer saves
