@@ -2,12 +2,18 @@
 expert weights, dispatch buffers and router temporaries, both dispatch modes, scanned and
 unscanned layers, on 8 fake devices (docs/performance.md has the whole matrix)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from conftest import require_devices
 
 from t5lite.insight import accuracy, memory, moe_memory
 from t5lite.insight.activation_memory import PENDING
 from t5lite.insight.report import compile_train_step
+from t5lite.insight.topology import libtpu_available
 
 # (family, preset, remat, scan_layers, dispatch, moe_every): one case per way the model
 # differs (dropless's CPU masked matmuls by kernel layout, capacity's resharded hidden layer
@@ -116,3 +122,120 @@ def test_expert_gradient_bytes_by_layout():
     assert terms[PENDING] == -3 * whole // 8
     # Expert parallelism's four times larger ones take its peak back to the loss gradient.
     assert PENDING not in dict(memory.predict_memory(trainers["expert_parallel"]).terms)
+
+
+def test_tpu_resharded_hidden_buffers():
+    """Where fully_sharded's rules split `expert_mlp` but the expert kernels keep F whole
+    (`embed` takes `model` first), XLA:TPU's layer holds its hidden buffers F-whole as the
+    matmuls give them: f32[2,16,80,768] (E/2 experts, 16 groups, 80 slots, F whole) against
+    the rules' [2,16,80,192]; four of them in place of F-split ones, once a program
+    (tpu_moe_memory.unscanned_moe); on expert_parallel and megatron the two layouts agree."""
+    require_devices(8)
+    from t5lite.insight import tpu_moe_memory
+
+    def layer(preset):
+        tr = _trainer("lm", preset, "none", False, "capacity", 1)
+        cfg = tr.model.network_config
+        a = memory.layer_bytes(tr.partitioner, cfg, 16, 128, [128], 4, True, "tpu")
+        return {**a, "moe_share": 1.0}
+
+    a = layer("fully_sharded")
+    whole, split = 2 * 16 * 80 * 768 * 4, 2 * 16 * 80 * 192 * 4
+    assert (a["moe_h"], a["moe_resharded"]) == (split, 4 * (whole - split))
+    assert layer("expert_parallel")["moe_resharded"] == layer("megatron")["moe_resharded"] == 0
+
+    def program(remat, layers, **kw):
+        return tpu_moe_memory.MoeProgram(
+            layers=layers,
+            remat=remat,
+            dispatch="capacity",
+            gradients=0,
+            copies=0,
+            one_axis=False,
+            **kw,
+        )
+
+    # Unrolled: counted once for two MoE layers; scanned `full`: as the four bf16 copies the
+    # recomputed layer's backward reads.
+    plain = tpu_moe_memory.unscanned_moe(program("none", ((2, {**a, "moe_resharded": 0}),)))
+    resharded = tpu_moe_memory.unscanned_moe(program("none", ((2, a),)))
+    assert resharded["moe (unrolled)"] - plain["moe (unrolled)"] == 4 * (whole - split)
+    full = tpu_moe_memory.scanned_moe(program("full", ((2, a),)))
+    assert full["moe (scanned)"] == 2 * (whole - split)
+
+
+def test_tpu_gradients_in_vmem_under_full():
+    """Under `full` a scanned program's stacked gradients stay in VMEM where they fit: on a
+    one-axis mesh up to the budget (data_parallel), and for top-1 routing beside one
+    recomputed layer's hidden buffer, even where its values spill without remat."""
+    from t5lite.insight import tpu_moe_memory
+
+    mib = 2**20
+    a = {"moe": 39 * mib, "moe_h": 6 * mib, "moe_share": 1.0}
+
+    def scanned(remat, gradients, **kw):
+        return tpu_moe_memory.scanned_moe(
+            tpu_moe_memory.MoeProgram(
+                layers=((2, a),),
+                remat=remat,
+                dispatch="dropless",
+                gradients=gradients,
+                copies=gradients,
+                vmem=32 * mib,
+                **kw,
+            )
+        )
+
+    one_axis = dict(one_axis=True, spill=True)
+    assert scanned("full", 22 * mib, **one_axis) == {"stacked gradients": 0}
+    assert scanned("full", 40 * mib, **one_axis) == {"stacked gradients": 8 * mib}
+    assert scanned("none", 22 * mib, **one_axis) == {"stacked gradients": 22 * mib}
+    assert scanned("none", 22 * mib, one_axis=True, spill=False) == {}
+    top1 = dict(one_axis=False, spill=True, top_k=1)
+    assert scanned("full", 26 * mib, **top1) == {}
+    assert scanned("full", 27 * mib, **top1) == {"stacked gradients": 27 * mib}
+    # Top-2: the recomputed layer's values and the parameters' copies leave VMEM too.
+    assert scanned("full", 26 * mib, one_axis=False, spill=True)["moe (scanned)"] > 0
+
+
+_TPU_SCRIPT = """
+import json, sys
+from t5lite.insight import accuracy, memory
+from t5lite.insight.meshes import partitioner_on
+from t5lite.insight.report import compile_train_step
+from t5lite.insight.topology import get_topology
+from t5lite.trainer import Trainer
+
+family, preset, remat, scan, dispatch, layers = json.loads(sys.argv[1])
+tr = accuracy.accuracy_trainer(
+    family, preset, remat, scan=scan, layers=layers, experts=4, dispatch=dispatch
+)
+tr = Trainer(
+    tr.model, partitioner_on(tr.partitioner, get_topology("v5e:2x4").devices),
+    batch_size=tr.batch_size, lengths=tr.lengths,
+)
+compiled = memory.memory_report(compile_train_step(tr)).total
+print("RESULT " + json.dumps([compiled, memory.predict_memory(tr).total]))
+"""
+
+
+@pytest.mark.skipif(not libtpu_available(), reason='libtpu not installed (pip install ".[tpu]")')
+def test_tpu_resharded_moe_within_ten_percent_of_compiled():
+    """XLA:TPU ahead of time (v5e:2x4): the scanned decoder-only MoE model on fully_sharded
+    under `full`, whose recomputed layer the TPU program holds F-whole (four bf16 copies of
+    its hidden buffers), within 10% of the compiled step. In a fresh process: the TPU plugin
+    never meets the session's fake CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    case = ["lm", "fully_sharded", "full", True, "capacity", 2]
+    out = subprocess.run(
+        [sys.executable, "-c", _TPU_SCRIPT, json.dumps(case)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    compiled, predicted = json.loads(line.removeprefix("RESULT "))
+    assert abs(predicted / compiled - 1) < 0.10, (predicted, compiled)

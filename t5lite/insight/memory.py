@@ -420,10 +420,20 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
         one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
         itemsize = activation_itemsize(cfg, "tpu")
-        args = (layers, cfg.remat_policy, cfg.moe_dispatch, whole, copies)
+        program = tpu_moe_memory.MoeProgram(
+            layers=tuple(layers),
+            remat=cfg.remat_policy,
+            dispatch=cfg.moe_dispatch,
+            gradients=whole,
+            copies=copies,
+            one_axis=one_axis,
+            itemsize=itemsize,
+            spill=tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize),
+            top_k=cfg.moe_top_k,
+            vmem=vmem,
+        )
         of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
-        spill = tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize)
-        moe = of(*args, one_axis, itemsize, spill)
+        moe = of(program)
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     # The parameters cast from their masters to a narrower compute dtype (bf16 of fp32 masters):
     # on a megacore, where FSDP gathers them, they live through the backward (tpu_memory).

@@ -103,7 +103,9 @@ def capacity_bytes(
         # expert_parallel alike, though only expert_parallel's holds an all-to-all).
         "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
-    return {"moe": saved, "moe_h": hidden, **work}
+    # (XLA:TPU's unrolled layers hold the same four F-whole buffers at the peak, one layer's
+    # backward: tpu_moe_memory.unscanned_moe)
+    return {"moe": saved, "moe_h": hidden, "moe_resharded": resharded, **work}
 
 
 _MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3

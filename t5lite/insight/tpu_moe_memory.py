@@ -10,9 +10,13 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   gradients it writes (`dynamic-update-slice` into `[layers, E, D, F]` buffers) and one layer's
   working set. They are in the HBM heap (the default memory space's allocations), with the
   dense layers' stacked values and the gradients, which a dense model's keeps in VMEM
-  (tpu_memory); on a one-axis mesh only the gradients are.
+  (tpu_memory); on a one-axis mesh only the gradients are, and under `full` not even they
+  where they fit the VMEM budget.
 - Under `full` the stacks hold each layer's input only; the peak is one layer's recomputed
-  values and their cotangents beside every gradient, and the parameters' prefetched copies.
+  values and their cotangents (the largest stack's) beside every gradient, and the
+  parameters' prefetched copies; top-1 layers keep those in VMEM.
+- Where the rules reshard the hidden layer (fully_sharded), the peak layer holds its hidden
+  buffers F-whole as the matmuls give them (`moe_memory`'s `moe_resharded`).
 - The MoE layer's kernels (routing, dispatch, the expert matmuls, combine and their
   gradients) add code once per stack: the scan compiles one layer.
 - Unrolled (`scan_layers=False`, same dumps): the default memory space holds every gradient
@@ -25,6 +29,7 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   whose gradients are 11.5 MiB. Scanned, only the stacked MoE values stay in HBM (without
   remat). Why top-2 spills is not known (not the total: T5's 15 MiB dropless layers stay, a
   decoder-only model's 13 MiB top-2 ones do not); this is what the compiler was seen to do.
+  docs/performance.md has the programs, the compiled and predicted totals.
 The counts below are fitted (the compiled temporaries less the dense model's terms, less every
 gradient), in units of the layer's own buffers (`moe_memory.moe_bytes`): `moe_h`, one expert
 hidden buffer ([E, G, C, F] or dropless's [M, F]), and the rest of what the layer saves
@@ -33,6 +38,8 @@ combine input).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # (hidden buffers, other saved buffers, parameter-sized copies) in HBM: per MoE layer without
 # remat, per stack under `full` (its one recomputed layer; the copies are of every gradient).
@@ -52,10 +59,6 @@ _UNITS = {
     ("dropless", "none"): (10.0, 2.6, 0.0),
     ("dropless", "full"): (2.9, 2.9, 2.3),
 }
-# Under `full`, where the expert kernels keep `expert_mlp` whole while the hidden layer's rules
-# split it (moe_memory's `moe_extra`: fully_sharded), part of the resharded F-whole buffers
-# (fitted: 9 MiB of fully_sharded capacity's 30).
-_RESHARDED_SHARE = 0.3
 # Without remat, the share of those values whose dtype follows the compute dtype; the rest is
 # fp32 under either policy (the dense layers' stacked `f32[layers, B, L, D]` values) or bf16
 # under either (the expert matmuls' operands as the MXU reads them, `bf16[layers, E, G, C,
@@ -87,39 +90,67 @@ CODE_MOE_UNROLLED = 3.9 * 2**20
 _CODE_UNROLLED_REMAT = 0.27
 
 
-def scanned_moe(
-    layers: list,
-    remat: str,
-    dispatch: str,
-    gradients: int,
-    copies: int,
-    one_axis: bool,
-    itemsize: int = 4,
-    spill: bool = True,
-) -> dict[str, int]:
+@dataclass(frozen=True)
+class MoeProgram:
+    """What `scanned_moe` and `unscanned_moe` read of a train step with MoE layers on TPU.
+
+    `layers`: (count, layer_bytes with `moe_share`) per stack; `remat`: the remat policy;
+    `dispatch`: "capacity" or "dropless"; `gradients`: every gradient, unreduced; `copies`: the
+    parameters in the compute dtype (what the backward's copies hold under remat); `one_axis`:
+    the mesh splits over one axis only; `itemsize`: the activations' (the layer's buffers are
+    sized with it); `spill`: the layers' values leave VMEM (`spills`); `top_k`: the
+    routing's choices a token; `vmem`: the VMEM budget (tpu_memory.vmem_budget), bytes."""
+
+    layers: tuple
+    remat: str
+    dispatch: str
+    gradients: int
+    copies: int
+    one_axis: bool
+    itemsize: int = 4
+    spill: bool = True
+    top_k: int = 2
+    vmem: int = 0
+
+
+def scanned_moe(program: MoeProgram) -> dict[str, int]:
     """HBM a scanned stack's mixture-of-experts layers take on TPU, by term: their stacked
     saved values and one layer's working set (`moe (scanned)`), and every gradient (the
-    backward loop's stacked outputs, `stacked gradients`). `layers`: (count, layer_bytes with
-    `moe_share`) per stack; `gradients`: every gradient, unreduced; `copies`: the parameters in
-    the compute dtype (what the backward's copies hold under remat); `one_axis`: the mesh
-    splits over one axis only; `itemsize`: the activations' (the layer's buffers are sized
-    with it); `spill`: the layers' values leave VMEM (`spills`; else only the stacked MoE
-    values are in HBM)."""
+    backward loop's stacked outputs, `stacked gradients`); where the values do not spill,
+    only the stacked MoE values are in HBM."""
+    layers, remat, dispatch = program.layers, program.remat, program.dispatch
+    gradients, copies, itemsize = program.gradients, program.copies, program.itemsize
+    spill, one_axis = program.spill, program.one_axis
+    if one_axis:
+        # On a one-axis mesh (data=8, experts over it) memory-space assignment keeps the
+        # stacked values in VMEM (test-size T5, data_parallel capacity `none`: 13.8 MiB of
+        # temporaries, none of its 25.2 MiB of stacked MoE values). The gradients stay in HBM
+        # where the values spill without remat (decoder-only, capacity `none`: 26.7 MiB of
+        # temporaries with 22.5 MiB of gradients); under `full`, with no stacked values
+        # beside them, they stay in VMEM up to the budget (the heap of capacity and dropless
+        # `full` holds the 8 MiB logits and no gradient: 16.7 and 17.1 MiB of temporaries).
+        # Why the two-axis layouts' do not is not known; this is what the compiler was seen
+        # to do.
+        if remat == "full":
+            return {"stacked gradients": max(0, gradients - program.vmem)}
+        return {"stacked gradients": gradients} if spill else {}
     if not spill:
         # The gradients stay in VMEM; only the scan's stacked MoE values are in HBM, and
         # under `full` each layer's input alone (test-size T5, expert_parallel capacity
         # `none`: 25.8 MiB of values in HBM for 25.2 saved; megatron `full`: 4.6).
         saved = sum(round(n * a["moe_share"]) * a["moe"] for n, a in layers)
         return {"moe (scanned)": 0 if remat == "full" else saved}
-    if one_axis:
-        # On a one-axis mesh (data=8, experts over it) memory-space assignment keeps the
-        # stacked values in VMEM; only the gradients stay in HBM (test-size decoder-only
-        # model, data_parallel, 8 experts: compiled temporaries 26.7 MiB with 22.5 MiB of
-        # gradients for capacity `none`, 17.1 for dropless `full`). Why the two-axis layouts'
-        # do not is not known; this is what the compiler was seen to do.
-        return {"stacked gradients": gradients}
+    if remat == "full" and program.top_k == 1:
+        # Top-1 layers under `full` keep the recomputed layer and the parameters' copies in
+        # VMEM even where their hidden buffers spill without remat; the stacked gradients
+        # leave it where they and one recomputed layer's hidden buffer exceed the budget
+        # (dropless, expert_parallel: T5's 29.5 MiB of gradients and 8 MiB hidden buffer,
+        # the heap holding the `[layers, E, D, F]` gradient stacks and nothing of the
+        # layers'; a top-1 decoder-only model's 13.5 and 6 MiB: 10 MiB of temporaries).
+        largest = max(a["moe_h"] for n, a in layers if round(n * a["moe_share"]))
+        return {"stacked gradients": gradients} if gradients + largest > program.vmem else {}
     units = _UNITS[(dispatch, "full" if remat == "full" else "none")]
-    values, sparse = 0.0, False
+    values, recomputed, sparse = 0.0, 0.0, False
     for n, a in layers:
         moe_layers = round(n * a["moe_share"])
         if not moe_layers:
@@ -128,32 +159,36 @@ def scanned_moe(
         hidden, other = a["moe_h"], max(a["moe"] - 6 * a["moe_h"], 0)
         per = units[0] * hidden + units[1] * other
         if remat == "full":
-            per += _RESHARDED_SHARE * a["moe_extra"]
+            # Where the rules reshard the hidden layer (fully_sharded), the recomputed layer's
+            # backward holds four bf16 F-whole copies (the kernels' gradient operands, C
+            # minor) in place of F-split ones (`moe_resharded`, in bf16 whatever the policy:
+            # `bf16[2,16,80,768]` at the fp32 and bf16 peaks alike).
+            per += a.get("moe_resharded", 0) * 2 // itemsize
         if remat != "full":  # part of them keeps its dtype whatever the compute dtype
             share = _COMPUTE_DTYPE_SHARE
             per *= (1 - share) * 4 / itemsize + share
-        values += per * (1 if remat == "full" else moe_layers)
+            values += per * moe_layers
+        else:
+            # One recomputed layer at a time: the peak is in the backward of the stack with the
+            # largest (an encoder-decoder's encoder; T5 top-2 dropless: three [M, F] hidden
+            # buffers and two [M, D] rows of the encoder's layer, 56 MiB, none of the
+            # decoder's).
+            recomputed = max(recomputed, per)
     if not sparse:
         return {}
-    values += units[2] * copies
+    values += recomputed + units[2] * copies
     return {"moe (scanned)": int(values), "stacked gradients": gradients}
 
 
-def unscanned_moe(
-    layers: list,
-    remat: str,
-    dispatch: str,
-    gradients: int,
-    copies: int,
-    one_axis: bool,
-    itemsize: int = 4,
-    spill: bool = True,
-) -> dict[str, int]:
-    """HBM unrolled mixture-of-experts layers take on TPU, by term (arguments as
-    `scanned_moe`): nothing where the values do not spill (they and the gradients stay in
-    VMEM) or on a one-axis mesh; else each MoE layer's values (`moe (unrolled)`,
-    in hidden buffers) or, under `full`, one recomputed layer's a stack and the parameters'
-    copies, and every gradient."""
+def unscanned_moe(program: MoeProgram) -> dict[str, int]:
+    """HBM unrolled mixture-of-experts layers take on TPU, by term: nothing where the values
+    do not spill (they and the gradients stay in VMEM) or on a one-axis mesh; else each MoE
+    layer's values (`moe (unrolled)`, in hidden buffers) or, under `full`, one recomputed
+    layer's a stack and the parameters' copies, one layer's backward's F-whole hidden
+    buffers where the rules reshard them, and every gradient."""
+    layers, remat, dispatch = program.layers, program.remat, program.dispatch
+    gradients, copies, itemsize = program.gradients, program.copies, program.itemsize
+    spill, one_axis = program.spill, program.one_axis
     if not spill or (one_axis and remat != "full"):
         # On a one-axis mesh (data_parallel) without remat nothing leaves VMEM either: 2 MiB
         # of temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
@@ -171,6 +206,19 @@ def unscanned_moe(
             per *= (1 - _COMPUTE_DTYPE_SHARE) * 4 / itemsize + _COMPUTE_DTYPE_SHARE
         values += per * (1 if remat == "full" else moe_layers)
     values += units[2] * copies
+    # Where the expert kernels keep `expert_mlp` whole while the hidden layer's rules split it
+    # (fully_sharded: `embed` takes `model` first), the layer whose backward is the peak holds
+    # its hidden buffers as the matmuls give them, F whole, in place of F-split ones: without
+    # remat two in the activations' dtype and four bf16 copies the MXU reads (decoder-only
+    # fully_sharded capacity `none`: f32[2,16,80,768] and bf16[2,16,80,768] against the
+    # rules' [2,16,80,192]), as many as the F-whole buffers XLA:CPU's backward holds
+    # (moe_memory's `moe_resharded`, four); under `full` the recomputed layer's bf16 copies
+    # (five, tile-padded: C minor; counted as four in the activations' dtype, fitted on the
+    # fp32 program). Once a program: the other layers' saved values are F-split.
+    resharded = max((a.get("moe_resharded", 0) for n, a in layers if n * a["moe_share"]), default=0)
+    if remat != "full":
+        resharded = resharded // 2 + resharded * 2 // itemsize
+    values += resharded
     return {"moe (unrolled)": int(values), "stacked gradients": gradients}
 
 
