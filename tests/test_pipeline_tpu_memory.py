@@ -10,12 +10,10 @@ process so the TPU plugin never meets the test session's fake CPU devices.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import tpu_compile_result
 
 from t5lite.insight.topology import libtpu_available
 
@@ -77,18 +75,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_pipelined_memory_within_ten_percent_on_tpu():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_PLATFORMS"] = "cpu"  # the host backend; TPU devices come from the topology alone
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(_CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    for case, r in zip(_CASES, json.loads(line.removeprefix("RESULT "))):
+    results = tpu_compile_result(_SCRIPT, json.dumps(_CASES), timeout=600)
+    for case, r in zip(_CASES, results):
         assert r["tpu"] and r["same_mesh"], case  # XLA:TPU's model, on plan's stage blocks
         # The donated state in its tiles: exactly the buffers the new state aliases.
         assert r["state"] == r["aliased"], (case, r)
