@@ -47,8 +47,9 @@ from t5lite.trainer import Trainer
 # FSDP and 1F1B, which gathers the stage's weights in each F and again in each B). A block: an
 # attention or an MLP (tpu_memory's unit). The slots' FSDP stack term is negative: it is what
 # the bf16 and 1F1B terms leave of it.
-_SCHEDULE_CODE = (1532, 173, 979, 228, 196, 469)
-_SCHEDULE_SLOTS = (-130, 90, -322, 410, 474, 1138)
+_SCHEDULE_CODE = (1532, 173, 979, 228, 64, 469)
+_SCHEDULE_SLOTS = (-130, 90, -322, 410, 200, 1138)
+_GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 _KIB = 2**10
 # The smallest buffer XLA:TPU allocates, and the tile of an array's two minor dimensions in
 # 32-bit words (sublanes, lanes).
@@ -110,21 +111,23 @@ class TpuPipelineMemory(pipeline.PipelineMemory):
         return line
 
 
-def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int, ...]:
-    """The fitted terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
-    parallelism, the stacks under FSDP, the stage's layers under 1F1B, the stage's blocks under
-    FSDP with bf16 weights, the stacks under FSDP and 1F1B."""
+def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[float, ...]:
+    """The schedule terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
+    parallelism, the stacks under FSDP, the stage's layers under 1F1B, the collective matmuls'
+    matmuls (`_collective_matmuls`), the stacks under FSDP and 1F1B."""
     cfg = trainer.model.network_config
     part = trainer.partitioner
     if isinstance(cfg, T5Config):
-        stacks = [(cfg.num_encoder_layers, 2), (cfg.num_decoder_layers, 3)]
+        # (layers, blocks a layer, attention projections a layer)
+        stacks = [(cfg.num_encoder_layers, 2, 4), (cfg.num_decoder_layers, 3, 8)]
     else:
-        stacks = [(cfg.num_layers, 2)]
-    layers = sum(n // f.stages for n, _ in stacks)
-    blocks = sum(n // f.stages * per for n, per in stacks)
+        stacks = [(cfg.num_layers, 2, 4)]
+    layers = sum(n // f.stages for n, _, _ in stacks)
+    blocks = sum(n // f.stages * per for n, per, _ in stacks)
+    kernels = sum(n // f.stages * k for n, _, k in stacks)
     tensor = bytes_per_device(part, ("mlp",), (cfg.mlp_dim,), 4) < 4 * cfg.mlp_dim
     fsdp = _layers_split_over_batch(trainer)
-    # The weights as the layers read them (a bf16 policy's, cast before their gather).
+    # The weights as the layers read them: a bf16 policy's gathers feed the einsums directly.
     bf16 = fsdp and np.dtype(cfg.policy.params).itemsize == 2
     one_f_one_b = f.schedule == "1f1b"
     return (
@@ -132,9 +135,18 @@ def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int
         blocks * tensor,
         len(stacks) * fsdp,
         layers * one_f_one_b,
-        blocks * bf16,
+        _collective_matmuls(kernels, f.schedule) if bf16 else 0,
         len(stacks) * fsdp * one_f_one_b,
     )
+
+
+def _collective_matmuls(kernels: int, schedule: str) -> int:
+    """The collective matmuls XLA:TPU makes of a bf16 stage's attention projections under FSDP
+    (`kernels` of them): each gather that feeds its einsum directly becomes a ring of
+    collective-permutes over the FSDP ways, each step's partial einsum its own kernel. GPipe
+    gathers a projection once a step, 1F1B three times (the forward's, the backward's recomputed
+    forward and its backward's, compiled apart)."""
+    return kernels * _GATHERING_PASSES[schedule]
 
 
 def _layers_split_over_batch(trainer: Trainer) -> bool:
@@ -193,8 +205,8 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     )
     counts = _schedule_counts(trainer, f)
     slots = arrays * tpu_memory.ARRAY_SLOTS + stacked * tpu_memory.LOOP_SLOTS
-    slots += _KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts))
-    code = _KIB * sum(c * n for c, n in zip(_SCHEDULE_CODE, counts))
+    slots += int(_KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts)))
+    code = int(_KIB * sum(c * n for c, n in zip(_SCHEDULE_CODE, counts)))
     return TpuPipelineMemory(
         state, batch, **values, vmem=vmem - left, scalars=max(slots, 0), code=code
     )
