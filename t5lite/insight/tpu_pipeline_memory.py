@@ -47,7 +47,7 @@ from t5lite.trainer import Trainer
 # stage's weights in each F and again in each B). A block: an attention or an MLP (tpu_memory's
 # unit). The slots' FSDP stack term is negative: it is what the 1F1B term leaves of it.
 _SCHEDULE_CODE = (1535, 173, 1090, 227, 64, 357)
-_SCHEDULE_SLOTS = (-112, 88, -314, 406, 200, 1123)
+_SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078)
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
 _GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 _KIB = 2**10
