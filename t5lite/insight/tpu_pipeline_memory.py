@@ -141,11 +141,11 @@ def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int
 
 
 def _collective_matmuls(kernels: int, schedule: str) -> int:
-    """The collective matmuls XLA:TPU makes of a bf16 stage's attention projections under FSDP
-    (`kernels` of them): each gather that feeds its einsum directly becomes a ring of
-    collective-permutes over the FSDP ways, each step's partial einsum its own kernel. GPipe
-    gathers a projection once a step, 1F1B three times (the forward's, the backward's recomputed
-    forward and its backward's, compiled apart)."""
+    """The collective matmuls (windowed einsums) XLA:TPU makes of a bf16 stage's attention
+    projections under FSDP (`kernels` of them): each gather that feeds its einsum directly
+    becomes a loop of collective-permutes over the FSDP ways, each step's partial einsum its own
+    kernel. GPipe gathers a projection once a step, 1F1B three times (as the compiled steps
+    count them: its forward and backward, compiled apart, gather again)."""
     return kernels * _GATHERING_PASSES[schedule]
 
 
