@@ -128,18 +128,27 @@ def reverse_batch(n: int, seed: int = 0, ragged: bool = False) -> dict:
     }
 
 
-def tpu_compile_result(script: str) -> dict:
-    """Runs `script` in a fresh interpreter on the host backend alone (its TPU devices come from
-    a topology: the test session's fake CPU devices must not meet the TPU plugin) and returns
-    the JSON it printed after `RESULT `."""
+def tpu_compile_result(
+    script: str, *args: str, host_devices: int = 0, timeout: int = 300
+) -> dict | list:
+    """Runs `script` (with `args` in its `sys.argv[1:]`) in a fresh interpreter on the host
+    backend alone (its TPU devices come from a topology: the test session's fake CPU devices
+    must not meet the TPU plugin), with `host_devices` fake CPU devices if the script builds a
+    mesh over them first, and returns the JSON it printed after `RESULT `."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cpu"
+    if host_devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={host_devices}"
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))

@@ -9,12 +9,10 @@ Runs in a fresh process so the TPU plugin never meets the test session's fake CP
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import tpu_compile_result
 
 from t5lite.insight.topology import libtpu_available
 
@@ -80,20 +78,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def _compile_and_predict(cases: list) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_PLATFORMS"] = "cpu"  # the host backend; TPU devices come from the topology alone
     # accuracy_trainer builds its mesh over host devices first (then moved onto the slice's).
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return tpu_compile_result(_SCRIPT, json.dumps(cases), host_devices=8, timeout=600)
 
 
 def _check_within_ten_percent(cases: list) -> None:

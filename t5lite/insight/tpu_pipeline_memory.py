@@ -1,25 +1,26 @@
 """What XLA:TPU needs in HBM for a pipelined train step (model/pipeline.py, model/schedules.py),
 and the one place pipelined memory dispatches by platform (`stage_memory`).
 
-Read from the TPU compiler's memory report and buffer assignment (v5e:2x4 ahead of time, libtpu,
-the test-size pipelined models of tests/test_pipeline.py: 4 layers a stack, 4 microbatches):
+Read from the TPU compiler's memory report and buffer assignment of pipelined steps compiled
+ahead of time (docs/performance.md has the programs and how close the model comes):
 - The state and batch take their tiles: XLA:TPU pads an array's two minor dimensions to its
   (8, 128) tile (16 sublanes in bf16; fewer for a dimension under 8) in whichever order pads
-  least, and no buffer takes under 512 bytes. At test size that is 8x the arrays' bytes
-  (`emb_dim` 16 padded to 128 lanes); the donated state's aliased bytes match `tile_bytes`.
+  least, and no buffer takes under 512 bytes; the donated state's aliased bytes match
+  `tile_bytes`.
 - The activations the schedule holds (every tick's residuals under GPipe, 1F1B's slots, the
   stack buffers: pipeline.pipeline_memory) sit in VMEM while they fit in `vmem_budget`, as the
   unpipelined step's do (tpu_memory); only what overflows it is in HBM.
-- The temporaries are scalar slots: each of the heap's buffers takes its own 16 KiB-aligned
-  slot (the tick loops' carried flags and indices, each collective's), and the step's 3.3 MiB
-  heap of 512-byte buffers is 5.6 MiB of `temp_size` (test-size decoder-only model, megatron,
-  stage 2, GPipe). tpu_memory's per-array slots (`ARRAY_SLOTS`, `LOOP_SLOTS`) hold as in the
-  unpipelined step, and the schedule adds its own, with its kernels (`generated_code`), by
-  what the compiled loops contain: the stage's blocks' all-reduces under tensor parallelism,
-  a stack's weight gathers under FSDP (more for bf16 parameters, cast before their gather),
-  and 1F1B's separately compiled forward and backward of each of the stage's layers.
-  Those five terms are fitted (`_SCHEDULE_CODE`, `_SCHEDULE_SLOTS`); docs/performance.md has
-  the matrix they were fitted and validated on.
+- The temporaries are scalar slots: each of the heap's small buffers (the tick loops' carried
+  flags and indices, each collective's) takes its own 16 KiB-aligned slot, and
+  `memory_analysis` reserves about as much again beyond the heap (tpu_memory). tpu_memory's
+  per-array slots (`ARRAY_SLOTS`, `LOOP_SLOTS`) hold as in the unpipelined step, and the
+  schedule adds its own, with its kernels (`generated_code`), by what the compiled loops
+  contain: the stage's blocks' all-reduces under tensor parallelism, a stack's weight gathers
+  under FSDP, 1F1B's separately compiled forward and backward of each of the stage's layers,
+  and, with bf16 weights under FSDP, the collective matmuls XLA:TPU makes of the attention
+  projections' gathers (`_collective_matmuls`). The slot and code bytes of each term are
+  fitted (`_SCHEDULE_CODE`, `_SCHEDULE_SLOTS`), the collective matmuls' read from the
+  compiled programs' differences against their fp32 twins.
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ from t5lite.model.config import T5Config
 from t5lite.partitioning import STAGE, mesh_axes_of
 from t5lite.trainer import Trainer
 
-# Fitted on 21 of the 33 pipelined programs measured (v5e:2x4 ahead of time, 2026-11-27), both
-# families, GPipe and 1F1B, stage 2 and 4, data parallel, FSDP and megatron, each remat policy,
-# fp32 and bf16; the other 12 held out (docs/performance.md). Bytes (KiB) by what the compiled
-# step holds: (fixed; a block of the stage's layers under tensor parallelism; a stack under
-# FSDP; a layer of the stage's under 1F1B; a block under FSDP with bf16 weights; a stack under
-# FSDP and 1F1B, which gathers the stage's weights in each F and again in each B). A block: an
-# attention or an MLP (tpu_memory's unit). The slots' FSDP stack term is negative: it is what
-# the bf16 and 1F1B terms leave of it.
-_SCHEDULE_CODE = (1532, 173, 979, 228, 196, 469)
-_SCHEDULE_SLOTS = (-130, 90, -322, 410, 474, 1138)
+# Bytes (KiB) by what the compiled step holds (fitted, docs/performance.md): (fixed; a block of
+# the stage's layers under tensor parallelism; a stack under FSDP; a layer of the stage's under
+# 1F1B; a collective matmul (a ring of permutes and its partial einsums: the heap slots of its
+# permutes' buffers, doubled by the reserve); a stack under FSDP and 1F1B, which gathers the
+# stage's weights in each F and again in each B). A block: an attention or an MLP (tpu_memory's
+# unit). The slots' FSDP stack term is negative: it is what the 1F1B term leaves of it.
+_SCHEDULE_CODE = (1535, 173, 1090, 227, 64, 357)
+_SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078)
+# How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
+_GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 _KIB = 2**10
 # The smallest buffer XLA:TPU allocates, and the tile of an array's two minor dimensions in
 # 32-bit words (sublanes, lanes).
@@ -111,20 +112,22 @@ class TpuPipelineMemory(pipeline.PipelineMemory):
 
 
 def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int, ...]:
-    """The fitted terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
-    parallelism, the stacks under FSDP, the stage's layers under 1F1B, the stage's blocks under
-    FSDP with bf16 weights, the stacks under FSDP and 1F1B."""
+    """The schedule terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
+    parallelism, the stacks under FSDP, the stage's layers under 1F1B, the collective
+    matmuls (`_collective_matmuls`), the stacks under FSDP and 1F1B."""
     cfg = trainer.model.network_config
     part = trainer.partitioner
     if isinstance(cfg, T5Config):
-        stacks = [(cfg.num_encoder_layers, 2), (cfg.num_decoder_layers, 3)]
+        # (layers, blocks a layer, attention projections a layer)
+        stacks = [(cfg.num_encoder_layers, 2, 4), (cfg.num_decoder_layers, 3, 8)]
     else:
-        stacks = [(cfg.num_layers, 2)]
-    layers = sum(n // f.stages for n, _ in stacks)
-    blocks = sum(n // f.stages * per for n, per in stacks)
+        stacks = [(cfg.num_layers, 2, 4)]
+    layers = sum(n // f.stages for n, _, _ in stacks)
+    blocks = sum(n // f.stages * per for n, per, _ in stacks)
+    kernels = sum(n // f.stages * k for n, _, k in stacks)
     tensor = bytes_per_device(part, ("mlp",), (cfg.mlp_dim,), 4) < 4 * cfg.mlp_dim
     fsdp = _layers_split_over_batch(trainer)
-    # The weights as the layers read them (a bf16 policy's, cast before their gather).
+    # The weights as the layers read them: a bf16 policy's gathers feed the einsums directly.
     bf16 = fsdp and np.dtype(cfg.policy.params).itemsize == 2
     one_f_one_b = f.schedule == "1f1b"
     return (
@@ -132,9 +135,18 @@ def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int
         blocks * tensor,
         len(stacks) * fsdp,
         layers * one_f_one_b,
-        blocks * bf16,
+        _collective_matmuls(kernels, f.schedule) if bf16 else 0,
         len(stacks) * fsdp * one_f_one_b,
     )
+
+
+def _collective_matmuls(kernels: int, schedule: str) -> int:
+    """The collective matmuls (windowed einsums) XLA:TPU makes of a bf16 stage's attention
+    projections under FSDP (`kernels` of them): each gather that feeds its einsum directly
+    becomes a loop of collective-permutes over the FSDP ways, each step's partial einsum its own
+    kernel. GPipe gathers a projection once a step, 1F1B three times (as the compiled steps
+    count them: its forward and backward, compiled apart, gather again)."""
+    return kernels * _GATHERING_PASSES[schedule]
 
 
 def _layers_split_over_batch(trainer: Trainer) -> bool:
