@@ -10,13 +10,10 @@ figures are in docs/performance.md. Runs in a fresh process so the TPU plugin ne
 test session's fake CPU devices.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import tpu_compile_result
 
 from t5lite.insight.topology import libtpu_available
 
@@ -24,8 +21,7 @@ pytestmark = pytest.mark.skipif(
     not libtpu_available(), reason='libtpu not installed (pip install -e ".[tpu]")'
 )
 
-# Compiles one program and prints XLA:TPU's figures beside the prediction (a minimal copy of
-# tests/test_tpu_memory.py's runner: one case, its topology named).
+# Compiles one program and prints XLA:TPU's figures beside the prediction.
 _SCRIPT = textwrap.dedent(
     """
     import json
@@ -51,16 +47,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_ring_attention_memory_on_v5p_within_ten_percent():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_PLATFORMS"] = "cpu"  # the host backend; TPU devices come from the topology alone
     # accuracy_trainer builds its mesh over host devices first (then moved onto the slice's).
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    r = json.loads(line.removeprefix("RESULT "))
+    r = tpu_compile_result(_SCRIPT, host_devices=8, timeout=600)
     assert r["kind"] == "TPU v5", r  # a v5p chip: a megacore
     # The train state is exact but for the tiles' padding of the smallest arrays.
     assert 0 <= r["aliased"] - r["state"] < r["state"] // 1000, r
