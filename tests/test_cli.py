@@ -6,18 +6,12 @@ import re
 import subprocess
 import sys
 
-from conftest import require_devices, run_cli
+import pytest
+from conftest import QUICK_TRAIN, require_devices, run_cli
 
-QUICK = [
-    "--gin_file=quickstart.gin",
-    "--gin.TRAIN_STEPS=6",
-    "--gin.BATCH_SIZE=8",
-    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-    "--gin.CheckpointConfig.period=3",
-    "--gin.train.evaluation=None",
-    "--gin.LogConfig.period=1",
-    "--gin.warmup_cosine_schedule.warmup_steps=2",
-]
+# conftest's quick run (whose fixed schedule shares the compiled train step with the other
+# files' quick runs), 6 steps with a save every 3.
+QUICK = [*QUICK_TRAIN, "--gin.TRAIN_STEPS=6", "--gin.CheckpointConfig.period=3"]
 
 
 def losses(model_dir):
@@ -25,10 +19,20 @@ def losses(model_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if r["split"] == "train"}
 
 
-def test_train_resume_is_bit_identical(tmp_path):
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """An uninterrupted QUICK run (checkpoints 3 and 6): the reference a resumed run must equal,
+    and the checkpoint eval and infer read. Trained once for the module; no test writes into it
+    (eval and infer read its checkpoint through a symlink)."""
     require_devices(8)
-    full, parts = tmp_path / "full", tmp_path / "parts"
-    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{full}'") == 0
+    d = tmp_path_factory.mktemp("quick") / "full"
+    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{d}'") == 0
+    return d
+
+
+def test_train_resume_is_bit_identical(tmp_path, full):
+    require_devices(8)
+    parts = tmp_path / "parts"
     # Interrupted after 3 steps (as a preemption would), then the same command again.
     assert (
         run_cli("train", *QUICK, f"--gin.MODEL_DIR='{parts}'", "--gin.train.stop_after_steps=3")
@@ -107,10 +111,11 @@ def test_train_loop_traces_its_step_once_and_puts_the_next_batch_last(tmp_path, 
     assert frozen_while_stepping[0] > 100_000 and gc.get_freeze_count() == 0
 
 
-def test_eval_and_infer_from_checkpoint(tmp_path):
+def test_eval_and_infer_from_checkpoint(tmp_path, full):
     require_devices(8)
-    d = tmp_path / "m"
-    assert run_cli("train", *QUICK, f"--gin.MODEL_DIR='{d}'") == 0
+    d = tmp_path / "m"  # the shared run's last checkpoint alone, as eval and infer read it
+    d.mkdir()
+    os.symlink(full / "checkpoint_6", d / "checkpoint_6")
     common = [
         "--gin_file=models/t5_1_1/tiny.gin", "--gin.VOCAB_SIZE=384",
         f"--gin.MODEL_DIR='{d}'", "--gin.TASK='synthetic_reverse'",

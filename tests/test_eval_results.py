@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import json
 
-from conftest import require_devices, run_cli
+from conftest import QUICK_TRAIN, require_devices, run_cli
 
 from t5lite.programs.evaluate import read_eval_results
 
-TRAIN = [
-    "--gin_file=quickstart.gin",
-    "--gin.TRAIN_STEPS=2",
-    "--gin.BATCH_SIZE=8",
-    "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 16}",
-    "--gin.train.evaluation=None",
-    "--gin.warmup_cosine_schedule.warmup_steps=1",
-]
+# conftest's quick run (its compiled train step shared with the other files'), 2 steps.
+TRAIN = [*QUICK_TRAIN, "--gin.TRAIN_STEPS=2"]
 
 
 def _eval(model_dir, task: str, split: str = "validation", batch_size: int = 8) -> int:

@@ -101,7 +101,9 @@ _AOT = textwrap.dedent(
             step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(shape, shape, shape).compile()
             out[f"{name} {length}"] = step.memory_analysis().peak_memory_in_bytes
 
-    # A sharded train step: a small LM under FSDP on the 4 chips (splash runs per device).
+    # A sharded train step: a small LM under FSDP on the 4 chips (splash runs per device), a
+    # row a chip at 1024 tokens: the xla step's [L, L] buffers are most of its peak there,
+    # and compiling it for a TPU costs half of two rows of 2048.
     import dataclasses
     from t5lite.model.models import DecoderOnlyModel
     from t5lite.model.network import DecoderOnlyConfig
@@ -117,7 +119,7 @@ _AOT = textwrap.dedent(
                            logical_axis_rules=preset_rules("fsdp"))
         model = DecoderOnlyModel(network_config=dataclasses.replace(
             cfg, attention_implementation=name))
-        tr = Trainer(model, part, batch_size=8, lengths={"targets": 2048})
+        tr = Trainer(model, part, batch_size=4, lengths={"targets": 1024})
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tr.batch_shardings[k])
                  for k, v in tr.batch_abstract.items()}
         step = tr.train_step.lower(tr.abstract_state(), batch).compile()
