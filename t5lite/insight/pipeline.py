@@ -39,6 +39,8 @@ class PipelineFigures:
     compiled_ticks: int | None = None  # the schedule loop's trip count in the compiled step
     compiled_permutes: int | None = None  # collective-permutes in the schedule loops
     compiled_permute_bytes: int | None = None  # their bytes, per device
+    # GPipe's backward adds each tick's stage layer gradients to the step's (per device, bytes)
+    tick_gradient_bytes: int | None = None
 
     @property
     def ticks(self) -> int:
@@ -55,6 +57,13 @@ class PipelineFigures:
         """The idle share the compiled loop implies: its ticks less the `m` that do work."""
         t = self.compiled_ticks
         return None if not t else (t - self.microbatches) / t
+
+    @property
+    def accumulation_bytes(self) -> int | None:
+        """Memory traffic of GPipe's gradient accumulation: in each of the `T` backward ticks
+        the stage's layer gradients are read, added to the step's sum and written back."""
+        g = self.tick_gradient_bytes
+        return None if g is None else 3 * self.ticks * g
 
     @property
     def permutes(self) -> int:
@@ -77,6 +86,14 @@ class PipelineFigures:
             + (
                 f"; compiled schedule ({self.compiled_ticks} ticks) {self.compiled_bubble:.1%}"
                 if self.compiled_ticks
+                else ""
+            )
+            + (
+                f"; beyond the schedule's (m+p-1)/m work each tick adds the stage's layer "
+                f"gradients to the step's: 3 x {self.ticks} x "
+                f"{format_bytes(self.tick_gradient_bytes)} = "
+                f"{format_bytes(self.accumulation_bytes)} moved"
+                if self.tick_gradient_bytes is not None
                 else ""
             ),
             f"  stage-to-stage permutes per step: analytic {self.permutes} x "
@@ -139,8 +156,11 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
     ]
     if not loops:  # no schedule loop: unrolled (XLA:TPU does so around DCN transfers)
         return figures
+    # At least fp32, as XLA:CPU differentiates bf16 masters (insight/memory.py).
+    grads = memory.layer_gradient_bytes(trainer, 4)[0] if figures.schedule == "gpipe" else None
     return dataclasses.replace(
         figures,
+        tick_gradient_bytes=grads,
         compiled_ticks=max((op.runs for op in loops), default=0),
         compiled_permutes=sum(op.runs for op in loops),
         compiled_permute_bytes=sum(op.runs * op.collective.bytes for op in loops),
