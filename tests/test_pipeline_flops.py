@@ -72,7 +72,10 @@ def test_gpipe_accumulates_the_stage_layer_gradients_each_tick():
     figures = insight_pipeline.pipeline_figures(tr, hlo)
     assert figures.tick_gradient_bytes == want == 10496
     assert figures.accumulation_bytes == 3 * t * want
-    assert "3 x 5 x 10.25 KiB = 153.75 KiB moved" in figures.format()
+    assert (
+        "\n  beyond the schedule's (m+p-1)/m work: each backward tick adds the stage's layer "
+        "gradients to the step's, 3 x 5 x 10.25 KiB = 153.75 KiB moved\n" in figures.format()
+    )
     # The compiled tick loop: its gradient adds shaped as the stacked layer parameters' shards.
     shards = collections.Counter(
         tuple(s.shard_shape(x.shape))

@@ -87,14 +87,6 @@ class PipelineFigures:
                 f"; compiled schedule ({self.compiled_ticks} ticks) {self.compiled_bubble:.1%}"
                 if self.compiled_ticks
                 else ""
-            )
-            + (
-                f"; beyond the schedule's (m+p-1)/m work each tick adds the stage's layer "
-                f"gradients to the step's: 3 x {self.ticks} x "
-                f"{format_bytes(self.tick_gradient_bytes)} = "
-                f"{format_bytes(self.accumulation_bytes)} moved"
-                if self.tick_gradient_bytes is not None
-                else ""
             ),
             f"  stage-to-stage permutes per step: analytic {self.permutes} x "
             f"{'/'.join(format_bytes(b) for b in self.permute_bytes)} = "
@@ -112,6 +104,14 @@ class PipelineFigures:
                 else _one_f_one_b_in_flight_line(self)
             ),
         ]
+        if self.tick_gradient_bytes is not None:
+            lines.insert(
+                2,
+                "  beyond the schedule's (m+p-1)/m work: each backward tick adds the stage's "
+                f"layer gradients to the step's, 3 x {self.ticks} x "
+                f"{format_bytes(self.tick_gradient_bytes)} = "
+                f"{format_bytes(self.accumulation_bytes)} moved",
+            )
         return "\n".join(lines)
 
 
