@@ -170,10 +170,11 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
 def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
     """GPipe's collectives over the stage axes (model/pipeline.py), per stack of `T = m + p - 1`
     ticks and one microbatch's activations `a`: the schedule's permutes (one a tick each way),
-    the stack input's gradient summed over stages each backward tick (the input is whole over
-    `stage`), and the stack output handed from the last stage to all (the last stage's `T`
-    outputs permuted and its `m` microbatches all-reduced forward, their gradient permuted
-    back). As `ExpectedCollective` and `CompilerChoice` fields (communication.py)."""
+    the stack input's gradient summed over stages once after the backward ticks (the input is
+    whole over `stage`; `m a`, T5's decoder also the encoder output's), and the stack output
+    handed from the last stage to all (the last stage's `T` outputs permuted and its `m`
+    microbatches all-reduced forward, their gradient permuted back). As `ExpectedCollective`
+    and `CompilerChoice` fields (communication.py)."""
     f = pipeline_figures(trainer)
     if f is None:
         return [], []
@@ -182,6 +183,8 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
     axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
     n = len(f.stacks)
     a = sum(f.permute_bytes)
+    # T5's decoder reads the encoder output: its gradient is summed with the decoder's input's.
+    cross = m * f.permute_bytes[0] if n > 1 else 0
     expected = [
         (
             "collective-permute",
@@ -194,10 +197,11 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
         (
             "all-reduce",
             axes,
-            t * n,
-            t * a,
+            n + (n > 1),
+            m * a + cross,
             p,
-            "pipeline: the stack input's gradient summed over stages each backward tick",
+            "pipeline: the stack input's gradient summed over stages once, after the backward "
+            "ticks",
         ),
         (
             "collective-permute",
