@@ -1,11 +1,19 @@
 """A GPipe step's compiled work: its layers' dot FLOPs are `(m + p - 1) / m` times the
 unpipelined step's, counted from the compiled HLO (loop bodies times trip counts) and
 independently from the model's shapes, and no layer runs in a loop nested in the tick loop
-(docs/pipeline.md: a nested layer scan stacked each tick's residuals twice)."""
+(docs/pipeline.md: a nested layer scan stacked each tick's residuals twice); beyond the
+schedule's work, each backward tick adds the stage's layer gradients to the step's, as
+`inspect` says."""
 
+import collections
+import math
+import re
+
+import jax
 from test_pipeline import BATCH, LENGTHS, LM, _trainer
 
-from t5lite.insight.hlo import dot_flops
+from t5lite.insight import pipeline as insight_pipeline
+from t5lite.insight.hlo import _COMPUTATION_RE, dot_flops, executions
 
 
 def _layer_flops_per_token() -> int:
@@ -44,3 +52,47 @@ def test_gpipe_layer_dot_flops_are_the_schedules():
     # Every layer dot sits in a loop of exactly T trips: none in a loop nested in the ticks.
     assert dot_flops(pp_hlo, min_runs=t) == want_pp
     assert dot_flops(pp_hlo, min_runs=t + 1) == 0
+
+
+_FUSION_RE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = f32\[([\d,]*)\]\S* fusion\(")
+
+
+def test_gpipe_accumulates_the_stage_layer_gradients_each_tick():
+    """stage=2 x data=2 x model=2, m=4: in each of the T = 5 backward ticks the stage's 2
+    layers' fp32 gradients (q, k, v, o, wi_0, wi_1, wo and two norm scales, heads and MLP split
+    over `model`) are added to the step's: one add fusion per stacked parameter, shaped as its
+    shard, in the tick loop. `inspect`'s figure counts it: read, add, write, 3 x T x 10.25 KiB."""
+    p, m, model = 2, 4, 2
+    t = m + p - 1
+    tr = _trainer("megatron", p, model, m)
+    hlo = _compiled(tr)
+    d, f, inner = LM["emb_dim"], LM["mlp_dim"], LM["num_heads"] * LM["head_dim"]
+    per_layer = (4 * d * inner + 3 * d * f) // model + 2 * d
+    want = LM["num_layers"] // p * per_layer * 4
+    figures = insight_pipeline.pipeline_figures(tr, hlo)
+    assert figures.tick_gradient_bytes == want == 10496
+    assert figures.accumulation_bytes == 3 * t * want
+    assert (
+        "\n  beyond the schedule's (m+p-1)/m work: each backward tick adds the stage's layer "
+        "gradients to the step's, 3 x 5 x 10.25 KiB = 153.75 KiB moved\n" in figures.format()
+    )
+    # The compiled tick loop: its gradient adds shaped as the stacked layer parameters' shards.
+    shards = collections.Counter(
+        tuple(s.shard_shape(x.shape))
+        for (path, x), s in zip(
+            jax.tree_util.tree_leaves_with_path(tr.state_abstract.params),
+            jax.tree_util.tree_leaves(tr.state_shardings.params),
+        )
+        if "layers" in jax.tree_util.keystr(path)
+    )
+    runs, comp, adds = executions(hlo), None, collections.Counter()
+    for line in hlo.splitlines():
+        if header := _COMPUTATION_RE.match(line):
+            comp = header.group("name")
+            continue
+        fusion = _FUSION_RE.match(line)
+        if fusion and runs.get(comp, 1) == t and "transpose(jvp" in line and 'add_any"' in line:
+            shape = tuple(int(n) for n in fusion.group(1).split(",") if n)
+            adds[shape] += shape in shards
+    assert +adds == shards
+    assert sum(4 * math.prod(s) * n for s, n in adds.items()) == want

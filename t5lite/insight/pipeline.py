@@ -39,6 +39,8 @@ class PipelineFigures:
     compiled_ticks: int | None = None  # the schedule loop's trip count in the compiled step
     compiled_permutes: int | None = None  # collective-permutes in the schedule loops
     compiled_permute_bytes: int | None = None  # their bytes, per device
+    # GPipe's backward adds each tick's stage layer gradients to the step's (per device, bytes)
+    tick_gradient_bytes: int | None = None
 
     @property
     def ticks(self) -> int:
@@ -55,6 +57,13 @@ class PipelineFigures:
         """The idle share the compiled loop implies: its ticks less the `m` that do work."""
         t = self.compiled_ticks
         return None if not t else (t - self.microbatches) / t
+
+    @property
+    def accumulation_bytes(self) -> int | None:
+        """Memory traffic of GPipe's gradient accumulation: in each of the `T` backward ticks
+        the stage's layer gradients are read, added to the step's sum and written back."""
+        g = self.tick_gradient_bytes
+        return None if g is None else 3 * self.ticks * g
 
     @property
     def permutes(self) -> int:
@@ -95,6 +104,14 @@ class PipelineFigures:
                 else _one_f_one_b_in_flight_line(self)
             ),
         ]
+        if self.tick_gradient_bytes is not None:
+            lines.insert(
+                2,
+                "  beyond the schedule's (m+p-1)/m work: each backward tick adds the stage's "
+                f"layer gradients to the step's, 3 x {self.ticks} x "
+                f"{format_bytes(self.tick_gradient_bytes)} = "
+                f"{format_bytes(self.accumulation_bytes)} moved",
+            )
         return "\n".join(lines)
 
 
@@ -139,8 +156,11 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
     ]
     if not loops:  # no schedule loop: unrolled (XLA:TPU does so around DCN transfers)
         return figures
+    # At least fp32, as XLA:CPU differentiates bf16 masters (insight/memory.py).
+    grads = memory.layer_gradient_bytes(trainer, 4)[0] if figures.schedule == "gpipe" else None
     return dataclasses.replace(
         figures,
+        tick_gradient_bytes=grads,
         compiled_ticks=max((op.runs for op in loops), default=0),
         compiled_permutes=sum(op.runs for op in loops),
         compiled_permute_bytes=sum(op.runs * op.collective.bytes for op in loops),
@@ -150,10 +170,11 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
 def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
     """GPipe's collectives over the stage axes (model/pipeline.py), per stack of `T = m + p - 1`
     ticks and one microbatch's activations `a`: the schedule's permutes (one a tick each way),
-    the stack input's gradient summed over stages each backward tick (the input is whole over
-    `stage`), and the stack output handed from the last stage to all (the last stage's `T`
-    outputs permuted and its `m` microbatches all-reduced forward, their gradient permuted
-    back). As `ExpectedCollective` and `CompilerChoice` fields (communication.py)."""
+    the stack input's gradient summed over stages once after the backward ticks (the input is
+    whole over `stage`; `m a`, T5's decoder also the encoder output's), and the stack output
+    handed from the last stage to all (the last stage's `T` outputs permuted and its `m`
+    microbatches all-reduced forward, their gradient permuted back). As `ExpectedCollective`
+    and `CompilerChoice` fields (communication.py)."""
     f = pipeline_figures(trainer)
     if f is None:
         return [], []
@@ -162,6 +183,8 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
     axes, p, m, t = f.stage_axes, f.stages, f.microbatches, f.ticks
     n = len(f.stacks)
     a = sum(f.permute_bytes)
+    # T5's decoder reads the encoder output: its gradient is summed with the decoder's input's.
+    cross = m * f.permute_bytes[0] if n > 1 else 0
     expected = [
         (
             "collective-permute",
@@ -174,10 +197,11 @@ def pipeline_collectives(trainer: Trainer) -> tuple[list[tuple], list[tuple]]:
         (
             "all-reduce",
             axes,
-            t * n,
-            t * a,
+            n + (n > 1),
+            m * a + cross,
             p,
-            "pipeline: the stack input's gradient summed over stages each backward tick",
+            "pipeline: the stack input's gradient summed over stages once, after the backward "
+            "ticks",
         ),
         (
             "collective-permute",

@@ -311,6 +311,14 @@ def run(
 
     def body(stacked_local, xs_MbLD, key, *leaves_local):
         stage = jax.lax.axis_index(axes)
+        # The microbatches and the other inputs arrive whole on every stage; marked as
+        # differing between stages here, once, their gradients are summed over the stages in
+        # one all-reduce after the backward ticks, where mixing them into the tick's
+        # stage-varying values would sum each tick's share in an all-reduce of its own, one per
+        # backward tick, each holding every stage until all reach it (model/schedules.py's
+        # 1F1B sums once too).
+        xs_MbLD = jax.lax.pcast(xs_MbLD, tuple(plan.axes), to="varying")
+        leaves_local = [jax.lax.pcast(v, tuple(plan.axes), to="varying") for v in leaves_local]
 
         def stage_fn(x_bLD, i_mb):
             mb_leaves = [
@@ -350,8 +358,9 @@ def run(
             sent = jax.lax.ppermute(y_bLD, axes, [(i, i + 1) for i in range(p - 1)])
             return sent, y_bLD
 
-        # The carry differs between stages (it holds what the previous stage sent).
-        state_bLD = jax.lax.pcast(jnp.zeros_like(xs_MbLD[0]), tuple(plan.axes), to="varying")
+        # The carry differs between stages (it holds what the previous stage sent), as the
+        # microbatches it is cut from do.
+        state_bLD = jnp.zeros_like(xs_MbLD[0])
         _, ys_TbLD = jax.lax.scan(tick, state_bLD, jnp.arange(sched.ticks))
         return ys_TbLD[None]
 
