@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# Substrings of a kernel's name that say what it is (cuBLAS/CUTLASS/nvJet matmul kernels,
-# cuDNN's fused attention, the copy engine); everything else is an XLA fusion or a small kernel.
+# Substrings of a kernel's name that say what it is (cuDNN's fused attention, cuBLAS/CUTLASS/
+# nvJet matmul kernels, the copy engine), first match wins: attention kernels are named after the
+# wgmma instructions they use too. Everything else is an XLA fusion or a small kernel.
 _KINDS = (
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "triton_gemm")),
     ("attention", ("cudnn", "fmha", "flash", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "triton_gemm")),
     ("copy", ("memcpy", "memset", "copy")),
 )
 

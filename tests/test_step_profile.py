@@ -24,7 +24,11 @@ def test_union_counts_overlapping_spans_once():
     [  # names from the H200 profile in docs/performance.md
         ("nvjet_sm90_tst_128x160_64x5_1x2_h_bz_NNT", "", "matmul"),
         ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32_cublas", "", "matmul"),
-        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0_0", "", "attention"),
+        (
+            "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1",
+            "",
+            "attention",
+        ),
         ("memcpy128", "", "copy"),
         ("loop_add_multiply_fusion", "loop_add_multiply_fusion", "other"),
     ],
