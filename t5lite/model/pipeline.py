@@ -311,12 +311,8 @@ def run(
 
     def body(stacked_local, xs_MbLD, key, *leaves_local):
         stage = jax.lax.axis_index(axes)
-        # The microbatches and the other inputs arrive whole on every stage; marked as
-        # differing between stages here, once, their gradients are summed over the stages in
-        # one all-reduce after the backward ticks, where mixing them into the tick's
-        # stage-varying values would sum each tick's share in an all-reduce of its own, one per
-        # backward tick, each holding every stage until all reach it (model/schedules.py's
-        # 1F1B sums once too).
+        # Marked stage-varying once: their gradients are summed over the stages in one
+        # all-reduce after the backward ticks, not one per tick holding every stage (as 1F1B).
         xs_MbLD = jax.lax.pcast(xs_MbLD, tuple(plan.axes), to="varying")
         leaves_local = [jax.lax.pcast(v, tuple(plan.axes), to="varying") for v in leaves_local]
 
