@@ -53,9 +53,10 @@ _SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078)
 # of the stage's under 1F1B; a stack under FSDP and 1F1B (fitted on the d_model 128 programs,
 # docs/performance.md).
 _GROWN_CODE = (230, 122, 58, 426)
-# 1F1B's weight-sized values in HBM, in units of the stage's weights as its layers read them
-# (fitted on the same programs).
-_ONE_F_ONE_B_WEIGHTS = 1.0
+# Weight-sized values in HBM beyond test size, in units of the stage's weights as its layers
+# read them (fitted on the same programs): 1F1B's (its half-tick loop carries the weights and
+# their gradient sums), GPipe's under FSDP (the ticks' gathered weights).
+_HELD_WEIGHTS = {"1f1b": 1.5, "gpipe": 0.5}
 # The weights' mean tiles an array at which the test-size terms hold (a tile or two).
 _TEST_TILES = 2
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
@@ -104,7 +105,7 @@ class TpuPipelineMemory(pipeline.PipelineMemory):
     vmem: int = 0  # the schedule's values memory-space assignment keeps on chip
     scalars: int = 0  # the heap's scalar slots (tpu_memory's per array, and the schedule's)
     code: int = 0  # the executable
-    weight_values: int = 0  # 1F1B's weight-sized values in HBM beyond the test size
+    weight_values: int = 0  # weight-sized values in HBM beyond the test size
 
     @property
     def total(self) -> int:
@@ -262,11 +263,12 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     slots += _KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts))
     code = _KIB * sum(c * n for c, n in zip(_SCHEDULE_CODE, counts))
     # Kernels unroll over their tiles: past the test size's, each term's code grows with the
-    # log of the weights' tiles; and 1F1B's schedule keeps weight-sized values (the stage's
-    # gradient sums and weights carried through its half-tick loop) in HBM, as small ones in
-    # VMEM or scalar slots at test size.
+    # log of the weights' tiles; and weight-sized values leave VMEM and the scalar slots for
+    # HBM (`_HELD_WEIGHTS`: 1F1B's, GPipe's under FSDP).
     code += int(_KIB * growth * sum(c * n for c, n in zip(_GROWN_CODE, grown)))
-    held = int(_ONE_F_ONE_B_WEIGHTS * weights) if growth > 0 and f.schedule == "1f1b" else 0
+    held = 0
+    if growth > 0 and (f.schedule == "1f1b" or counts[2]):
+        held = int(_HELD_WEIGHTS[f.schedule] * weights)
     return TpuPipelineMemory(
         state,
         batch,
