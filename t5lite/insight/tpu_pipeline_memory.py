@@ -21,6 +21,10 @@ ahead of time (docs/performance.md has the programs and how close the model come
   projections' gathers (`_collective_matmuls`). The slot and code bytes of each term are
   fitted (`_SCHEDULE_CODE`, `_SCHEDULE_SLOTS`), the collective matmuls' read from the
   compiled programs' differences against their fp32 twins.
+- Those terms are the test size's, where every weight array is a tile or two. Past that
+  (`_stage_weights`' growth), each term's kernels grow with the log of the weights' tiles
+  (`_GROWN_CODE`), weight-sized values leave VMEM and the slots for HBM (`_HELD_WEIGHTS`),
+  and the gathers stay all-gathers: no collective matmuls (d_model 32 to 256 ahead of time).
 """
 
 from __future__ import annotations
