@@ -23,8 +23,9 @@ ahead of time (docs/performance.md has the programs and how close the model come
   compiled programs' differences against their fp32 twins.
 - Those terms are the test size's, where every weight array is a tile or two. Past that
   (`_stage_weights`' growth), each term's kernels grow with the log of the weights' tiles
-  (`_GROWN_CODE`), weight-sized values leave VMEM and the slots for HBM (`_HELD_WEIGHTS`),
-  and the gathers stay all-gathers: no collective matmuls (d_model 32 to 256 ahead of time).
+  (`_GROWN_CODE`), 1F1B's loop-carried values stay in HBM (`_CARRIED`), under FSDP part of the
+  gathered weights too (`_GATHERED_HELD`), and the gathers stay all-gathers: no collective
+  matmuls (d_model 32 to 512 ahead of time).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ _SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078)
 # of the stage's under 1F1B; a stack under FSDP and 1F1B (fitted on the d_model 128 programs,
 # docs/performance.md).
 _GROWN_CODE = (230, 122, 58, 426)
-# Weight-sized values in HBM beyond test size, in units of the stage's weights as its layers
-# read them (fitted on the same programs): 1F1B's (its half-tick loop carries the weights and
-# their gradient sums), GPipe's under FSDP (the ticks' gathered weights).
-_HELD_WEIGHTS = {"1f1b": 1.5, "gpipe": 0.5}
+# Under FSDP beyond test size, the gathered weights XLA:TPU keeps in HBM, in units of the
+# stage's weights as its layers read them (fitted on the same programs, either schedule).
+_GATHERED_HELD = 0.5
+# 1F1B's values carried through its half-tick loop's switch (the stage's gradient sums, the
+# stack's microbatched buffers), which XLA:TPU keeps in HBM beyond test size.
+_CARRIED = ("gradients", "stack_buffers")
 # The weights' mean tiles an array at which the test-size terms hold (a tile or two).
 _TEST_TILES = 2
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
@@ -109,7 +112,7 @@ class TpuPipelineMemory(pipeline.PipelineMemory):
     vmem: int = 0  # the schedule's values memory-space assignment keeps on chip
     scalars: int = 0  # the heap's scalar slots (tpu_memory's per array, and the schedule's)
     code: int = 0  # the executable
-    weight_values: int = 0  # weight-sized values in HBM beyond the test size
+    weight_values: int = 0  # gathered weights in HBM beyond the test size (FSDP)
 
     @property
     def total(self) -> int:
@@ -239,8 +242,11 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     )
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
     vmem = tpu_memory.vmem_budget(kind)
+    weights, growth = _stage_weights(trainer, f.stages)
     # The schedule's values (pipeline.pipeline_memory's, sized in the compute dtype): on chip
-    # up to the budget, the rest in HBM, the largest group first out.
+    # up to the budget, the rest in HBM, the largest group first out; past test size 1F1B's
+    # loop-carried values stay in HBM whole (`_CARRIED`).
+    carried = _CARRIED if growth > 0 and f.schedule == "1f1b" else ()
     values = {
         "gradients": pm.gradients,
         "in_flight": pm.in_flight,
@@ -250,6 +256,8 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     }
     left = vmem
     for k in sorted(values, key=values.get):
+        if k in carried:
+            continue
         moved = min(left, values[k])
         values[k] -= moved
         left -= moved
@@ -261,18 +269,14 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
             trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
         )
     )
-    weights, growth = _stage_weights(trainer, f.stages)
     counts, grown = _schedule_counts(trainer, f, growth > 0)
     slots = arrays * tpu_memory.ARRAY_SLOTS + stacked * tpu_memory.LOOP_SLOTS
     slots += _KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts))
     code = _KIB * sum(c * n for c, n in zip(_SCHEDULE_CODE, counts))
     # Kernels unroll over their tiles: past the test size's, each term's code grows with the
-    # log of the weights' tiles; and weight-sized values leave VMEM and the scalar slots for
-    # HBM (`_HELD_WEIGHTS`: 1F1B's, GPipe's under FSDP).
+    # log of the weights' tiles; and under FSDP gathered weights leave VMEM for HBM.
     code += int(_KIB * growth * sum(c * n for c, n in zip(_GROWN_CODE, grown)))
-    held = 0
-    if growth > 0 and (f.schedule == "1f1b" or counts[2]):
-        held = int(_HELD_WEIGHTS[f.schedule] * weights)
+    held = int(_GATHERED_HELD * weights) if growth > 0 and counts[2] else 0
     return TpuPipelineMemory(
         state,
         batch,
