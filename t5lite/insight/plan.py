@@ -220,9 +220,10 @@ def pipeline_analytic(trainer: Trainer, a: AnalyticFigures, device: DeviceSpec) 
     f = pipeline_figures(trainer)
     if pm is None or f is None:
         return a
-    # On TPU the executable and the heap's scalar slots count too (tpu_pipeline_memory).
+    # On TPU the executable, the heap's scalar slots and (past test size) the weight-sized
+    # values in HBM count too (tpu_pipeline_memory).
     tpu = isinstance(pm, TpuPipelineMemory)
-    code, slots = (pm.code, pm.scalars + pm.position_bias) if tpu else (0, 0)
+    code, slots = (pm.code, pm.scalars + pm.position_bias + pm.weight_values) if tpu else (0, 0)
     activations = pm.in_flight + pm.stack_buffers + pm.working + pm.weight_split + slots
     terms = (
         ("residuals in flight", pm.in_flight),

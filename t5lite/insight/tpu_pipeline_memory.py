@@ -21,6 +21,11 @@ ahead of time (docs/performance.md has the programs and how close the model come
   projections' gathers (`_collective_matmuls`). The slot and code bytes of each term are
   fitted (`_SCHEDULE_CODE`, `_SCHEDULE_SLOTS`), the collective matmuls' read from the
   compiled programs' differences against their fp32 twins.
+- Those terms are the test size's, where every weight array is a tile or two. Past that
+  (`_stage_weights`' growth), each term's kernels grow with the log of the weights' tiles
+  (`_GROWN_CODE`), 1F1B's loop-carried values stay in HBM (`_CARRIED`), under FSDP part of the
+  gathered weights too (`_GATHERED_HELD`), and the gathers stay all-gathers: no collective
+  matmuls (d_model 32 to 512 ahead of time).
 """
 
 from __future__ import annotations
@@ -48,6 +53,19 @@ from t5lite.trainer import Trainer
 # unit). The slots' FSDP stack term is negative: it is what the 1F1B term leaves of it.
 _SCHEDULE_CODE = (1535, 173, 1090, 227, 64, 357)
 _SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078)
+# Beyond test size (`_weight_growth`): code (KiB) a doubling of the weights' tiles adds, by
+# what the compiled step holds: a block of one layer of each stack; a stack under FSDP; a layer
+# of the stage's under 1F1B; a stack under FSDP and 1F1B (fitted on the d_model 128 programs,
+# docs/performance.md).
+_GROWN_CODE = (230, 122, 58, 426)
+# Under FSDP beyond test size, the gathered weights XLA:TPU keeps in HBM, in units of the
+# stage's weights as its layers read them (fitted on the same programs, either schedule).
+_GATHERED_HELD = 0.5
+# 1F1B's values carried through its half-tick loop's switch (the stage's gradient sums, the
+# stack's microbatched buffers), which XLA:TPU keeps in HBM beyond test size.
+_CARRIED = ("gradients", "stack_buffers")
+# The weights' mean tiles an array at which the test-size terms hold (a tile or two).
+_TEST_TILES = 2
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
 _GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 _KIB = 2**10
@@ -55,6 +73,7 @@ _KIB = 2**10
 # 32-bit words (sublanes, lanes).
 _MIN_BUFFER = 512
 _SUBLANES, _LANES = 8, 128
+_TILE = _SUBLANES * _LANES * 4
 
 
 def tile_bytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -93,13 +112,14 @@ class TpuPipelineMemory(pipeline.PipelineMemory):
     vmem: int = 0  # the schedule's values memory-space assignment keeps on chip
     scalars: int = 0  # the heap's scalar slots (tpu_memory's per array, and the schedule's)
     code: int = 0  # the executable
+    weight_values: int = 0  # gathered weights in HBM beyond the test size (FSDP)
 
     @property
     def total(self) -> int:
-        return super().total + self.scalars + self.code
+        return super().total + self.scalars + self.code + self.weight_values
 
     def format(self, compiled: int | None = None) -> str:
-        values = super().total - self.state - self.batch
+        values = super().total - self.state - self.batch + self.weight_values
         line = (
             f"  memory per device (XLA:TPU): analytic {format_bytes(self.total)} = state "
             f"{format_bytes(self.state)} + batch {format_bytes(self.batch)} (tiled) + scalar "
@@ -111,10 +131,15 @@ class TpuPipelineMemory(pipeline.PipelineMemory):
         return line
 
 
-def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int, ...]:
+def _schedule_counts(
+    trainer: Trainer, f: pipeline.PipelineFigures, grown: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The schedule terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
     parallelism, the stacks under FSDP, the stage's layers under 1F1B, the collective
-    matmuls (`_collective_matmuls`), the stacks under FSDP and 1F1B."""
+    matmuls (`_collective_matmuls`; none where the weights have `grown` beyond the test
+    size's tiles: the gathers stay all-gathers), the stacks under FSDP and 1F1B; and the
+    grown code's (`_GROWN_CODE`): the blocks of one layer of each stack, the stacks under
+    FSDP, the stage's layers under 1F1B, the stacks under FSDP and 1F1B."""
     cfg = trainer.model.network_config
     part = trainer.partitioner
     if isinstance(cfg, T5Config):
@@ -135,7 +160,12 @@ def _schedule_counts(trainer: Trainer, f: pipeline.PipelineFigures) -> tuple[int
         blocks * tensor,
         len(stacks) * fsdp,
         layers * one_f_one_b,
-        _collective_matmuls(kernels, f.schedule) if bf16 else 0,
+        _collective_matmuls(kernels, f.schedule) if bf16 and not grown else 0,
+        len(stacks) * fsdp * one_f_one_b,
+    ), (
+        sum(per for _, per, _ in stacks),
+        len(stacks) * fsdp,
+        layers * one_f_one_b,
         len(stacks) * fsdp * one_f_one_b,
     )
 
@@ -147,6 +177,37 @@ def _collective_matmuls(kernels: int, schedule: str) -> int:
     kernel. GPipe gathers a projection once a step, 1F1B three times (as the compiled steps
     count them: its forward and backward, compiled apart, gather again)."""
     return kernels * _GATHERING_PASSES[schedule]
+
+
+def _stage_weights(trainer: Trainer, stages: int) -> tuple[int, float]:
+    """The stage's stacked weights as its layers read them (whole over the batch's mesh axes,
+    which FSDP gathers; split over the others), in their tiles, bytes per device; and how much
+    they have outgrown the test size's tiles: `log2` of their mean tiles an array (one layer of
+    each stack) over `_TEST_TILES`, 0 at or under it."""
+    part = trainer.partitioner
+    mesh = part.mesh
+    batch_axes = set(mesh_axes_of(part.data_partition_spec[0])) - {STAGE}
+    total, tiles, arrays = 0, 0, 0
+    for x, names, s in zip(
+        jax.tree_util.tree_leaves(trainer.state_abstract.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+    ):
+        names = tuple(names)
+        if "layers" not in names:
+            continue
+        spec = tuple(s.spec) + (None,) * (len(x.shape) - len(s.spec))
+        shape = []
+        for d, n, e in zip(x.shape, names, spec):
+            if n != "layers":
+                ways = math.prod(mesh.shape[a] for a in mesh_axes_of(e) if a not in batch_axes)
+                shape.append(d // ways)
+        layer = tile_bytes(tuple(shape), np.dtype(x.dtype).itemsize)
+        total += layer * x.shape[names.index("layers")] // stages
+        tiles += layer / _TILE
+        arrays += 1
+    growth = math.log2(max(1.0, tiles / max(arrays, 1) / _TEST_TILES))
+    return total, growth
 
 
 def _layers_split_over_batch(trainer: Trainer) -> bool:
@@ -181,8 +242,11 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     )
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
     vmem = tpu_memory.vmem_budget(kind)
+    weights, growth = _stage_weights(trainer, f.stages)
     # The schedule's values (pipeline.pipeline_memory's, sized in the compute dtype): on chip
-    # up to the budget, the rest in HBM, the largest group first out.
+    # up to the budget, the rest in HBM, the largest group first out; past test size 1F1B's
+    # loop-carried values stay in HBM whole (`_CARRIED`).
+    carried = _CARRIED if growth > 0 and f.schedule == "1f1b" else ()
     values = {
         "gradients": pm.gradients,
         "in_flight": pm.in_flight,
@@ -192,6 +256,8 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     }
     left = vmem
     for k in sorted(values, key=values.get):
+        if k in carried:
+            continue
         moved = min(left, values[k])
         values[k] -= moved
         left -= moved
@@ -203,12 +269,22 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
             trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
         )
     )
-    counts = _schedule_counts(trainer, f)
+    counts, grown = _schedule_counts(trainer, f, growth > 0)
     slots = arrays * tpu_memory.ARRAY_SLOTS + stacked * tpu_memory.LOOP_SLOTS
     slots += _KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts))
     code = _KIB * sum(c * n for c, n in zip(_SCHEDULE_CODE, counts))
+    # Kernels unroll over their tiles: past the test size's, each term's code grows with the
+    # log of the weights' tiles; and under FSDP gathered weights leave VMEM for HBM.
+    code += int(_KIB * growth * sum(c * n for c, n in zip(_GROWN_CODE, grown)))
+    held = int(_GATHERED_HELD * weights) if growth > 0 and counts[2] else 0
     return TpuPipelineMemory(
-        state, batch, **values, vmem=vmem - left, scalars=max(slots, 0), code=code
+        state,
+        batch,
+        **values,
+        vmem=vmem - left,
+        scalars=max(slots, 0),
+        code=code,
+        weight_values=held,
     )
 
 
