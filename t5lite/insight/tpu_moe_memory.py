@@ -78,11 +78,25 @@ _CODE_MOE_REMAT = 0.2
 # 90.5 / 28.1 MiB (expert_parallel / megatron) for one layer's 12 / 3 MiB hidden buffer and
 # 6 / 6 MiB of rows.
 _UNROLLED_UNITS = {
-    ("capacity", "none"): (6.38, 0.0, 0.0),
-    ("capacity", "full"): (0.0, 0.0, 1.28),
-    ("dropless", "none"): (5.24, 0.0, 0.0),
-    ("dropless", "full"): (6.94, 1.21, 1.28),
+    ("capacity", "none"): (3.45, 0.0, 0.0),
+    ("capacity", "full"): (0.0, 0.0, 0.47),
+    ("dropless", "none"): (4.78, 0.0, 0.0),
+    ("dropless", "full"): (6.94, 1.21, 0.47),
 }
+# Those fits less the MoE layers' slots (`_MOE_LAYER_SLOTS`), which they held: 5.5 MiB a layer
+# of capacity `none`'s 12 (6.38 hidden buffers), dropless `none`'s 63 (5.24); under `full`
+# 11 MiB of the 17.3 (1.28 copies). On a one-axis mesh under `full` (data_parallel) the
+# copies keep their fit (1.28 of the gradients, no slots).
+_ONE_AXIS_COPIES = 1.28
+# Each unrolled MoE layer's small values (its async copies' flags between VMEM and HBM, its
+# dynamic slices' and all-to-alls' tuples and flags, top_k's and the sort's outputs) each take a
+# 16 KiB slot in the HBM heap, and `memory_analysis` reserves about as much again beyond the
+# buffer assignment (as tpu_memory.ARRAY_SLOTS): 176 slots a layer, twice. Read from the buffer
+# assignment of the unrolled decoder-only programs (v5e:2x4, 2 MoE layers, 23 parameter
+# arrays): 571-610 16 KiB values above the heap's large ones where the dense rule counts 230,
+# and 8.4-9.9 MiB of temporaries beyond the heap (expert_parallel, megatron, fully_sharded,
+# capacity, `none` and `full`, fp32 and bf16): 4.8-6.3 MiB a MoE layer beyond ARRAY_SLOTS.
+_MOE_LAYER_SLOTS = 2 * 176 * 16 * 2**10
 # Each unrolled MoE layer's own kernels (top-2; `moe_code` scales them by routing) and their
 # recomputation's share under `full`: expert_parallel capacity 3.3 MiB a layer `none`, 5.0
 # `full`, dropless 4.6 (compiled code less the dense model's predicted code).
@@ -194,8 +208,11 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
         # of temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
         return {}
     units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
+    slots = 0
     if one_axis:  # under `full` the gradients and the copies only (dropless: 45.6 MiB)
-        units = (0.0, 0.0, units[2])
+        units = (0.0, 0.0, _ONE_AXIS_COPIES)
+    else:
+        slots = _MOE_LAYER_SLOTS * sum(round(n * a["moe_share"]) for n, a in layers)
     values = 0.0
     for n, a in layers:
         moe_layers = round(n * a["moe_share"])
@@ -219,7 +236,8 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
     if remat != "full":
         resharded = resharded // 2 + resharded * 2 // itemsize
     values += resharded
-    return {"moe (unrolled)": int(values), "stacked gradients": gradients}
+    out = {"moe (unrolled)": int(values), "stacked gradients": gradients}
+    return {**out, "moe slots": slots} if slots else out
 
 
 def spills(layers: list, top_k: int, vmem: int, itemsize: int = 4) -> bool:
