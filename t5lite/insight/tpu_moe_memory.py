@@ -23,7 +23,9 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   (the `[E, D, F]` expert kernels', the output layer's and the embedding's), each MoE layer's
   `f32[E, G, C, F]` hidden buffers (tile-padded) and their bf16 copies as the MXU reads them,
   and the `[B, L, D]` values they push out of VMEM; under `full` the parameters' copies as
-  scanned. Each unrolled MoE layer adds its own kernels' code.
+  scanned. Each unrolled MoE layer adds its own kernels' code, and its small values (flags of
+  the async copies between VMEM and HBM, slices, top_k's and the sort's outputs) each take a
+  16 KiB slot of the heap, reserved twice as the parameters' scalars are (`moe slots`).
 - Top-1 routing (T5's Switch default; a top-1 decoder-only program too) keeps all of it in
   VMEM, scanned or not: 1.5 MiB of temporaries beyond the dense model's scalars for a T5
   whose gradients are 11.5 MiB. Scanned, only the stacked MoE values stay in HBM (without
@@ -113,7 +115,11 @@ class MoeProgram:
     parameters in the compute dtype (what the backward's copies hold under remat); `one_axis`:
     the mesh splits over one axis only; `itemsize`: the activations' (the layer's buffers are
     sized with it); `spill`: the layers' values leave VMEM (`spills`); `top_k`: the
-    routing's choices a token; `vmem`: the VMEM budget (tpu_memory.vmem_budget), bytes."""
+    routing's choices a token; `vmem`: the VMEM budget (tpu_memory.vmem_budget), bytes;
+    `f_split`: the rules split the expert kernels' F (`expert_mlp`, Megatron-style: the output
+    projection's partial sums are all-reduced);
+    `lane_padding`: the expert hidden buffers' bytes in HBM over their elements' (F, the minor
+    dimension, padded to 128 lanes)."""
 
     layers: tuple
     remat: str
@@ -125,6 +131,8 @@ class MoeProgram:
     spill: bool = True
     top_k: int = 2
     vmem: int = 0
+    f_split: bool = False
+    lane_padding: float = 1.0
 
 
 def scanned_moe(program: MoeProgram) -> dict[str, int]:
@@ -236,8 +244,35 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
     if remat != "full":
         resharded = resharded // 2 + resharded * 2 // itemsize
     values += resharded
+    if remat == "full" and dispatch == "capacity" and not one_axis and not resharded:
+        values += recomputed_in_hbm(program)
     out = {"moe (unrolled)": int(values), "stacked gradients": gradients}
     return {**out, "moe slots": slots} if slots else out
+
+
+def recomputed_in_hbm(program: MoeProgram) -> int:
+    """HBM an unrolled capacity layer's recomputation holds under `full` where the rules split
+    the expert kernels' F (megatron; the hidden layer as the kernels') and its hidden buffers,
+    one a choice, exceed a tenth of the VMEM budget in the activations' dtype: memory-space
+    assignment evicts the recomputed forward's values the layer's backward reads later, both
+    pre-activations in that dtype and the activation's and the two dispatched tokens' bf16
+    copies, tile-padded (decoder-only megatron `full` fp32, v5e:2x4: two `f32[2,16,80,192]`
+    at 2.5 MiB, `bf16[2,16,80,192]` at 1.25 and two `bf16[2,16,80,256]` copy-starts' outputs at
+    the peak, 8.75 MiB; the same with mlp_dim 1024, F unpadded, and with 8 experts; with bf16
+    compute (0.94 MiB buffers) and on expert_parallel (F whole: its recomputed
+    `f32[2,16,20,768]` stays in VMEM) none). The rule separates the programs seen; it is not
+    the compiler's."""
+    if not program.f_split:
+        return 0
+    moe = [a for n, a in program.layers if round(n * a["moe_share"])]
+    if not moe:
+        return 0
+    a = max(moe, key=lambda a: a["moe_h"])
+    if program.top_k * a["moe_h"] <= program.vmem // 10:
+        return 0
+    hidden = a["moe_h"] * program.lane_padding
+    bf16 = 2 / program.itemsize
+    return int(2 * hidden + hidden * bf16 + 2 * a.get("moe_dispatched", 0) * bf16)
 
 
 def spills(layers: list, top_k: int, vmem: int, itemsize: int = 4) -> bool:
