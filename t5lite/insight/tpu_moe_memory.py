@@ -87,8 +87,10 @@ _UNROLLED_UNITS = {
 }
 # Those fits less the MoE layers' slots (`_MOE_LAYER_SLOTS`), which they held: 5.5 MiB a layer
 # of capacity `none`'s 12 (6.38 hidden buffers), dropless `none`'s 63 (5.24); under `full`
-# 11 MiB of the 17.3 (1.28 copies). On a one-axis mesh under `full` (data_parallel) the
-# copies keep their fit (1.28 of the gradients, no slots).
+# 11 MiB of the 17.3 (1.28 copies): what is left (0.47 of the gradients) is mostly `[B, L, D]`
+# values out of VMEM (four f32[8,128,256] at the expert_parallel and megatron peaks), fitted
+# as before. On a one-axis mesh under `full` (data_parallel) the copies keep their fit (1.28
+# of the gradients, no slots).
 _ONE_AXIS_COPIES = 1.28
 # Each unrolled MoE layer's small values (its async copies' flags between VMEM and HBM, its
 # dynamic slices' and all-to-alls' tuples and flags, top_k's and the sort's outputs) each take a
@@ -206,8 +208,9 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
     """HBM unrolled mixture-of-experts layers take on TPU, by term: nothing where the values
     do not spill (they and the gradients stay in VMEM) or on a one-axis mesh; else each MoE
     layer's values (`moe (unrolled)`, in hidden buffers) or, under `full`, one recomputed
-    layer's a stack and the parameters' copies, one layer's backward's F-whole hidden
-    buffers where the rules reshard them, and every gradient."""
+    layer's a stack and the parameters' copies (`recomputed_in_hbm` where F is split), one
+    layer's backward's F-whole hidden buffers where the rules reshard them, every gradient,
+    and each MoE layer's 16 KiB slots (`moe slots`, not on a one-axis mesh)."""
     layers, remat, dispatch = program.layers, program.remat, program.dispatch
     gradients, copies, itemsize = program.gradients, program.copies, program.itemsize
     spill, one_axis = program.spill, program.one_axis
