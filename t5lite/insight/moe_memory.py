@@ -111,6 +111,7 @@ def capacity_bytes(
         "moe_resharded": resharded,
         # one [E, G, C, D] dispatched tokens buffer (XLA:TPU's recomputed layer: tpu_moe_memory)
         "moe_dispatched": dispatched,
+        "moe_capacity": c,  # slots an expert (C) a group
         **work,
     }
 

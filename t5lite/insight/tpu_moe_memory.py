@@ -240,12 +240,19 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
     # remat two in the activations' dtype and four bf16 copies the MXU reads (decoder-only
     # fully_sharded capacity `none`: f32[2,16,80,768] and bf16[2,16,80,768] against the
     # rules' [2,16,80,192]), as many as the F-whole buffers XLA:CPU's backward holds
-    # (moe_memory's `moe_resharded`, four); under `full` the recomputed layer's bf16 copies
-    # (five, tile-padded: C minor; counted as four in the activations' dtype, fitted on the
-    # fp32 program). Once a program: the other layers' saved values are F-split.
-    resharded = max((a.get("moe_resharded", 0) for n, a in layers if n * a["moe_share"]), default=0)
+    # (moe_memory's `moe_resharded`, four); under `full` three of the recomputed layer's bf16
+    # copies at once, C minor and padded to 128 lanes whatever the policy (`bf16[2,16,80,768]`
+    # at 6 MiB for 3.75 of elements: three at once in the fp32 heap, up to three in the bf16
+    # one). Once a program: the other layers' saved values are F-split.
+    moe = [a for n, a in layers if round(n * a["moe_share"]) and a.get("moe_resharded", 0)]
+    resharded = max((a["moe_resharded"] for a in moe), default=0)
     if remat != "full":
         resharded = resharded // 2 + resharded * 2 // itemsize
+    elif resharded:
+        a = max(moe, key=lambda a: a["moe_resharded"])
+        whole = (a["moe_resharded"] // 4 + a["moe_h"]) // itemsize  # elements, F whole
+        c = a.get("moe_capacity", 128)
+        resharded = int(3 * whole * 2 * (-(-c // 128) * 128 / c))
     values += resharded
     if remat == "full" and dispatch == "capacity" and not one_axis and not resharded:
         values += recomputed_in_hbm(program)
