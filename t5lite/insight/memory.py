@@ -420,6 +420,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
         one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
         itemsize = activation_itemsize(cfg, "tpu")
+        f_split = moe_memory.kernel_splits(trainer.partitioner)[2]
+        f_local = max(1, cfg.mlp_dim // f_split)
         program = tpu_moe_memory.MoeProgram(
             layers=tuple(layers),
             remat=cfg.remat_policy,
@@ -431,6 +433,8 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
             spill=tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize),
             top_k=cfg.moe_top_k,
             vmem=vmem,
+            f_split=f_split > 1,
+            lane_padding=-(-f_local // 128) * 128 / f_local,
         )
         of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
         moe = of(program)

@@ -105,7 +105,15 @@ def capacity_bytes(
     }
     # (XLA:TPU's unrolled layers hold the same four F-whole buffers at the peak, one layer's
     # backward: tpu_moe_memory.unscanned_moe)
-    return {"moe": saved, "moe_h": hidden, "moe_resharded": resharded, **work}
+    return {
+        "moe": saved,
+        "moe_h": hidden,
+        "moe_resharded": resharded,
+        # one [E, G, C, D] dispatched tokens buffer (XLA:TPU's recomputed layer: tpu_moe_memory)
+        "moe_dispatched": dispatched,
+        "moe_capacity": c,  # slots an expert (C) a group
+        **work,
+    }
 
 
 _MOE_HIDDEN, _MOE_RECOMPUTED, _RESHARDED_HIDDEN, _UNSTACKED_HIDDEN, _HELD_WHOLE = 6, 1.3, 4, 2, 3

@@ -23,7 +23,9 @@ test-size decoder-only model of `accuracy.accuracy_trainer` with four experts, `
   (the `[E, D, F]` expert kernels', the output layer's and the embedding's), each MoE layer's
   `f32[E, G, C, F]` hidden buffers (tile-padded) and their bf16 copies as the MXU reads them,
   and the `[B, L, D]` values they push out of VMEM; under `full` the parameters' copies as
-  scanned. Each unrolled MoE layer adds its own kernels' code.
+  scanned. Each unrolled MoE layer adds its own kernels' code, and its small values (flags of
+  the async copies between VMEM and HBM, slices, top_k's and the sort's outputs) each take a
+  16 KiB slot of the heap, reserved twice as the parameters' scalars are (`moe slots`).
 - Top-1 routing (T5's Switch default; a top-1 decoder-only program too) keeps all of it in
   VMEM, scanned or not: 1.5 MiB of temporaries beyond the dense model's scalars for a T5
   whose gradients are 11.5 MiB. Scanned, only the stacked MoE values stay in HBM (without
@@ -78,11 +80,27 @@ _CODE_MOE_REMAT = 0.2
 # 90.5 / 28.1 MiB (expert_parallel / megatron) for one layer's 12 / 3 MiB hidden buffer and
 # 6 / 6 MiB of rows.
 _UNROLLED_UNITS = {
-    ("capacity", "none"): (6.38, 0.0, 0.0),
-    ("capacity", "full"): (0.0, 0.0, 1.28),
-    ("dropless", "none"): (5.24, 0.0, 0.0),
-    ("dropless", "full"): (6.94, 1.21, 1.28),
+    ("capacity", "none"): (3.45, 0.0, 0.0),
+    ("capacity", "full"): (0.0, 0.0, 0.47),
+    ("dropless", "none"): (4.78, 0.0, 0.0),
+    ("dropless", "full"): (6.94, 1.21, 0.47),
 }
+# Those fits less the MoE layers' slots (`_MOE_LAYER_SLOTS`), which they held: 5.5 MiB a layer
+# of capacity `none`'s 12 (6.38 hidden buffers), dropless `none`'s 63 (5.24); under `full`
+# 11 MiB of the 17.3 (1.28 copies): what is left (0.47 of the gradients) is mostly `[B, L, D]`
+# values out of VMEM (four f32[8,128,256] at the expert_parallel and megatron peaks), fitted
+# as before. On a one-axis mesh under `full` (data_parallel) the copies keep their fit (1.28
+# of the gradients, no slots).
+_ONE_AXIS_COPIES = 1.28
+# Each unrolled MoE layer's small values (its async copies' flags between VMEM and HBM, its
+# dynamic slices' and all-to-alls' tuples and flags, top_k's and the sort's outputs) each take a
+# 16 KiB slot in the HBM heap, and `memory_analysis` reserves about as much again beyond the
+# buffer assignment (as tpu_memory.ARRAY_SLOTS): 176 slots a layer, twice. Read from the buffer
+# assignment of the unrolled decoder-only programs (v5e:2x4, 2 MoE layers, 23 parameter
+# arrays): 571-610 16 KiB values above the heap's large ones where the dense rule counts 230,
+# and 8.4-9.9 MiB of temporaries beyond the heap (expert_parallel, megatron, fully_sharded,
+# capacity, `none` and `full`, fp32 and bf16): 4.8-6.3 MiB a MoE layer beyond ARRAY_SLOTS.
+_MOE_LAYER_SLOTS = 2 * 176 * 16 * 2**10
 # Each unrolled MoE layer's own kernels (top-2; `moe_code` scales them by routing) and their
 # recomputation's share under `full`: expert_parallel capacity 3.3 MiB a layer `none`, 5.0
 # `full`, dropless 4.6 (compiled code less the dense model's predicted code).
@@ -99,7 +117,11 @@ class MoeProgram:
     parameters in the compute dtype (what the backward's copies hold under remat); `one_axis`:
     the mesh splits over one axis only; `itemsize`: the activations' (the layer's buffers are
     sized with it); `spill`: the layers' values leave VMEM (`spills`); `top_k`: the
-    routing's choices a token; `vmem`: the VMEM budget (tpu_memory.vmem_budget), bytes."""
+    routing's choices a token; `vmem`: the VMEM budget (tpu_memory.vmem_budget), bytes;
+    `f_split`: the rules split the expert kernels' F (`expert_mlp`, Megatron-style: the output
+    projection's partial sums are all-reduced);
+    `lane_padding`: the expert hidden buffers' bytes in HBM over their elements' (F, the minor
+    dimension, padded to 128 lanes)."""
 
     layers: tuple
     remat: str
@@ -111,6 +133,8 @@ class MoeProgram:
     spill: bool = True
     top_k: int = 2
     vmem: int = 0
+    f_split: bool = False
+    lane_padding: float = 1.0
 
 
 def scanned_moe(program: MoeProgram) -> dict[str, int]:
@@ -184,8 +208,9 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
     """HBM unrolled mixture-of-experts layers take on TPU, by term: nothing where the values
     do not spill (they and the gradients stay in VMEM) or on a one-axis mesh; else each MoE
     layer's values (`moe (unrolled)`, in hidden buffers) or, under `full`, one recomputed
-    layer's a stack and the parameters' copies, one layer's backward's F-whole hidden
-    buffers where the rules reshard them, and every gradient."""
+    layer's a stack and the parameters' copies (`recomputed_in_hbm` where F is split), one
+    layer's backward's F-whole hidden buffers where the rules reshard them, every gradient,
+    and each MoE layer's 16 KiB slots (`moe slots`, not on a one-axis mesh)."""
     layers, remat, dispatch = program.layers, program.remat, program.dispatch
     gradients, copies, itemsize = program.gradients, program.copies, program.itemsize
     spill, one_axis = program.spill, program.one_axis
@@ -194,8 +219,11 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
         # of temporaries beyond the scalars, capacity `none`, for 22.5 MiB of gradients.
         return {}
     units = _UNROLLED_UNITS[(dispatch, "full" if remat == "full" else "none")]
+    slots = 0
     if one_axis:  # under `full` the gradients and the copies only (dropless: 45.6 MiB)
-        units = (0.0, 0.0, units[2])
+        units = (0.0, 0.0, _ONE_AXIS_COPIES)
+    else:
+        slots = _MOE_LAYER_SLOTS * sum(round(n * a["moe_share"]) for n, a in layers)
     values = 0.0
     for n, a in layers:
         moe_layers = round(n * a["moe_share"])
@@ -212,14 +240,49 @@ def unscanned_moe(program: MoeProgram) -> dict[str, int]:
     # remat two in the activations' dtype and four bf16 copies the MXU reads (decoder-only
     # fully_sharded capacity `none`: f32[2,16,80,768] and bf16[2,16,80,768] against the
     # rules' [2,16,80,192]), as many as the F-whole buffers XLA:CPU's backward holds
-    # (moe_memory's `moe_resharded`, four); under `full` the recomputed layer's bf16 copies
-    # (five, tile-padded: C minor; counted as four in the activations' dtype, fitted on the
-    # fp32 program). Once a program: the other layers' saved values are F-split.
-    resharded = max((a.get("moe_resharded", 0) for n, a in layers if n * a["moe_share"]), default=0)
+    # (moe_memory's `moe_resharded`, four); under `full` three of the recomputed layer's bf16
+    # copies at once, C minor and padded to 128 lanes whatever the policy (`bf16[2,16,80,768]`
+    # at 6 MiB for 3.75 of elements: three at once in the fp32 heap, up to three in the bf16
+    # one). Once a program: the other layers' saved values are F-split.
+    moe = [a for n, a in layers if round(n * a["moe_share"]) and a.get("moe_resharded", 0)]
+    resharded = max((a["moe_resharded"] for a in moe), default=0)
     if remat != "full":
         resharded = resharded // 2 + resharded * 2 // itemsize
+    elif resharded:
+        a = max(moe, key=lambda a: a["moe_resharded"])
+        whole = (a["moe_resharded"] // 4 + a["moe_h"]) // itemsize  # elements, F whole
+        c = a.get("moe_capacity", 128)
+        resharded = int(3 * whole * 2 * (-(-c // 128) * 128 / c))
     values += resharded
-    return {"moe (unrolled)": int(values), "stacked gradients": gradients}
+    if remat == "full" and dispatch == "capacity" and not one_axis and not resharded:
+        values += recomputed_in_hbm(program)
+    out = {"moe (unrolled)": int(values), "stacked gradients": gradients}
+    return {**out, "moe slots": slots} if slots else out
+
+
+def recomputed_in_hbm(program: MoeProgram) -> int:
+    """HBM an unrolled capacity layer's recomputation holds under `full` where the rules split
+    the expert kernels' F (megatron; the hidden layer as the kernels') and its hidden buffers,
+    one a choice, exceed a tenth of the VMEM budget in the activations' dtype: memory-space
+    assignment evicts the recomputed forward's values the layer's backward reads later, both
+    pre-activations in that dtype and the activation's and the two dispatched tokens' bf16
+    copies, tile-padded (decoder-only megatron `full` fp32, v5e:2x4: two `f32[2,16,80,192]`
+    at 2.5 MiB, `bf16[2,16,80,192]` at 1.25 and two `bf16[2,16,80,256]` copy-starts' outputs at
+    the peak, 8.75 MiB; the same with mlp_dim 1024, F unpadded, and with 8 experts; with bf16
+    compute (0.94 MiB buffers) and on expert_parallel (F whole: its recomputed
+    `f32[2,16,20,768]` stays in VMEM) none). The rule separates the programs seen; it is not
+    the compiler's."""
+    if not program.f_split:
+        return 0
+    moe = [a for n, a in program.layers if round(n * a["moe_share"])]
+    if not moe:
+        return 0
+    a = max(moe, key=lambda a: a["moe_h"])
+    if program.top_k * a["moe_h"] <= program.vmem // 10:
+        return 0
+    hidden = a["moe_h"] * program.lane_padding
+    bf16 = 2 / program.itemsize
+    return int(2 * hidden + hidden * bf16 + 2 * a.get("moe_dispatched", 0) * bf16)
 
 
 def spills(layers: list, top_k: int, vmem: int, itemsize: int = 4) -> bool:
