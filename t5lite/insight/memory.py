@@ -413,31 +413,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
     moe = {}
     if getattr(cfg, "num_experts", 0):
-        # Where the MoE layers' values leave VMEM they and every gradient are in HBM
-        # (tpu_moe_memory.spills).
-        whole = _gradient_bytes(trainer, scan_reduces=False)[0]
-        master = np.dtype(jax.tree_util.tree_leaves(trainer.state_abstract.params)[0].dtype)
-        copies = whole * activation_itemsize(cfg, "tpu") // master.itemsize
-        one_axis = sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1
-        itemsize = activation_itemsize(cfg, "tpu")
-        f_split = moe_memory.kernel_splits(trainer.partitioner)[2]
-        f_local = max(1, cfg.mlp_dim // f_split)
-        program = tpu_moe_memory.MoeProgram(
-            layers=tuple(layers),
-            remat=cfg.remat_policy,
-            dispatch=cfg.moe_dispatch,
-            gradients=whole,
-            copies=copies,
-            one_axis=one_axis,
-            itemsize=itemsize,
-            spill=tpu_moe_memory.spills(layers, cfg.moe_top_k, vmem, itemsize),
-            top_k=cfg.moe_top_k,
-            vmem=vmem,
-            f_split=f_split > 1,
-            lane_padding=-(-f_local // 128) * 128 / f_local,
-        )
-        of = tpu_moe_memory.scanned_moe if cfg.scan_layers else tpu_moe_memory.unscanned_moe
-        moe = of(program)
+        moe = _tpu_moe(trainer, layers, vmem)
         layers = [(n, {**a, "moe": 0}) for n, a in layers]
     # The parameters cast from their masters to a narrower compute dtype (bf16 of fp32 masters):
     # on a megacore, where FSDP gathers them, they live through the backward (tpu_memory).
@@ -485,6 +461,23 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)
     return PredictedMemory(state, batch, grads, 0, 0, terms, code=code)
+
+
+def _tpu_moe(trainer: Trainer, layers: list, vmem: int) -> dict[str, int]:
+    """The MoE layers' terms on XLA:TPU (tpu_moe_memory): where their values leave VMEM, they
+    and every gradient are in HBM (`tpu_moe_memory.spills`)."""
+    cfg = trainer.model.network_config
+    params = trainer.state_abstract.params
+    return tpu_moe_memory.moe_terms(
+        cfg,
+        layers,
+        gradients=_gradient_bytes(trainer, scan_reduces=False)[0],
+        master_itemsize=np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize,
+        itemsize=activation_itemsize(cfg, "tpu"),
+        f_split=moe_memory.kernel_splits(trainer.partitioner)[2],
+        one_axis=sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1,
+        vmem=vmem,
+    )
 
 
 def _gathered_layer_bytes(trainer: Trainer) -> int:

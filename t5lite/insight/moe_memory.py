@@ -49,9 +49,8 @@ def capacity_bytes(
 
     # Capacity dispatch keeps the dispatch and combine masks [G, S, E, C] (their slots split
     # as the dispatched tokens they build), the dispatched inputs and the experts' outputs
-    # [E, G, C, D], and six [E, G, C, F] buffers of the experts' hidden layer
-    # (pre-activations, activation, product and cotangents); the router's [T, E]
-    # temporaries are negligible (XLA:CPU's buffer assignment).
+    # [E, G, C, D], and six [E, G, C, F] buffers of the experts' hidden layer (pre-activations,
+    # activation, product, cotangents); the router's [T, E] ones are negligible (XLA:CPU).
     masks = of(("batch", None, None, "expert_capacity"), (b, length, e, c), act)
     dispatched = of(DISPATCHED_AXES, (e, b, c, cfg.emb_dim))
     hidden = of(HIDDEN_AXES, (e, b, c, cfg.mlp_dim))
@@ -103,8 +102,7 @@ def capacity_bytes(
         # expert_parallel alike, though only expert_parallel's holds an all-to-all).
         "moe_hoisted": 2 * dispatched + 4 * hidden,
     }
-    # (XLA:TPU's unrolled layers hold the same four F-whole buffers at the peak, one layer's
-    # backward: tpu_moe_memory.unscanned_moe)
+    # (XLA:TPU's unrolled layers: the same four F-whole buffers, tpu_moe_memory.unscanned_moe)
     return {
         "moe": saved,
         "moe_h": hidden,

@@ -42,6 +42,7 @@ combine input).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # (hidden buffers, other saved buffers, parameter-sized copies) in HBM: per MoE layer without
 # remat, per stack under `full` (its one recomputed layer; the copies are of every gradient).
@@ -135,6 +136,38 @@ class MoeProgram:
     vmem: int = 0
     f_split: bool = False
     lane_padding: float = 1.0
+
+
+def moe_terms(
+    cfg: Any,
+    layers: list,
+    *,
+    gradients: int,
+    master_itemsize: int,
+    itemsize: int,
+    f_split: int,
+    one_axis: bool,
+    vmem: int,
+) -> dict[str, int]:
+    """`scanned_moe` or `unscanned_moe` (as `cfg.scan_layers`) of a network config's MoE
+    layers: `gradients` every gradient unreduced, in masters of `master_itemsize`; `f_split`
+    the ways the rules split the expert kernels' F."""
+    f_local = max(1, cfg.mlp_dim // f_split)
+    program = MoeProgram(
+        layers=tuple(layers),
+        remat=cfg.remat_policy,
+        dispatch=cfg.moe_dispatch,
+        gradients=gradients,
+        copies=gradients * itemsize // master_itemsize,
+        one_axis=one_axis,
+        itemsize=itemsize,
+        spill=spills(layers, cfg.moe_top_k, vmem, itemsize),
+        top_k=cfg.moe_top_k,
+        vmem=vmem,
+        f_split=f_split > 1,
+        lane_padding=-(-f_local // 128) * 128 / f_local,
+    )
+    return scanned_moe(program) if cfg.scan_layers else unscanned_moe(program)
 
 
 def scanned_moe(program: MoeProgram) -> dict[str, int]:
