@@ -78,7 +78,7 @@ _RING_STEP_SLOTS = 2 * 20 * 16 * 2**10
 # `TPU_MIN_LOG_LEVEL=0`, v5p:2x2x2, the test-size scanned decoder-only ring, `none`, bf16:
 # "HLO temp 29.77M (... 51.1% fragmentation (15.21M))" beside memory_analysis' 44.98 MiB).
 # Fitted, not the allocator's rule: the fragmentation is this share of the backward moment's
-# values beyond the slots (whose terms count their second copy already): measured 0.74-1.62
+# values beyond the slots (whose terms count their second copy already): measured 0.74-1.64
 # over the scanned decoder-only ring (`none` and `full`, bf16 and fp32, batch 8-32, 2 and 4
 # layers; 1.05 over all eight), 1.2 leaving each of the five table programs within 10%. The
 # unrolled rows' fitted slots (`_RING_STEP_SLOTS`, counted once a layer) absorb theirs.
