@@ -451,6 +451,12 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     if steps:
         largest = max(reduced for _, _, _, reduced, _ in _gradient_leaves(trainer, 0))
         update = tpu_memory.ring_update(backward, grads, largest, kind)
+        # memory_analysis counts a scanned ring's heap fragmentation again, whichever moment
+        # is the peak.
+        frag = tpu_memory.ring_fragmentation(backward, kind, cfg.scan_layers)
+        if frag:
+            backward["fragmentation"] = update["fragmentation"] = frag
+            terms = (*terms, ("heap fragmentation", frag))
     if sum(update.values()) > sum(backward.values()):
         copy = update.pop("reduced copy")
         slots = {k: v for k, v in update.items() if k != "gradients"}
