@@ -189,6 +189,19 @@ def test_an_unknown_task_name(tmp_path, capsys):
     assert not model_dir.exists()
 
 
+def test_a_mistake_found_after_the_run_lock_leaves_no_model_directory(tmp_path, capsys):
+    """The batch that does not split over the mesh is found when the trainer is built, after
+    the run lock made the model directory: the lock's release removes the empty directory."""
+    model_dir = tmp_path / "run"
+    rc = run_cli("train", *QUICK, f"--gin.MODEL_DIR='{model_dir}'", "--gin.BATCH_SIZE=7")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err == [
+        "t5lite train: error: global batch size 7 is not divisible by the data-parallel size 2 "
+        "(batch → mesh axes 'data' of mesh {data: 2, model: 4})"
+    ]
+    assert not model_dir.exists()
+
+
 def test_inspect_with_a_train_config_names_what_to_bind(capsys):
     """`inspect` on the quickstart's train config (no inspect.gin): its keyword-only arguments
     are Python's error, not gin's; still one line naming the bindings."""

@@ -8,6 +8,7 @@ Only process 0 of a multi-process run holds the lock: the run's processes share 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -47,8 +48,10 @@ class RunLock:
         self.path = self.directory / LOCK_FILE
         self.info = info
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        self.created = False  # acquire() made the directory
 
     def acquire(self) -> RunLock:
+        self.created = not self.directory.exists()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -85,3 +88,6 @@ class RunLock:
     def release(self) -> None:
         if _owner(self.path).get("pid") == self.me["pid"]:
             self.path.unlink(missing_ok=True)
+            if self.created:  # a run that stopped before writing anything leaves no directory
+                with contextlib.suppress(OSError):  # not empty: rmdir removes nothing
+                    self.directory.rmdir()
