@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import require_devices
+from conftest import require_devices, run_cli
 
 from t5lite import collectives, partitioning
 from t5lite.insight import pipeline as insight_pipeline
@@ -173,6 +173,20 @@ def test_bad_input_is_one_line(overrides, error, text):
     with pytest.raises(error) as e:
         _lower(**overrides)
     assert str(e.value) == text
+
+
+def test_an_unscanned_pipeline_from_gin_writes_nothing(tmp_path, capsys):
+    """The docs' pipelined LM with its layers unscanned: refused when the trainer is built,
+    before the metrics writer or anything else touches the model directory."""
+    require_devices(8)
+    model_dir = tmp_path / "run"
+    gin = ["--gin_file=examples/pipeline_lm.gin", f"--gin.MODEL_DIR='{model_dir}'"]
+    assert run_cli("train", *gin, "--gin.SCAN_LAYERS=False") == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "t5lite train: error: DecoderOnlyConfig.scan_layers=False, but the rules split 'layers' "
+        "over mesh axes ('stage',) (pipeline stages): set scan_layers=True"
+    ]
+    assert not model_dir.exists()
 
 
 def test_explicit_axes_refuse_stages():

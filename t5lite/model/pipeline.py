@@ -118,14 +118,20 @@ def select_stack(cfg: Any, stack: str, num_layers: int) -> Choice:
     stack with the rules splitting `layers` is refused (its layers carry no `layers` axis)."""
     name = type(cfg).__name__
     if not cfg.scan_layers:
-        if stage_axes():
-            raise ValueError(
-                f"{name}.scan_layers=False, but the rules split 'layers' over mesh axes "
-                f"{stage_axes()} (pipeline stages): set scan_layers=True"
-            )
+        _refuse_unscanned(cfg)
         return Choice(Strategy.PARTITIONER)
     field = "num_layers" if name == "DecoderOnlyConfig" else f"num_{stack}_layers"
     return select(num_layers, f"{name}.{field}")
+
+
+def _refuse_unscanned(cfg: Any) -> None:
+    """One line when the rules in force stage an unscanned network (its layers carry no
+    `layers` axis to split)."""
+    if not getattr(cfg, "scan_layers", True) and stage_axes():
+        raise ValueError(
+            f"{type(cfg).__name__}.scan_layers=False, but the rules split 'layers' over mesh "
+            f"axes {stage_axes()} (pipeline stages): set scan_layers=True"
+        )
 
 
 def apply_stack(
@@ -204,9 +210,13 @@ def check_microbatches(cfg: Any, batch: int) -> None:
     """Before anything compiles (the trainer calls it under the partitioner's context): one line
     naming the culprit when the rules in force pipeline `cfg`'s scanned stacks and its
     microbatches do not cut a `batch` of rows over the data devices, or are too few for the
-    schedule. `apply_stack` checks the same again where it runs."""
+    schedule, or the network is not scanned. `apply_stack` checks the same again where it
+    runs."""
     _, stages = _split_over("layers")
-    if stages <= 1 or not getattr(cfg, "scan_layers", False):
+    if stages <= 1 or cfg is None:
+        return
+    _refuse_unscanned(cfg)
+    if not getattr(cfg, "scan_layers", False):
         return
     name = type(cfg).__name__
     m = microbatches(cfg.pipeline_microbatches, stages)
