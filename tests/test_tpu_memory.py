@@ -6,6 +6,8 @@ prediction, which models XLA:TPU (`tpu_memory`: bf16 dots, fused elementwise wor
 gradient reduction, the executable in HBM), must be within 10% of `memory_analysis()`'s total.
 The whole matrix is `benchmarks/memory_accuracy.py --topology v5e:2x4` (docs/performance.md).
 Runs in a fresh process so the TPU plugin never meets the test session's fake CPU devices.
+test_tpu_memory_v5p.py (v5p, ring attention) and test_tpu_memory_moe.py (unrolled MoE) check
+more programs with this file's runner, each file on its own `--dist loadfile` worker.
 """
 
 import json
@@ -36,17 +38,6 @@ _CASES = [
     ("lm", "fully_sharded", "full", BF16, True),
     ("lm", "megatron", "full", "float32", True, 4, "capacity"),
 ]
-# A v5p megacore device (the logits, attention logits, MLP pre-activations and parameters cast
-# from fp32 masters in HBM: tpu_memory.backward's `device_kind`, `casts`) and ring attention
-# (its buffers in HBM, its steps' kernels: tpu_memory.ring_in_hbm, code_bytes), each with its
-# topology; the ring unscanned in fp32 (libtpu refuses it unscanned in bf16).
-_MORE_CASES = [
-    ("lm", "megatron", "full", BF16, False, 0, "capacity", "v5p:2x2x2"),
-    ("lm", "megatron", "none", "float32", False, 0, "capacity", "v5p:2x2x2"),
-    ("lm", "fully_sharded", "full", BF16, False, 0, "capacity", "v5p:2x2x2"),
-    ("lm", "context_parallel_ring", "none", "float32", False, 0, "capacity", "v5e:2x4"),
-]
-
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -96,21 +87,3 @@ def _check_within_ten_percent(cases: list) -> None:
 
 def test_predicted_memory_within_ten_percent_on_tpu():
     _check_within_ten_percent(_CASES)
-
-
-def test_predicted_memory_on_v5p_and_for_ring_attention():
-    _check_within_ten_percent(_MORE_CASES)
-
-
-# A mixture of experts with its layers unrolled (tpu_moe_memory.unscanned_moe): top-2 routing
-# (decoder-only) spills its MoE values and every gradient to HBM (fitted); top-1 (T5) keeps
-# them in VMEM; Megatron capacity `none` was held out of the fit.
-_MOE_CASES = [
-    ("lm", "expert_parallel", "none", "float32", False, 4, "capacity"),
-    ("t5", "megatron", "full", "float32", False, 4, "dropless"),
-    ("lm", "megatron", "none", "float32", False, 4, "capacity"),
-]
-
-
-def test_predicted_memory_of_unrolled_moe_layers_on_tpu():
-    _check_within_ten_percent(_MOE_CASES)
