@@ -1,5 +1,6 @@
 """Shared test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
 
+import collections
 import os
 import tempfile
 
@@ -65,6 +66,49 @@ if os.environ.get("T5LITE_COUNT_COMPILES"):
         terminalreporter.section("compiled programs (written to the cache / cache hits / s)")
         for f, (written, hits, secs) in sorted(_COMPILES.items()):
             terminalreporter.write_line(f"{f}: {written} / {hits} / {secs:.1f} s")
+
+
+# The suite's longest files, longest first (CI's --durations, 2 workers), started before all
+# others. Under `--dist loadfile` xdist queues whole files, by default those with the most
+# tests first: these few-test files, each minutes of docs commands or TPU compiles, came last,
+# and one worker ran the last of them while the other had nothing left to do. After them the
+# rest keep xdist's order, most tests first, so the last files queued are short ones.
+LONGEST_FILES = (
+    "test_insight_accuracy.py",
+    "test_readme.py",
+    "test_readme_inspect.py",
+    "test_tpu_memory.py",
+    "test_readme_own_data.py",
+    "test_moe_learns.py",
+    "test_multihost.py",
+    "test_tpu_memory_moe.py",
+    "test_walkthrough.py",
+    "test_benchmarks_smoke.py",
+    "test_preemption.py",
+    "test_tpu_memory_v5p.py",
+    "test_recovery.py",
+    "test_splash_attention.py",
+    "test_pipeline_bubble.py",
+    "test_pipeline_tpu_memory.py",
+    "test_divergence.py",
+    "test_user_data_runs.py",
+    "test_moe_memory.py",
+    "test_tpu_aot.py",
+)
+
+
+def pytest_configure(config):
+    # xdist's own order (most tests first) would undo the collection's order below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """The files of LONGEST_FILES first, in its order; then the rest, most tests first (the
+    sort is stable: each file's tests keep their order)."""
+    tests = collections.Counter(item.path.name for item in items)
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda it: (first.get(it.path.name, len(first)), -tests[it.path.name]))
 
 
 def require_devices(n: int) -> None:
