@@ -1,5 +1,6 @@
 """Shared test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
 
+import collections
 import os
 import tempfile
 
@@ -7,7 +8,16 @@ import tempfile
 # pytest before any test module, so this is the one place that can guarantee it.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags += " --xla_force_host_platform_device_count=8"
+# XLA:CPU's cheap code generation for this process's programs (report.py's
+# INSPECTION_CPU_COMPILER_OPTIONS: LLVM unoptimised, its expensive passes off): the optimised HLO
+# and buffer assignment that the tests read are the same, the machine code slower, and most of
+# a test's time is compiling its programs, not running their few steps. Subprocesses that set
+# their own XLA_FLAGS (docs blocks, CLI runs, benchmarks) compile as users do; XLA_FLAGS with
+# an --xla_backend_optimization_level of its own keeps it.
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU runs a collective by blocking a thread of one pool, sized max(cores, devices): 8 threads
 # for 8 fake devices on a small host. A scanned loop whose body holds collectives lets the step
@@ -65,6 +75,50 @@ if os.environ.get("T5LITE_COUNT_COMPILES"):
         terminalreporter.section("compiled programs (written to the cache / cache hits / s)")
         for f, (written, hits, secs) in sorted(_COMPILES.items()):
             terminalreporter.write_line(f"{f}: {written} / {hits} / {secs:.1f} s")
+
+
+# The suite's longest files, longest first (CI's --durations, 2 workers), started before all
+# others. Under `--dist loadfile` xdist queues whole files, by default those with the most
+# tests first: these few-test files, each minutes of docs commands or TPU compiles, came last,
+# and one worker ran the last of them while the other had nothing left to do. After them the
+# rest keep xdist's order, most tests first, so the last files queued are short ones.
+LONGEST_FILES = (
+    "test_insight_accuracy.py",
+    "test_readme.py",
+    "test_readme_inspect.py",
+    "test_tpu_memory.py",
+    "test_readme_own_data.py",
+    "test_moe_learns.py",
+    "test_multihost.py",
+    "test_tpu_memory_moe.py",
+    "test_walkthrough.py",
+    "test_benchmarks_smoke.py",
+    "test_preemption.py",
+    "test_tpu_memory_v5p.py",
+    "test_ring_tpu_memory.py",
+    "test_recovery.py",
+    "test_splash_attention.py",
+    "test_pipeline_bubble.py",
+    "test_pipeline_tpu_memory.py",
+    "test_divergence.py",
+    "test_user_data_runs.py",
+    "test_moe_memory.py",
+    "test_tpu_aot.py",
+)
+
+
+def pytest_configure(config):
+    # xdist's own order (most tests first) would undo the collection's order below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """The files of LONGEST_FILES first, in its order; then the rest, most tests first (the
+    sort is stable: each file's tests keep their order)."""
+    tests = collections.Counter(item.path.name for item in items)
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda it: (first.get(it.path.name, len(first)), -tests[it.path.name]))
 
 
 def require_devices(n: int) -> None:

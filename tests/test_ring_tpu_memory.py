@@ -5,7 +5,7 @@ The test-size decoder-only model (`accuracy.accuracy_trainer`), layers unrolled,
 refuses the unrolled ring in bf16), compiled for v5p:2x2x2: its peak is the update, where the
 vocabulary-sized gradients and one's reduced copy are in HBM (`tpu_memory.ring_update`)
 beside each ring step's small values' slots (`tpu_memory.ring_slots`), and each step adds
-kernels (`tpu_memory.code_bytes`). v5e's ring is checked in tests/test_tpu_memory.py; the
+kernels (`tpu_memory.code_bytes`). v5e's ring is checked in tests/test_tpu_memory_v5p.py; the
 figures are in docs/performance.md. Scanned (bf16), the heap's fragmentation is counted twice
 (`tpu_memory.ring_fragmentation`). Each runs in a fresh process so the TPU plugin never meets the
 test session's fake CPU devices.
