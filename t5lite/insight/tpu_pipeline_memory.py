@@ -256,6 +256,9 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
         "stack_buffers": pm.stack_buffers,
         "working": pm.working,
         "position_bias": pm.position_bias,
+        # GPipe's written-out stage splits each stacked weight into its layers once (XLA:TPU's
+        # buffer assignment: the `f32[1, ...]` pieces, with the gradient sums, in VMEM).
+        "weight_split": pm.weight_split,
     }
     left = vmem
     for k in sorted(values, key=values.get):
