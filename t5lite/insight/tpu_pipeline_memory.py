@@ -8,8 +8,11 @@ ahead of time (docs/performance.md has the programs and how close the model come
   least, and no buffer takes under 512 bytes; the donated state's aliased bytes match
   `tile_bytes`.
 - The activations the schedule holds (every tick's residuals under GPipe, 1F1B's slots, the
-  stack buffers: pipeline.pipeline_memory) sit in VMEM while they fit in `vmem_budget`, as the
-  unpipelined step's do (tpu_memory); only what overflows it is in HBM.
+  stack buffers: pipeline.pipeline_memory) sit in VMEM while they fit, only what overflows it
+  in HBM: 1F1B's within `vmem_budget`, as the unpipelined step's (tpu_memory); GPipe's within
+  all that memory-space assignment allocates (`_values_budget`: every GPipe program at d_model
+  256 to 1024 fills 112 MiB of v5e's VMEM with its tick stacks, gradient sums and the stage's
+  weights split per layer, and keeps in HBM only what is left).
 - The temporaries are scalar slots: each of the heap's small buffers (the tick loops' carried
   flags and indices, each collective's) takes its own 16 KiB-aligned slot, and
   `memory_analysis` reserves about as much again beyond the heap (tpu_memory). tpu_memory's
