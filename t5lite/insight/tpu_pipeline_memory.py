@@ -8,8 +8,11 @@ ahead of time (docs/performance.md has the programs and how close the model come
   least, and no buffer takes under 512 bytes; the donated state's aliased bytes match
   `tile_bytes`.
 - The activations the schedule holds (every tick's residuals under GPipe, 1F1B's slots, the
-  stack buffers: pipeline.pipeline_memory) sit in VMEM while they fit in `vmem_budget`, as the
-  unpipelined step's do (tpu_memory); only what overflows it is in HBM.
+  stack buffers: pipeline.pipeline_memory) sit in VMEM while they fit, only what overflows it
+  in HBM: 1F1B's within `vmem_budget`, as the unpipelined step's (tpu_memory); GPipe's within
+  all that memory-space assignment allocates (`_values_budget`: every GPipe program at d_model
+  256 to 1024 fills 112 MiB of v5e's VMEM with its tick stacks, gradient sums and the stage's
+  weights split per layer, and keeps in HBM only what is left).
 - The temporaries are scalar slots: each of the heap's small buffers (the tick loops' carried
   flags and indices, each collective's) takes its own 16 KiB-aligned slot, and
   `memory_analysis` reserves about as much again beyond the heap (tpu_memory). tpu_memory's
@@ -38,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from t5lite.insight import memory, pipeline, tpu_memory
+from t5lite.insight import hardware, memory, pipeline, tpu_memory
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -69,6 +72,9 @@ _TEST_TILES = 2
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
 _GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 _KIB = 2**10
+# The VMEM XLA:TPU reserves for its kernels' scoped buffers (`xla_tpu` scoped VMEM's default),
+# which memory-space assignment does not hand out: GPipe's values get the rest.
+_SCOPED_VMEM = 16 * 2**20
 # The smallest buffer XLA:TPU allocates, and the tile of an array's two minor dimensions in
 # 32-bit words (sublanes, lanes).
 _MIN_BUFFER = 512
@@ -241,7 +247,7 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
         )
     )
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
-    vmem = tpu_memory.vmem_budget(kind)
+    vmem = _values_budget(kind, f.schedule)
     weights, growth = _stage_weights(trainer, f.stages)
     # The schedule's values (pipeline.pipeline_memory's, sized in the compute dtype): on chip
     # up to the budget, the rest in HBM, the largest group first out; past test size 1F1B's
@@ -253,6 +259,9 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
         "stack_buffers": pm.stack_buffers,
         "working": pm.working,
         "position_bias": pm.position_bias,
+        # GPipe's written-out stage splits each stacked weight into its layers once (XLA:TPU's
+        # buffer assignment: the `f32[1, ...]` pieces, with the gradient sums, in VMEM).
+        "weight_split": pm.weight_split,
     }
     left = vmem
     for k in sorted(values, key=values.get):
@@ -286,6 +295,18 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
         code=code,
         weight_values=held,
     )
+
+
+def _values_budget(device_kind: str, schedule: str) -> int:
+    """VMEM the schedule's values may take. GPipe's tick loop writes each tick's residuals into
+    its `[T, ...]` stacks and reads them back in the transposed loop: long-lived buffers that
+    memory-space assignment places on chip up to all it allocates (VMEM past the scoped
+    reserve), only the rest in HBM (d_model 512 and 1024 ahead of time on v5e: 112 MiB of VMEM
+    temporaries). 1F1B's values keep the unpipelined step's budget (`tpu_memory.vmem_budget`)."""
+    if schedule != "gpipe":
+        return tpu_memory.vmem_budget(device_kind)
+    cores = hardware.tensor_cores_per_device(device_kind)
+    return max(0, hardware.vmem_bytes_of_kind(device_kind) - _SCOPED_VMEM) // cores
 
 
 def stage_memory(trainer: Trainer) -> pipeline.PipelineMemory | None:
