@@ -249,7 +249,8 @@ def backward(
 # residual stream), in fp32 three times (upcast, normalised, scaled; twice where the compute
 # dtype is fp32 and the upcast is the input itself), each attention's probabilities in the
 # compute dtype beside its fp32 logits, and per MLP input projection two more pre-activation
-# sized values (the gated activation's intermediates: six `[B, L, F]` stacks a layer, not two).
+# sized values, three with gelu (the activation's intermediates: six `[B, L, F]` stacks a
+# decoder-only layer's gated SiLU, eight a T5 layer's gated gelu, not two).
 _NORM_FP32_STACKS, _MLP_STACKS_PER_INPUT = 3, 2
 
 
@@ -267,7 +268,7 @@ def scanned_stacks(a: dict[str, int], remat: str, itemsize: int) -> dict[str, in
         out,
         {
             "attention": _SCORES * a["scores"] * itemsize // 4,
-            "mlp": _MLP_STACKS_PER_INPUT * a["mlp_in"] * a["h"],
+            "mlp": (_MLP_STACKS_PER_INPUT + a["gelu"]) * a["mlp_in"] * a["h"],
             "norms+residual": (n + 1) * norm_fp32,
         },
     )
