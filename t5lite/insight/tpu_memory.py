@@ -199,11 +199,12 @@ def backward(
     backward; Megatron's and context parallelism's casts are fused into their dots; v5e keeps
     them in VMEM at test sizes). `ring_steps`: the ring attentions' steps compiled as their
     own kernels (`ring_slots`). `scanned`: the compute dtype's bytes and whether the layers
-    are scanned (on a megacore: `scanned_megacore`, but for the ring and context parallelism,
-    whose heap reuses the stacks' space for the logits: v5p:2x2x2, decoder-only, `none` bf16,
-    12.6 MiB of stacks in a 19.4 MiB heap, which the split below predicts within 10%)."""
+    are scanned (on a megacore: `scanned_megacore`, but for the ring and context parallelism
+    without remat, whose heap reuses the stacks' space for the logits: v5p:2x2x2, decoder-only,
+    `none` bf16, 12.6 MiB of stacks in a 19.4 MiB heap, which the split below predicts within
+    10%; under `full` the stacks are the layers' inputs, beside the logits)."""
     megacore = tensor_cores_per_device(device_kind) > 1
-    context = any(a["ring_steps"] or a["kv_gathered"] for _, a in layers)
+    context = any(a["ring_steps"] or a["kv_gathered"] * (remat != "full") for _, a in layers)
     if scanned[1] and megacore and not context:
         return scanned_megacore(layers, remat, logits, scanned[0], arrays)
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
@@ -277,6 +278,13 @@ def scanned_stacks(a: dict[str, int], remat: str, itemsize: int) -> dict[str, in
     )
 
 
+# Sequence parallelism's loss on a megacore: the targets' comparison with the vocabulary's iota
+# materialised in int32, logits-sized, and its all-to-all's output, beside the fp32 logits
+# (v5p:2x2x2's buffer assignment of the test-size scanned decoder-only model, `full` bf16:
+# `s32[8, 32, 4, 2048]` twice, 8 MiB each, live with the logits at the loss).
+_SP_LOSS_COPIES = 2
+
+
 def scanned_megacore(layers: list, remat: str, logits: int, itemsize: int, arrays: int):
     """`backward` for scanned layers on a megacore (v5p), by kind, and its terms: every layer's
     stacks (`scanned_stacks`) in HBM, beside the fp32 logits and the parameter arrays' scalar
@@ -286,9 +294,11 @@ def scanned_megacore(layers: list, remat: str, logits: int, itemsize: int, array
     `TPU_MIN_LOG_LEVEL=0`: "HLO temp ... fragmentation"). Read from v5p:2x2x2's buffer
     assignments of the test-size scanned models (decoder-only megatron, FSDP and fully sharded,
     T5; `none` and `full`, fp32 and bf16): the logits sit above the stacks though they live
-    after them, and the slots above both."""
+    after them, and the slots above both; under sequence parallelism the loss holds
+    `_SP_LOSS_COPIES` more logits-sized buffers."""
     per_stack = [_add(*(scanned_stacks(a, remat, itemsize) for _ in range(n))) for n, a in layers]
     stacks = _add(*per_stack)
+    logits *= 1 + _SP_LOSS_COPIES * any(a["sp_gathered"] for _, a in layers)
     kept = sum(stacks.values())
     slots = arrays * ARRAY_SLOTS
     peak = max(logits, *(sum(p.values()) for p in per_stack))
