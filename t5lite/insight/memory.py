@@ -422,8 +422,10 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     narrow = activation_itemsize(cfg, "tpu")
     casts = _tree_bytes_per_device(params) * narrow // master if master > narrow else 0
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
+    # (MoE layers keep the unscanned split: their programs were fitted on it)
+    scanned = (narrow, cfg.scan_layers and not moe)
     backward, terms = tpu_memory.backward(
-        layers, cfg.remat_policy, logits, vmem, gathered, arrays, kind, casts, steps
+        layers, cfg.remat_policy, logits, vmem, gathered, arrays, kind, casts, steps, scanned
     )
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
     if cfg.scan_layers:

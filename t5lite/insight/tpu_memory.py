@@ -183,6 +183,7 @@ def backward(
     device_kind: str = "",
     casts: int = 0,
     ring_steps: int = 0,
+    scanned: tuple[int, bool] = (4, False),
 ):
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
@@ -197,7 +198,15 @@ def backward(
     `none` and `full`: every layer's bf16 shards live from their layer's forward to its
     backward; Megatron's and context parallelism's casts are fused into their dots; v5e keeps
     them in VMEM at test sizes). `ring_steps`: the ring attentions' steps compiled as their
-    own kernels (`ring_slots`)."""
+    own kernels (`ring_slots`). `scanned`: the compute dtype's bytes and whether the layers
+    are scanned (on a megacore: `scanned_megacore`, but for the ring and context parallelism
+    without remat, whose heap reuses the stacks' space for the logits: v5p:2x2x2, decoder-only,
+    `none` bf16, 12.6 MiB of stacks in a 19.4 MiB heap, which the split below predicts within
+    10%; under `full` the stacks are the layers' inputs, beside the logits)."""
+    megacore = tensor_cores_per_device(device_kind) > 1
+    context = any(a["ring_steps"] or a["kv_gathered"] * (remat != "full") for _, a in layers)
+    if scanned[1] and megacore and not context:
+        return scanned_megacore(layers, remat, logits, scanned[0], arrays)
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -206,7 +215,7 @@ def backward(
     loss = {"logits+loss": _LOSS_BUFFERS * logits}
     regathered = {"gathered weights": gathered} if remat == "full" and gathered else {}
     pinned, pinned_inside = {}, {}
-    if tensor_cores_per_device(device_kind) > 1:
+    if megacore:
         vmem = int(VMEM_SHARE * vmem_bytes_of_kind(device_kind))
         pinned = _add(
             {"logits+loss": logits}, *(_pinned(a, remat) for n, a in layers for _ in range(n))
@@ -233,6 +242,75 @@ def backward(
         ("loss temporaries", loss["logits+loss"]),
         ("held in VMEM", held),
         ("parameter scalars", values["parameter scalars"]),
+    )
+    return values, terms
+
+
+# What a scanned layer's forward scan stacks for its backward beyond `saved`'s values, on a
+# megacore, without remat (v5p:2x2x2's buffer assignment of the test-size scanned decoder-only
+# model; the stacks are the scan's residuals as JAX saves them, which XLA cannot fuse into the
+# backward across the loop): each norm's input, as the norm holds it (split like the
+# residual stream), in fp32 three times (upcast, normalised, scaled; twice where the compute
+# dtype is fp32 and the upcast is the input itself), each attention's probabilities in the
+# compute dtype beside its fp32 logits, and per MLP input projection two more pre-activation
+# sized values, three with gelu (the activation's intermediates: six `[B, L, F]` stacks a
+# decoder-only layer's gated SiLU, eight a T5 layer's gated gelu, not two).
+_NORM_FP32_STACKS, _MLP_STACKS_PER_INPUT = 3, 2
+
+
+def scanned_stacks(a: dict[str, int], remat: str, itemsize: int) -> dict[str, int]:
+    """What one scanned layer's forward scan stacks for its backward on a megacore, by kind
+    (`itemsize`: the compute dtype's bytes): `saved`'s values and, without remat, the
+    residuals the unrolled program fuses away (`_NORM_FP32_STACKS`, `_MLP_STACKS_PER_INPUT`)."""
+    out = saved(a, remat)
+    if remat != "none":
+        return out
+    n = a["attentions"]
+    fp32_copies = _NORM_FP32_STACKS - (itemsize >= 4)
+    norm_fp32 = fp32_copies * a["x"] * 4 // itemsize
+    return _add(
+        out,
+        {
+            "attention": _SCORES * a["scores"] * itemsize // 4,
+            "mlp": (_MLP_STACKS_PER_INPUT + a["gelu"]) * a["mlp_in"] * a["h"],
+            "norms+residual": (n + 1) * norm_fp32,
+        },
+    )
+
+
+# Sequence parallelism's loss on a megacore: the targets' comparison with the vocabulary's iota
+# materialised in int32, logits-sized, and its all-to-all's output, beside the fp32 logits
+# (v5p:2x2x2's buffer assignment of the test-size scanned decoder-only model, `full` bf16:
+# `s32[8, 32, 4, 2048]` twice, 8 MiB each, live with the logits at the loss).
+_SP_LOSS_COPIES = 2
+
+
+def scanned_megacore(layers: list, remat: str, logits: int, itemsize: int, arrays: int):
+    """`backward` for scanned layers on a megacore (v5p), by kind, and its terms: every layer's
+    stacks (`scanned_stacks`) in HBM, beside the fp32 logits and the parameter arrays' scalar
+    slots, each in heap space of its own, and the heap's fragmentation (its extent less the
+    bytes live at its peak, the larger of one stack's residuals and the logits), which
+    `memory_analysis` counts again beyond the HLO temp allocation (libtpu's log at
+    `TPU_MIN_LOG_LEVEL=0`: "HLO temp ... fragmentation"). Read from v5p:2x2x2's buffer
+    assignments of the test-size scanned models (decoder-only megatron, FSDP and fully sharded,
+    T5; `none` and `full`, fp32 and bf16): the logits sit above the stacks though they live
+    after them, and the slots above both; under sequence parallelism the loss holds
+    `_SP_LOSS_COPIES` more logits-sized buffers."""
+    per_stack = [_add(*(scanned_stacks(a, remat, itemsize) for _ in range(n))) for n, a in layers]
+    stacks = _add(*per_stack)
+    logits *= 1 + _SP_LOSS_COPIES * any(a["sp_gathered"] for _, a in layers)
+    kept = sum(stacks.values())
+    slots = arrays * ARRAY_SLOTS
+    peak = max(logits, *(sum(p.values()) for p in per_stack))
+    values = _add(stacks, {"logits+loss": logits})
+    values["fragmentation"] = kept + logits + slots - peak
+    values["parameter scalars"] = slots
+    terms = (
+        ("saved activations", kept),
+        ("layer working set", 0),
+        ("loss temporaries", logits),
+        ("heap fragmentation", values["fragmentation"]),
+        ("parameter scalars", slots),
     )
     return values, terms
 
