@@ -8,16 +8,7 @@ import tempfile
 # pytest before any test module, so this is the one place that can guarantee it.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
-    _flags += " --xla_force_host_platform_device_count=8"
-# XLA:CPU's cheap code generation for this process's programs (report.py's
-# INSPECTION_CPU_COMPILER_OPTIONS: LLVM unoptimised, its expensive passes off): the optimised HLO
-# and buffer assignment that the tests read are the same, the machine code slower, and most of
-# a test's time is compiling its programs, not running their few steps (a third less CPU on
-# test_tensor_nd.py). Subprocesses that set their own XLA_FLAGS (docs blocks, CLI runs,
-# benchmarks) compile as users do.
-if "--xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = _flags.strip()
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU runs a collective by blocking a thread of one pool, sized max(cores, devices): 8 threads
 # for 8 fake devices on a small host. A scanned loop whose body holds collectives lets the step

@@ -11,12 +11,8 @@ from t5lite.insight.hlo import parse_collectives
 from t5lite.insight.memory import memory_report
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.model.network import DecoderOnlyConfig
-from t5lite.partitioning import CompiledFunction, Partitioner, create_mesh, preset_rules
+from t5lite.partitioning import Partitioner, create_mesh, preset_rules
 from t5lite.trainer import Trainer
-
-# XLA's default code generation (xla/debug_options_flags.cc), which `train` compiles with. The
-# test session's XLA_FLAGS make the cheap one its default (conftest.py), so these are explicit.
-_XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
 
 
 def _instructions(hlo: str) -> list[str]:
@@ -37,21 +33,13 @@ def _fsdp_trainer() -> Trainer:
     return Trainer(model, part, batch_size=16, lengths={"targets": 8})
 
 
-def _optimised_compile(trainer: Trainer) -> CompiledFunction:
-    """The train step compiled as `train` compiles it on a user's machine."""
-    part = trainer.partitioner
-    with part.context():
-        lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.batch_abstract)
-        return CompiledFunction(lowered.compile(compiler_options=_XLA_DEFAULTS), part)
-
-
 def test_inspection_compile_reads_the_same_figures_as_the_optimised_compile():
     require_devices(8)
     trainer = _fsdp_trainer()
     mesh = trainer.partitioner.mesh
     assert rep.inspection_compiler_options(mesh) == rep.INSPECTION_CPU_COMPILER_OPTIONS
     fast = rep.compile_train_step(trainer)  # what inspect and plan do
-    full = _optimised_compile(trainer)  # what train does
+    full = rep.compile_train_step(trainer, for_inspection=False)  # what train does
     # The optimised HLO is the same: every instruction, with the source locations left out (a
     # program read from the on-disk compile cache names whichever process compiled it)...
     assert _instructions(fast.as_text()) == _instructions(full.as_text())
