@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 from conftest import tpu_compile_result
+from test_tpu_memory_v5p_scanned import logged_v5p_script
 
 from t5lite.insight.topology import libtpu_available
 
@@ -60,48 +61,12 @@ def test_ring_attention_memory_on_v5p_within_ten_percent():
     assert abs(r["predicted"] / r["compiled"] - 1) < 0.10, r
 
 
-# The scanned ring in bf16 (fp32 masters), with libtpu's log read back: its "Program hbm
-# requirement" breaks the heap down into the HLO temp allocation and its fragmentation.
-_SCANNED_SCRIPT = textwrap.dedent(
-    """
-    import json, os, re, tempfile
-    os.environ["TPU_MIN_LOG_LEVEL"] = os.environ["TPU_STDERR_LOG_LEVEL"] = "0"
-    from t5lite.insight import accuracy, memory
-    from t5lite.insight.meshes import partitioner_on
-    from t5lite.insight.report import compile_train_step
-    from t5lite.insight.topology import get_topology
-    from t5lite.trainer import Trainer
-
-    policy = "params=bfloat16,compute=bfloat16,output=float32"
-    tr = accuracy.accuracy_trainer("lm", "context_parallel_ring", "none", precision=policy)
-    part = partitioner_on(tr.partitioner, get_topology("v5p:2x2x2").devices)
-    tr = Trainer(tr.model, part, batch_size=tr.batch_size, lengths=tr.lengths)
-    log = tempfile.TemporaryFile("w+")
-    saved = os.dup(2)
-    os.dup2(log.fileno(), 2)
-    try:
-        compiled = memory.memory_report(compile_train_step(tr))
-    finally:
-        os.dup2(saved, 2)
-    log.seek(0)
-    hbm = log.read().split("Program hbm requirement", 1)[1]
-    heap, frag = re.search(r"HLO temp +([\\d.]+)M .*fragmentation \\(([\\d.]+)M\\)", hbm).groups()
-    predicted = memory.predict_memory(tr)
-    print("RESULT " + json.dumps({
-        "compiled": compiled.total, "temporaries": compiled.temporaries,
-        "heap": float(heap) * 2**20, "fragmentation": float(frag) * 2**20,
-        "predicted": predicted.total,
-        "predicted_fragmentation": dict(predicted.terms)["heap fragmentation"],
-    }))
-    """
-)
-
-
 def test_scanned_ring_counts_its_heap_fragmentation_twice_on_v5p():
-    r = tpu_compile_result(_SCANNED_SCRIPT, host_devices=8, timeout=600)
+    # The scanned ring in bf16 (fp32 masters), with libtpu's log read back.
+    r = tpu_compile_result(logged_v5p_script("context_parallel_ring"), host_devices=8, timeout=600)
     # memory_analysis' temporaries are libtpu's HLO temp allocation plus its fragmentation
     # again (the log's figures are rounded to 0.01 MiB).
     assert abs(r["temporaries"] - r["heap"] - r["fragmentation"]) < 0.02 * 2**20, r
     # The fitted share of the backward's values stands for the fragmentation.
-    assert abs(r["predicted_fragmentation"] / r["fragmentation"] - 1) < 0.15, r
+    assert abs(r["terms"]["heap fragmentation"] / r["fragmentation"] - 1) < 0.15, r
     assert abs(r["predicted"] / r["compiled"] - 1) < 0.10, r

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     not libtpu_available(), reason='libtpu not installed (pip install -e ".[tpu]")'
 )
 
-_SCRIPT = textwrap.dedent(
+_LOGGED_SCRIPT = textwrap.dedent(
     """
     import json, os, re, tempfile
     os.environ["TPU_MIN_LOG_LEVEL"] = os.environ["TPU_STDERR_LOG_LEVEL"] = "0"
@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent(
     from t5lite.trainer import Trainer
 
     policy = "params=bfloat16,compute=bfloat16,output=float32"
-    tr = accuracy.accuracy_trainer("lm", "megatron", "none", precision=policy)
+    tr = accuracy.accuracy_trainer("lm", PRESET, "none", precision=policy)
     part = partitioner_on(tr.partitioner, get_topology("v5p:2x2x2").devices)
     tr = Trainer(tr.model, part, batch_size=tr.batch_size, lengths=tr.lengths)
     log = tempfile.TemporaryFile("w+")
@@ -56,8 +56,15 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+def logged_v5p_script(preset: str) -> str:
+    """The script compiling the test-size decoder-only model (`preset`, no remat, bf16 with fp32
+    masters, scanned) for v5p:2x2x2 with libtpu's log read back: its "Program hbm requirement"
+    gives the HLO temp allocation and its fragmentation. Shared with test_ring_tpu_memory.py."""
+    return _LOGGED_SCRIPT.replace("PRESET", repr(preset))
+
+
 def test_scanned_layers_memory_on_v5p_counts_stacks_and_fragmentation():
-    r = tpu_compile_result(_SCRIPT, host_devices=8, timeout=600)
+    r = tpu_compile_result(logged_v5p_script("megatron"), host_devices=8, timeout=600)
     assert r["kind"] == "TPU v5", r  # a v5p chip: a megacore
     # memory_analysis' temporaries: libtpu's HLO temp allocation plus its fragmentation again
     # (the log's figures are rounded to 0.01 MiB).
