@@ -29,7 +29,8 @@ def test_t5_1f1b_memory_within_10_percent(base, stages, num_partitions):
     recomputes the stage's decoder layers (with two layers a stage, the B's stacked layer
     gradients beside the schedule's accumulator), beside both stacks' relative-position
     one-hots ([32 buckets, 8, 8] fp32 each, whole on every device)."""
-    from t5lite.insight.memory import layer_gradient_bytes, memory_report
+    from t5lite.insight.memory import memory_report
+    from t5lite.insight.parameter_bytes import layer_gradient_bytes
     from t5lite.insight.report import compile_train_step
 
     tr = _t5_trainer(base, stages, num_partitions, "none", "1f1b")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -20,6 +19,14 @@ from t5lite.insight.activation_memory import (
     UNSCANNED_LOSS_BUFFERS,
     scanned_backward,
     unscanned_backward,
+)
+from t5lite.insight.parameter_bytes import (
+    embedding_gradient_bytes,
+    gathered_layer_bytes,
+    gradient_bytes,
+    gradient_leaves,
+    state_and_batch,
+    tree_bytes_per_device,
 )
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.partitioning import CompiledFunction, Partitioner, mesh_axes_of, resolve_logical_axes
@@ -61,15 +68,6 @@ def memory_report(compiled: CompiledFunction, device_memory: int | None = None) 
         generated_code=int(getattr(m, "generated_code_size_in_bytes", 0) or 0),
         device_memory=device_memory,
     )
-
-
-def _tree_bytes_per_device(tree: Any, min_itemsize: int = 0) -> int:
-    """Bytes of one device's shards of a tree of sharded `ShapeDtypeStruct`s."""
-    total = 0
-    for x in jax.tree_util.tree_leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
-    return total
 
 
 # --- the analytic model ---------------------------------------------------------------------
@@ -329,7 +327,7 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
     if cfg.scan_layers:
         backward, terms = scanned_backward(layers, cfg.remat_policy, logits)
     else:
-        gathered = _gathered_layer_bytes(trainer)
+        gathered = gathered_layer_bytes(trainer)
         remat = cfg.remat_policy
         if act > compute:
             # Upcast by XLA:CPU (activation_itemsize), unscanned layers' recomputation is
@@ -346,20 +344,20 @@ def predict_memory(trainer: Trainer, platform: str | None = None) -> PredictedMe
             for x in jax.tree_util.tree_leaves(params)
         )
         unsplit = bytes_per_device(part, ("batch", None, None), (b, lt, cfg.vocab_size), 4)
-        replicated = _tree_bytes_per_device(params) == whole and logits == unsplit
+        replicated = tree_bytes_per_device(params) == whole and logits == unsplit
         loss_buffers = UNSCANNED_LOSS_BUFFERS - replicated
         backward, terms = unscanned_backward(layers, remat, logits, gathered, loss_buffers)
-    state, batch = _state_and_batch(trainer)
+    state, batch = state_and_batch(trainer)
     # XLA:CPU computes a bf16 master's gradient and its update in fp32 too
     # (activation_itemsize's upcast) and holds them so until the new state is written.
     upcast = act if act > compute else 0
-    grads, layer_grads = _gradient_bytes(trainer, upcast)
+    grads, layer_grads = gradient_bytes(trainer, upcast)
     # (unscanned `full` inside a stack's backward: the expert kernels' gradients not yet
     # computed, activation_memory._pending)
     grads += backward.pop(PENDING, 0)
     # The gradient reduction and the update: beside the gradients, their reduced copies (the
     # optimizer's parameter-sized update).
-    update = _tree_bytes_per_device(trainer.abstract_state().params, upcast)
+    update = tree_bytes_per_device(trainer.abstract_state().params, upcast)
     if not cfg.scan_layers:
         update += _unscanned_update(trainer, layers, upcast)
     terms = (*terms, ("optimizer update", update))
@@ -378,7 +376,7 @@ def _unscanned_update(trainer: Trainer, layers: list, upcast: int) -> int:
     # each lookup's gradient is reduced as its own operand of the combined all-reduce
     # before they are summed), beside the scatter's zero-initialised table (XLA:CPU's
     # buffer assignment, T5 on data parallel). The scanned program sums them first.
-    table = _embedding_gradient_bytes(trainer, upcast)
+    table = embedding_gradient_bytes(trainer, upcast)
     lookups = 2 if hasattr(cfg, "num_encoder_layers") else 1
     # Expert kernels split over every batch axis need no reduction: no reduced copy.
     moe = sum(round(n * a["moe_share"]) for n, a in layers)
@@ -386,30 +384,17 @@ def _unscanned_update(trainer: Trainer, layers: list, upcast: int) -> int:
     return (lookups - 1) * (table[0] + table[1]) + table[0] - local
 
 
-def _state_and_batch(trainer: Trainer) -> tuple[int, int]:
-    """Exact bytes per device of the train state and of the batch (their shardings)."""
-    state = _tree_bytes_per_device(trainer.abstract_state())
-    batch = _tree_bytes_per_device(
-        jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            trainer.batch_abstract,
-            trainer.batch_shardings,
-        )
-    )
-    return state, batch
-
-
 def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory:
     """`predict_memory` for XLA:TPU (tpu_memory): the larger of the loss gradient's moment
     (saved activations and the loss) and the backward's end (every gradient, unreduced: the
     saved values are gone by then), beside the state, the batch and the executable."""
     cfg = trainer.model.network_config
-    state, batch = _state_and_batch(trainer)
+    state, batch = state_and_batch(trainer)
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
     vmem = tpu_memory.vmem_budget(kind)
     # Gradients on their way through the all-reduce stay in VMEM up to the budget.
-    grads = max(0, _gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
-    gathered = _gathered_layer_bytes(trainer)
+    grads = max(0, gradient_bytes(trainer, scan_reduces=False)[0] - vmem)
+    gathered = gathered_layer_bytes(trainer)
     arrays = len(jax.tree_util.tree_leaves(trainer.state_abstract.params))
     moe = {}
     if getattr(cfg, "num_experts", 0):
@@ -420,7 +405,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     params = trainer.abstract_state().params
     master = np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize
     narrow = activation_itemsize(cfg, "tpu")
-    casts = _tree_bytes_per_device(params) * narrow // master if master > narrow else 0
+    casts = tree_bytes_per_device(params) * narrow // master if master > narrow else 0
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
     # (MoE layers keep the unscanned split: their programs were fitted on it)
     scanned = (narrow, cfg.scan_layers and not moe)
@@ -451,7 +436,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     # A ring layout's update on a megacore, with the HBM slots that live through the step.
     update = {}
     if steps:
-        largest = max(reduced for _, _, _, reduced, _ in _gradient_leaves(trainer, 0))
+        largest = max(reduced for _, _, _, reduced, _ in gradient_leaves(trainer, 0))
         update = tpu_memory.ring_update(backward, grads, largest, kind)
         # memory_analysis counts a scanned ring's heap fragmentation again, whichever moment
         # is the peak.
@@ -479,117 +464,13 @@ def _tpu_moe(trainer: Trainer, layers: list, vmem: int) -> dict[str, int]:
     return tpu_moe_memory.moe_terms(
         cfg,
         layers,
-        gradients=_gradient_bytes(trainer, scan_reduces=False)[0],
+        gradients=gradient_bytes(trainer, scan_reduces=False)[0],
         master_itemsize=np.dtype(jax.tree_util.tree_leaves(params)[0].dtype).itemsize,
         itemsize=activation_itemsize(cfg, "tpu"),
         f_split=moe_memory.kernel_splits(trainer.partitioner)[2],
         one_axis=sum(n > 1 for n in trainer.partitioner.mesh.shape.values()) == 1,
         vmem=vmem,
     )
-
-
-def _gathered_layer_bytes(trainer: Trainer) -> int:
-    """Bytes per device of every layer's weights gathered over the batch's mesh axes (FSDP),
-    0 where no layer weight is split over them."""
-    part = trainer.partitioner
-    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    total = 0
-    for (path, x), s, names in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-    ):
-        # Experts split over the batch's axes are not gathered: their tokens come to them.
-        axes = [t for e, n in zip(s.spec, names) if n != "expert" for t in mesh_axes_of(e)]
-        if "layers_" not in jax.tree_util.keystr(path) or not batch_axes & set(axes):
-            continue
-        split = math.prod(
-            part.mesh.shape[t]
-            for e, n in zip(s.spec, names)
-            for t in mesh_axes_of(e)
-            if t not in batch_axes or n == "expert"
-        )
-        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
-    return total
-
-
-def _embedding_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> tuple[int, int]:
-    """(unreduced, reduced) bytes per device of the token embedding's gradient."""
-    part = trainer.partitioner
-    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    for (path, x), s in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-    ):
-        if "token_embedder" in jax.tree_util.keystr(path):
-            whole = math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
-            axes = [t for e in s.spec for t in mesh_axes_of(e)]
-            unreduced = math.prod(part.mesh.shape[t] for t in axes if t not in batch_axes)
-            reduced = math.prod(part.mesh.shape[t] for t in axes)
-            return whole // unreduced, whole // reduced
-    return 0, 0
-
-
-def _gradient_bytes(
-    trainer: Trainer, min_itemsize: int = 0, scan_reduces: bool = True
-) -> tuple[int, int]:
-    """(all, the scanned stacks' part) gradient bytes per device as the backward pass holds
-    them, each element at least `min_itemsize` bytes (XLA:CPU differentiates bf16 masters in
-    fp32): whole over the batch's mesh axes until the reduction, except a scanned stack's layer
-    gradients, which the layer scan reduces (FSDP: reduce-scatters) one layer at a time into
-    the parameters' sharding."""
-    scanned = scan_reduces and trainer.model.network_config.scan_layers
-    total = sum(
-        unreduced
-        for _, names, unreduced, _, _ in _gradient_leaves(trainer, min_itemsize)
-        if not (scanned and "layers" in names)
-    )
-    if not scanned:
-        return total, 0
-    reduced, in_hand = layer_gradient_bytes(trainer, min_itemsize)
-    return total + reduced + in_hand, reduced + in_hand
-
-
-def layer_gradient_bytes(
-    trainer: Trainer, min_itemsize: int = 0, stack: str = ""
-) -> tuple[int, int]:
-    """(reduced, in hand) bytes per device of the scanned stacks' layer gradients (of one
-    `stack`, 'encoder' or 'decoder', if named): all of them in the parameters' sharding, and
-    the largest stack's one layer whole over the batch's axes (the layer scan's in hand,
-    before its reduction; 0 where nothing splits them over the batch's axes)."""
-    reduced = 0
-    in_hand: dict[str, int] = {}
-    for path, names, unreduced, size, layers in _gradient_leaves(trainer, min_itemsize):
-        if "layers" not in names or (stack and f"'{stack}'" not in jax.tree_util.keystr(path)):
-            continue
-        reduced += size
-        if size != unreduced:
-            key = jax.tree_util.keystr(path[:1])
-            in_hand[key] = in_hand.get(key, 0) + unreduced // layers
-    return reduced, max(in_hand.values(), default=0)
-
-
-def _gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
-    """Each parameter's path, logical names, gradient bytes per device unreduced (whole over
-    the batch's axes) and reduced (in the parameters' sharding), and its `layers` size (or 1)."""
-    part = trainer.partitioner
-    batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    for (path, x), s, names in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-    ):
-        # An expert kernel's `expert` dimension keeps its split even over the batch's axes: its
-        # tokens come to it (the dispatch's all-to-all), its gradient is local.
-        local = [mesh_axes_of(e) for e, n in zip(s.spec, names) if n == "expert"]
-        size = math.prod(x.shape) * max(np.dtype(x.dtype).itemsize, min_itemsize)
-        unsplit = [t for e in s.spec for t in mesh_axes_of(e)]
-        unreduced = size // math.prod(
-            part.mesh.shape[t] for t in unsplit if t not in batch_axes or any(t in a for a in local)
-        )
-        reduced = size // math.prod(part.mesh.shape[t] for t in unsplit)
-        layers = x.shape[names.index("layers")] if "layers" in names else 1
-        yield path, names, unreduced, reduced, layers
 
 
 def rule_of(partitioner: Partitioner, name: str) -> Any:

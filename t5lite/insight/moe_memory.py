@@ -130,7 +130,7 @@ def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
     """Per-device bytes of one MoE layer's expert-kernel gradients ([E, D, F] for each input
     kernel, [E, F, D] for the output) as the backward holds them: split over the axes the rules
     give `expert` (tokens travel to the experts: the gradient is local) and over the other
-    dimensions' axes that do not carry the batch (memory._gradient_bytes)."""
+    dimensions' axes that do not carry the batch (parameter_bytes.gradient_bytes)."""
     spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
     mesh = partitioner.mesh.shape
     batch = set(mesh_axes_of(partitioner.data_partition_spec[0]))

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from t5lite.insight import activation_memory, memory, sharded_bytes
+from t5lite.insight import activation_memory, memory, parameter_bytes, sharded_bytes
 from t5lite.insight.hlo import collective_ops
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -157,7 +157,8 @@ def pipeline_figures(trainer: Trainer, hlo_text: str | None = None) -> PipelineF
     if not loops:  # no schedule loop: unrolled (XLA:TPU does so around DCN transfers)
         return figures
     # At least fp32, as XLA:CPU differentiates bf16 masters (insight/memory.py).
-    grads = memory.layer_gradient_bytes(trainer, 4)[0] if figures.schedule == "gpipe" else None
+    gpipe = figures.schedule == "gpipe"
+    grads = parameter_bytes.layer_gradient_bytes(trainer, 4)[0] if gpipe else None
     return dataclasses.replace(
         figures,
         tick_gradient_bytes=grads,
@@ -317,7 +318,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     # As model/pipeline.py runs the stage: its layers written out in each tick unless a layer
     # saves only its input (remat 'full') or the rules split its weights over the batch's
     # axes (FSDP: a layer's gradient then has a part in hand, whole over them).
-    layer_grads = memory.layer_gradient_bytes(trainer)
+    layer_grads = parameter_bytes.layer_gradient_bytes(trainer)
     written_out = cfg.remat_policy != "full" and not layer_grads[1]
     remat_scan = per > 1 and not written_out and cfg.remat_policy != "none"
     in_flight, works, stack_buffers, encoder_x = 0, [], 0, 0
@@ -345,7 +346,7 @@ def pipeline_memory(trainer: Trainer) -> PipelineMemory | None:
     # the tick's own, both in the parameters' sharding (the layer scan reduce-scatters each
     # layer's, FSDP, as it goes), in place of predict_memory's one stack of them (at least
     # fp32: XLA:CPU differentiates bf16 masters in fp32).
-    layer_gradients, _ = memory.layer_gradient_bytes(trainer, 4)
+    layer_gradients, _ = parameter_bytes.layer_gradient_bytes(trainer, 4)
     return PipelineMemory(
         predicted.state,
         predicted.batch,
@@ -467,7 +468,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
             in_hand = whole + sum(working.values())
         elif per > 1:
             in_hand = _recomputed_backward(a)
-        stacked = memory.layer_gradient_bytes(trainer, 4, stack.name)[0] if per > 1 else 0
+        stacked = parameter_bytes.layer_gradient_bytes(trainer, 4, stack.name)[0] if per > 1 else 0
         # A relative position bias reaches the stack whole (not cut into microbatches), so
         # its cotangent is summed over the B's layers and microbatches: the schedule's
         # accumulator, the B's result, its layer scan's carry and the layer's own (four
@@ -488,7 +489,7 @@ def one_f_one_b_memory(trainer: Trainer, f: PipelineFigures) -> PipelineMemory:
     return PipelineMemory(
         predicted.state,
         predicted.batch,
-        gradients + memory.layer_gradient_bytes(trainer, 4)[0],
+        gradients + parameter_bytes.layer_gradient_bytes(trainer, 4)[0],
         slots + max(recompute),
         stack_buffers,
         activation_memory.LOSS_BUFFERS * logits,
