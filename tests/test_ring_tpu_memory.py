@@ -6,8 +6,9 @@ refuses the unrolled ring in bf16), compiled for v5p:2x2x2: its peak is the upda
 vocabulary-sized gradients and one's reduced copy are in HBM (`tpu_memory.ring_update`)
 beside each ring step's small values' slots (`tpu_memory.ring_slots`), and each step adds
 kernels (`tpu_memory.code_bytes`). v5e's ring is checked in tests/test_tpu_memory_v5p.py; the
-figures are in docs/performance.md. Scanned (bf16), the heap's fragmentation is counted twice
-(`tpu_memory.ring_fragmentation`). Each runs in a fresh process so the TPU plugin never meets the
+figures are in docs/performance.md. Scanned (bf16), the heap holds the scan's stacks, the logits,
+the ring's buffers and the slots side by side, and its fragmentation is counted twice
+(`tpu_memory.scanned_megacore`). Each runs in a fresh process so the TPU plugin never meets the
 test session's fake CPU devices.
 """
 
@@ -67,6 +68,10 @@ def test_scanned_ring_counts_its_heap_fragmentation_twice_on_v5p():
     # memory_analysis' temporaries are libtpu's HLO temp allocation plus its fragmentation
     # again (the log's figures are rounded to 0.01 MiB).
     assert abs(r["temporaries"] - r["heap"] - r["fragmentation"]) < 0.02 * 2**20, r
-    # The fitted share of the backward's values stands for the fragmentation.
-    assert abs(r["terms"]["heap fragmentation"] / r["fragmentation"] - 1) < 0.15, r
-    assert abs(r["predicted"] / r["compiled"] - 1) < 0.10, r
+    # The peak is the backward's: the heap (stacks, logits, the ring's buffers and the slots side
+    # by side) and its extent less the bytes live at its peak, each as libtpu's log has them.
+    heap = r["activations"] - r["terms"]["heap fragmentation"]
+    assert abs(heap / r["heap"] - 1) < 0.05, r
+    assert abs(r["terms"]["heap fragmentation"] / r["fragmentation"] - 1) < 0.05, r
+    assert abs(r["activations"] / r["temporaries"] - 1) < 0.05, r
+    assert abs(r["predicted"] / r["compiled"] - 1) < 0.05, r

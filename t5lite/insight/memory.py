@@ -407,10 +407,19 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     narrow = activation_itemsize(cfg, "tpu")
     casts = tree_bytes_per_device(params) * narrow // master if master > narrow else 0
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
-    # (MoE layers keep the unscanned split: their programs were fitted on it)
-    scanned = (narrow, cfg.scan_layers and not moe)
     backward, terms = tpu_memory.backward(
-        layers, cfg.remat_policy, logits, vmem, gathered, arrays, kind, casts, steps, scanned
+        layers,
+        cfg.remat_policy,
+        logits,
+        vmem,
+        gathered,
+        arrays,
+        kind,
+        casts,
+        steps,
+        # (MoE layers keep the unscanned split: their programs were fitted on it)
+        scanned=cfg.scan_layers and not moe,
+        itemsize=narrow,
     )
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
     if cfg.scan_layers:
@@ -437,19 +446,16 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     update = {}
     if steps:
         largest = max(reduced for _, _, _, reduced, _ in gradient_leaves(trainer, 0))
-        update = tpu_memory.ring_update(backward, grads, largest, kind)
-        # memory_analysis counts a scanned ring's heap fragmentation again, whichever moment
-        # is the peak.
-        frag = tpu_memory.ring_fragmentation(backward, kind, cfg.scan_layers)
-        if frag:
-            backward["fragmentation"] = update["fragmentation"] = frag
-            terms = (*terms, ("heap fragmentation", frag))
+        # (the gradients of the parameters' casts: in the compute dtype)
+        whole = gradient_bytes(trainer, scan_reduces=False)[0] * narrow // master
+        update = tpu_memory.ring_update(
+            backward, max(0, whole - vmem), largest * narrow // master, kind
+        )
     if sum(update.values()) > sum(backward.values()):
-        copy = update.pop("reduced copy")
-        slots = {k: v for k, v in update.items() if k != "gradients"}
+        copy, grads = update.pop("reduced copy"), update.pop("gradients")
         terms = (*terms, ("gradients at the update", grads), ("reduced copy", copy))
-        kinds = tuple(slots.items())
-        return PredictedMemory(state, batch, grads, copy, sum(slots.values()), terms, kinds, code)
+        kinds = tuple(update.items())
+        return PredictedMemory(state, batch, grads, copy, sum(update.values()), terms, kinds, code)
     if sum(backward.values()) >= grads:
         kinds = tuple(backward.items())
         return PredictedMemory(state, batch, 0, 0, sum(backward.values()), terms, kinds, code)

@@ -72,17 +72,6 @@ _CODE_RING_STEP_BY_KIND = {"TPU v5": 0.6 * 2**20}
 # buffer assignment of the test-size decoder-only ring, fp32: 493 slots without remat, 644
 # under `full`, Megatron's program 263; temporaries beyond the heap 12.8 / 11.5 MiB, 4.4).
 _RING_STEP_SLOTS = 2 * 20 * 16 * 2**10
-# What `memory_analysis` counts of a scanned ring's HBM heap on a megacore beyond the heap
-# itself: libtpu reports the temporaries as the HLO temp allocation plus its fragmentation (the
-# allocation less the bytes live at its peak), so the fragmentation is counted twice (its log,
-# `TPU_MIN_LOG_LEVEL=0`, v5p:2x2x2, the test-size scanned decoder-only ring, `none`, bf16:
-# "HLO temp 29.77M (... 51.1% fragmentation (15.21M))" beside memory_analysis' 44.98 MiB).
-# Fitted, not the allocator's rule: the fragmentation is this share of the backward moment's
-# values beyond the slots (whose terms count their second copy already): measured 0.74-1.64
-# over the scanned decoder-only ring (`none` and `full`, bf16 and fp32, batch 8-32, 2 and 4
-# layers; 1.05 over all eight), 1.2 leaving each of the five table programs within 10%. The
-# unrolled rows' fitted slots (`_RING_STEP_SLOTS`, counted once a layer) absorb theirs.
-RING_FRAGMENTATION = 1.2
 VMEM_SHARE = 0.25
 # HBM a parameter array takes in scalar slots and the reserve beside them (module docstring).
 ARRAY_SLOTS = 20 * 16 * 2**10
@@ -183,7 +172,9 @@ def backward(
     device_kind: str = "",
     casts: int = 0,
     ring_steps: int = 0,
-    scanned: tuple[int, bool] = (4, False),
+    *,
+    scanned: bool = False,
+    itemsize: int = 4,
 ):
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
@@ -198,15 +189,16 @@ def backward(
     `none` and `full`: every layer's bf16 shards live from their layer's forward to its
     backward; Megatron's and context parallelism's casts are fused into their dots; v5e keeps
     them in VMEM at test sizes). `ring_steps`: the ring attentions' steps compiled as their
-    own kernels (`ring_slots`). `scanned`: the compute dtype's bytes and whether the layers
-    are scanned (on a megacore: `scanned_megacore`, but for the ring and context parallelism
-    without remat, whose heap reuses the stacks' space for the logits: v5p:2x2x2, decoder-only,
-    `none` bf16, 12.6 MiB of stacks in a 19.4 MiB heap, which the split below predicts within
-    10%; under `full` the stacks are the layers' inputs, beside the logits)."""
+    own kernels (`ring_slots`). `scanned`: the layers are scanned (on a megacore:
+    `scanned_megacore`, the ring's too, but for context parallelism without remat, whose heap
+    reuses the stacks' space for the logits: v5p:2x2x2, decoder-only, `none` bf16, 12.6 MiB of
+    stacks in a 19.4 MiB heap, which the split below predicts within 10%; under `full` the
+    stacks are the layers' inputs, beside the logits); `itemsize`: the compute dtype's bytes
+    (what a scanned stack's residuals take)."""
     megacore = tensor_cores_per_device(device_kind) > 1
-    context = any(a["ring_steps"] or a["kv_gathered"] * (remat != "full") for _, a in layers)
-    if scanned[1] and megacore and not context:
-        return scanned_megacore(layers, remat, logits, scanned[0], arrays)
+    context = any(a["kv_gathered"] * (remat != "full") for _, a in layers)
+    if scanned and megacore and not context:
+        return scanned_megacore(layers, remat, logits, itemsize, arrays, ring_steps)
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -285,32 +277,40 @@ def scanned_stacks(a: dict[str, int], remat: str, itemsize: int) -> dict[str, in
 _SP_LOSS_COPIES = 2
 
 
-def scanned_megacore(layers: list, remat: str, logits: int, itemsize: int, arrays: int):
+def scanned_megacore(
+    layers: list, remat: str, logits: int, itemsize: int, arrays: int, ring_steps: int = 0
+):
     """`backward` for scanned layers on a megacore (v5p), by kind, and its terms: every layer's
-    stacks (`scanned_stacks`) in HBM, beside the fp32 logits and the parameter arrays' scalar
-    slots, each in heap space of its own, and the heap's fragmentation (its extent less the
-    bytes live at its peak, the larger of one stack's residuals and the logits), which
-    `memory_analysis` counts again beyond the HLO temp allocation (libtpu's log at
+    stacks (`scanned_stacks`) in HBM, beside the fp32 logits, the parameter arrays' scalar
+    slots and a ring's own buffers and its `ring_steps`' slots (`ring_in_hbm`, `ring_slots`),
+    each in heap space of its own, and the heap's fragmentation (its extent less the bytes live
+    at its peak, the larger of one stack's residuals with the ring's buffers and the logits),
+    which `memory_analysis` counts again beyond the HLO temp allocation (libtpu's log at
     `TPU_MIN_LOG_LEVEL=0`: "HLO temp ... fragmentation"). Read from v5p:2x2x2's buffer
-    assignments of the test-size scanned models (decoder-only megatron, FSDP and fully sharded,
-    T5; `none` and `full`, fp32 and bf16): the logits sit above the stacks though they live
-    after them, and the slots above both; under sequence parallelism the loss holds
-    `_SP_LOSS_COPIES` more logits-sized buffers."""
+    assignments of the test-size scanned models (decoder-only megatron, FSDP, fully sharded and
+    the ring, T5; `none` and `full`, fp32 and bf16): the logits sit above the stacks though
+    they live after them (the logits' kernel's fp32 gradient reuses their space), and the slots
+    above both; under sequence parallelism the loss holds `_SP_LOSS_COPIES` more logits-sized
+    buffers."""
     per_stack = [_add(*(scanned_stacks(a, remat, itemsize) for _ in range(n))) for n, a in layers]
     stacks = _add(*per_stack)
     logits *= 1 + _SP_LOSS_COPIES * any(a["sp_gathered"] for _, a in layers)
     kept = sum(stacks.values())
-    slots = arrays * ARRAY_SLOTS
-    peak = max(logits, *(sum(p.values()) for p in per_stack))
+    ring = ring_in_hbm(layers, remat) if ring_steps else 0
+    slots = arrays * ARRAY_SLOTS + ring_slots(ring_steps, remat)
+    peak = max(logits, *(sum(p.values()) + ring for p in per_stack))
     values = _add(stacks, {"logits+loss": logits})
-    values["fragmentation"] = kept + logits + slots - peak
-    values["parameter scalars"] = slots
+    if ring_steps:
+        values["ring attention"] = ring
+        values["ring slots"] = ring_slots(ring_steps, remat)
+    values["fragmentation"] = kept + logits + ring + slots - peak
+    values["parameter scalars"] = arrays * ARRAY_SLOTS
     terms = (
         ("saved activations", kept),
         ("layer working set", 0),
         ("loss temporaries", logits),
         ("heap fragmentation", values["fragmentation"]),
-        ("parameter scalars", slots),
+        ("parameter scalars", values["parameter scalars"]),
     )
     return values, terms
 
@@ -334,16 +334,6 @@ def ring_slots(steps: int, remat: str) -> int:
     return steps * (2 + (remat == "full")) * _RING_STEP_SLOTS
 
 
-def ring_fragmentation(backward: dict, device_kind: str, scanned: bool) -> int:
-    """The HBM heap's fragmentation that `memory_analysis` counts again for a scanned ring on a
-    megacore `device_kind` (0 elsewhere): `RING_FRAGMENTATION` of the `backward` moment's values
-    (by kind, bytes) beyond its slots."""
-    if not scanned or tensor_cores_per_device(device_kind) < 2:
-        return 0
-    values = (v for k, v in backward.items() if k not in ("parameter scalars", "ring slots"))
-    return int(RING_FRAGMENTATION * sum(values))
-
-
 def ring_update(backward: dict, gradients: int, largest: int, device_kind: str) -> dict:
     """What a ring layout's update holds in HBM on a megacore `device_kind` (empty elsewhere),
     by kind: the gradients beyond VMEM (`gradients`, bytes) and the all-reduce's output of the
@@ -352,10 +342,12 @@ def ring_update(backward: dict, gradients: int, largest: int, device_kind: str) 
     test-size decoder-only ring, fp32: the logits' kernel and the embedding's fp32 gradients,
     `[256, 8192]` and `[8192, 256]` with the vocabulary replicated, in HBM at the update, the
     former's reduced copy in a third 8 MiB buffer, the layers' gradients in VMEM; v5e keeps
-    them all in VMEM."""
+    them all in VMEM. Scanned, the heap's fragmentation (`scanned_megacore`) is counted
+    whichever moment is the peak."""
     if tensor_cores_per_device(device_kind) < 2:
         return {}
-    slots = {k: backward[k] for k in ("parameter scalars", "ring slots")}
+    kept = ("parameter scalars", "ring slots", "fragmentation")
+    slots = {k: backward[k] for k in kept if k in backward}
     return {"gradients": gradients, "reduced copy": largest, **slots}
 
 
