@@ -25,6 +25,7 @@ from t5lite.insight.parameter_bytes import (
     gathered_layer_bytes,
     gradient_bytes,
     gradient_leaves,
+    params_split_over_batch,
     state_and_batch,
     tree_bytes_per_device,
 )
@@ -407,6 +408,14 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     narrow = activation_itemsize(cfg, "tpu")
     casts = tree_bytes_per_device(params) * narrow // master if master > narrow else 0
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
+    stacked = sum(
+        "layers" in tuple(names)
+        for names in jax.tree_util.tree_leaves(
+            trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
+        )
+    )
+    encoder_decoder = hasattr(cfg, "num_encoder_layers")
+    held = tpu_memory.held_logits(layers, logits, encoder_decoder, params_split_over_batch(trainer))
     backward, terms = tpu_memory.backward(
         layers,
         cfg.remat_policy,
@@ -420,15 +429,11 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
         # (MoE layers keep the unscanned split: their programs were fitted on it)
         scanned=cfg.scan_layers and not moe,
         itemsize=narrow,
+        stacked=stacked,
+        held=held,
     )
     backward, terms = {**backward, **moe}, (*terms, *moe.items())
-    if cfg.scan_layers:
-        stacked = sum(
-            "layers" in tuple(names)
-            for names in jax.tree_util.tree_leaves(
-                trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
-            )
-        )
+    if cfg.scan_layers and "loop scalars" not in dict(terms):  # (scanned_megacore's are in)
         backward["parameter scalars"] += stacked * tpu_memory.LOOP_SLOTS
         terms = (*terms, ("loop scalars", stacked * tpu_memory.LOOP_SLOTS))
     itemsize = activation_itemsize(cfg, "tpu")

@@ -141,3 +141,18 @@ def gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
         reduced = size // math.prod(part.mesh.shape[t] for t in unsplit)
         layers = x.shape[names.index("layers")] if "layers" in names else 1
         yield path, names, unreduced, reduced, layers
+
+
+def params_split_over_batch(trainer: Trainer) -> bool:
+    """Whether any parameter is split over the batch's mesh axes (FSDP, fully sharded: gathered
+    where used), experts' own dimension aside."""
+    batch_axes = set(mesh_axes_of(trainer.partitioner.data_partition_spec[0]))
+    return any(
+        batch_axes & set(mesh_axes_of(e))
+        for s, names in zip(
+            jax.tree_util.tree_leaves(trainer.state_shardings.params),
+            jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+        )
+        for e, n in zip(s.spec, names)
+        if n != "expert"
+    )

@@ -175,6 +175,8 @@ def backward(
     *,
     scanned: bool = False,
     itemsize: int = 4,
+    stacked: int = 0,
+    held: int = 0,
 ):
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
@@ -194,11 +196,11 @@ def backward(
     reuses the stacks' space for the logits: v5p:2x2x2, decoder-only, `none` bf16, 12.6 MiB of
     stacks in a 19.4 MiB heap, which the split below predicts within 10%; under `full` the
     stacks are the layers' inputs, beside the logits); `itemsize`: the compute dtype's bytes
-    (what a scanned stack's residuals take)."""
+    (what a scanned stack's residuals take); `stacked`, `held`: `scanned_megacore`'s."""
     megacore = tensor_cores_per_device(device_kind) > 1
     context = any(a["kv_gathered"] * (remat != "full") for _, a in layers)
     if scanned and megacore and not context:
-        return scanned_megacore(layers, remat, logits, itemsize, arrays, ring_steps)
+        return scanned_megacore(layers, remat, logits, itemsize, arrays, ring_steps, stacked, held)
     kept = _add(*(saved(a, remat) for n, a in layers for _ in range(n)))
     # `minimal` recomputes only elementwise work, which the backward's fusions do anyway: its
     # peak stays at the loss gradient (test-size T5 megatron: 14.6 MiB of temporaries, `none`
@@ -277,40 +279,73 @@ def scanned_stacks(a: dict[str, int], remat: str, itemsize: int) -> dict[str, in
 _SP_LOSS_COPIES = 2
 
 
+def held_logits(layers: list, logits: int, encoder_decoder: bool, params_split: bool) -> int:
+    """Bytes of the logits-sized value an encoder-decoder's scanned step holds on a megacore from
+    the loss gradient to the logits' kernel's gradient, which the scheduler puts after both
+    stacks' backward (`logits`: the fp32 logits' bytes): where the parameters are split over
+    the batch's axes (FSDP, fully sharded: the kernel's gradient is reduce-scattered there) the
+    logits' cotangent in bf16, where only activations' `embed` is split (2D activations) the
+    fp32 logits; none elsewhere (v5p:2x2x2's buffer assignments of the test-size scanned T5,
+    every FSDP and fully sharded program, `none` and `full`, fp32 and bf16: `bf16[8, 64,
+    2048]`, 2 MiB, live from the loss to the kernel's gradient; 2D activations `none`:
+    `f32[8, 64, 2048]`; Megatron bf16, sequence and context parallelism and the decoder-only
+    model: none)."""
+    if not encoder_decoder:
+        return 0
+    if params_split:
+        return logits // 2
+    return logits if any(a["embed_split"] for _, a in layers) else 0
+
+
 def scanned_megacore(
-    layers: list, remat: str, logits: int, itemsize: int, arrays: int, ring_steps: int = 0
+    layers: list,
+    remat: str,
+    logits: int,
+    itemsize: int,
+    arrays: int,
+    ring_steps: int = 0,
+    stacked: int = 0,
+    held: int = 0,
 ):
     """`backward` for scanned layers on a megacore (v5p), by kind, and its terms: every layer's
-    stacks (`scanned_stacks`) in HBM, beside the fp32 logits, the parameter arrays' scalar
-    slots and a ring's own buffers and its `ring_steps`' slots (`ring_in_hbm`, `ring_slots`),
-    each in heap space of its own, and the heap's fragmentation (its extent less the bytes live
-    at its peak, the larger of one stack's residuals with the ring's buffers and the logits),
-    which `memory_analysis` counts again beyond the HLO temp allocation (libtpu's log at
-    `TPU_MIN_LOG_LEVEL=0`: "HLO temp ... fragmentation"). Read from v5p:2x2x2's buffer
-    assignments of the test-size scanned models (decoder-only megatron, FSDP, fully sharded and
-    the ring, T5; `none` and `full`, fp32 and bf16): the logits sit above the stacks though
-    they live after them (the logits' kernel's fp32 gradient reuses their space), and the slots
-    above both; under sequence parallelism the loss holds `_SP_LOSS_COPIES` more logits-sized
-    buffers."""
+    stacks (`scanned_stacks`) in HBM, beside the fp32 logits (and the logits-sized value `held`
+    through the backward: `held_logits`), the parameter arrays' scalar slots and a ring's own
+    buffers and its `ring_steps`' slots (`ring_in_hbm`, `ring_slots`), each in heap space of
+    its own, and the heap's fragmentation (its extent less the bytes live at its peak, the
+    larger of one stack's residuals with the ring's buffers and the logits; under `full`,
+    inside the backward, with `held`), which `memory_analysis` counts again beyond the HLO
+    temp allocation (libtpu's log at `TPU_MIN_LOG_LEVEL=0`: "HLO temp ... fragmentation").
+    Read from v5p:2x2x2's buffer assignments of the test-size scanned models (decoder-only
+    megatron, FSDP and fully sharded and the ring, T5; `none` and `full`, fp32 and bf16): the
+    logits sit above the stacks though they live after them (the logits' kernel's fp32
+    gradient reuses their space), and the slots above both; under sequence parallelism the
+    loss holds `_SP_LOSS_COPIES` more logits-sized buffers. The `stacked` parameter arrays'
+    loop slots (`LOOP_SLOTS`) are the residual stacks' (their loops' indices and flags): none
+    under `full`, whose stacks are the layers' inputs (the slots above the heap's values shrink
+    by 1.0-1.3 MiB from `none` to `full` on the decoder-only model, LOOP_SLOTS' 0.84; T5 2.9,
+    2.16)."""
     per_stack = [_add(*(scanned_stacks(a, remat, itemsize) for _ in range(n))) for n, a in layers]
     stacks = _add(*per_stack)
     logits *= 1 + _SP_LOSS_COPIES * any(a["sp_gathered"] for _, a in layers)
     kept = sum(stacks.values())
     ring = ring_in_hbm(layers, remat) if ring_steps else 0
     slots = arrays * ARRAY_SLOTS + ring_slots(ring_steps, remat)
+    loop = 0 if remat == "full" else stacked * LOOP_SLOTS
     peak = max(logits, *(sum(p.values()) + ring for p in per_stack))
-    values = _add(stacks, {"logits+loss": logits})
+    peak += held if remat == "full" else 0
+    values = _add(stacks, {"logits+loss": logits + held})
     if ring_steps:
         values["ring attention"] = ring
         values["ring slots"] = ring_slots(ring_steps, remat)
-    values["fragmentation"] = kept + logits + ring + slots - peak
-    values["parameter scalars"] = arrays * ARRAY_SLOTS
+    values["fragmentation"] = kept + logits + held + ring + slots - peak
+    values["parameter scalars"] = arrays * ARRAY_SLOTS + loop
     terms = (
         ("saved activations", kept),
         ("layer working set", 0),
-        ("loss temporaries", logits),
+        ("loss temporaries", logits + held),
         ("heap fragmentation", values["fragmentation"]),
-        ("parameter scalars", values["parameter scalars"]),
+        ("parameter scalars", arrays * ARRAY_SLOTS),
+        ("loop scalars", loop),
     )
     return values, terms
 
