@@ -106,14 +106,17 @@ def dense(inputs: Array, kernel: Array, n_in: int) -> Array:
     step, benchmarks/train_throughput.py). On a sharded mesh the dims stay as they are: merging
     a sharded batch with length made the partitioner gather twice the 2D-tensor-parallel input
     and replicate more under context parallelism (tests/test_layouts.py), and a reshape merging
-    sharded dims cannot always be typed on Explicit axes."""
+    sharded dims cannot always be typed on Explicit axes. Inside a pipeline stage of one device
+    (a `shard_map` manual over the stage axes, the partitioner's other axes all of size 1) the
+    stage's program is a one-device program and merges too: kept 3-D there, the weight
+    gradients' transposed copies were a fifth of GPipe's step on XLA:CPU (docs/pipeline.md)."""
     lead = inputs.ndim - n_in
     contract = ((tuple(range(lead, inputs.ndim)), tuple(range(n_in))), ((), ()))
     layout = _LAYOUT.get()
     if layout is not None:
         return layout.dot_general(inputs, kernel, contract)
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
+    if not mesh.empty and mesh.size > 1 and not _one_device_stage(mesh):
         return jax.lax.dot_general(inputs, kernel, contract)
     k_in = math.prod(inputs.shape[lead:])
     out = kernel.shape[n_in:]
@@ -121,6 +124,13 @@ def dense(inputs: Array, kernel: Array, n_in: int) -> Array:
         inputs.reshape(-1, k_in), kernel.reshape(k_in, math.prod(out)), (((1,), (0,)), ((), ()))
     )
     return y.reshape(inputs.shape[:lead] + out)
+
+
+def _one_device_stage(mesh: Any) -> bool:
+    """Whether `mesh` is seen from a `shard_map` manual over some of its axes (a pipeline
+    stage's) that leaves the partitioner only axes of size 1: one device to lay out."""
+    auto = [n for a, n in mesh.shape.items() if a not in mesh.manual_axes]
+    return bool(mesh.manual_axes) and bool(auto) and math.prod(auto) == 1
 
 
 def einsum(subscripts: str, lhs: Array, rhs: Array, **kwargs: Any) -> Array:

@@ -96,3 +96,41 @@ def test_gpipe_accumulates_the_stage_layer_gradients_each_tick():
             adds[shape] += shape in shards
     assert +adds == shards
     assert sum(4 * math.prod(s) * n for s, n in adds.items()) == want
+
+
+def _dense_operand_ranks(stages: int, data: int) -> list[int]:
+    """The ranks of the dot operands `constraints.dense` traces inside a shard_map manual over
+    `stage` of a (stage, data, model=1) mesh: a pipeline stage's dense layer."""
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from t5lite import constraints
+
+    mesh = Mesh(
+        np.array(jax.devices()[: stages * data]).reshape(stages, data, 1),
+        ("stage", "data", "model"),
+    )
+    body = jax.shard_map(
+        lambda x, k: constraints.dense(x, k, 1),
+        mesh=mesh,
+        in_specs=(P("stage"), P()),
+        out_specs=P("stage"),
+        axis_names={"stage"},
+    )
+    x, kernel = (
+        jax.ShapeDtypeStruct((8, 4, 16), "float32"),
+        jax.ShapeDtypeStruct((16, 32), "float32"),
+    )
+    jaxpr = jax.make_jaxpr(body)(x, kernel)
+    dots = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "dot_general"]
+    return [v.aval.ndim for e in dots for v in e.invars]
+
+
+def test_a_one_device_stage_merges_a_dense_layers_batch_and_length():
+    """Inside a stage whose other axes are one device the dense layer is one [b L, D] x [D, F]
+    dot, as in a one-device program: kept 3-D, XLA:CPU copied each weight gradient's
+    activation gradient transposed first (a fifth of the benchmark's GPipe step,
+    docs/pipeline.md). With the batch split over `data` it stays 3-D for the partitioner."""
+    assert _dense_operand_ranks(2, 1) == [2, 2]
+    assert _dense_operand_ranks(2, 2) == [3, 2]
