@@ -66,6 +66,10 @@ WORKER_XLA_FLAGS = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thr
 # The smoke checks that the benchmark runs and the losses agree, not the times: cheap code
 # generation (as `inspect` compiles) keeps its compiles short.
 SMOKE_FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# glibc keeps a step's freed buffers instead of returning them to the kernel: otherwise every
+# step re-faults its temporaries (a profile counted ~52 thousand page faults and 70-115 ms of
+# system time in a 265 ms busy-work step), time no XLA op accounts for. Same for every layout.
+WORKER_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
 def _free_port() -> int:
@@ -87,6 +91,7 @@ def _launch(args: argparse.Namespace, raw: Path) -> tuple[list[int], float]:
     env.update(
         JAX_PLATFORMS="cpu", XLA_FLAGS=WORKER_XLA_FLAGS + (SMOKE_FLAGS if args.smoke else "")
     )
+    env.update(WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = _free_port()
     common = [sys.executable, __file__, "--reps", str(args.reps), "--schedules", *args.schedules]
@@ -166,12 +171,14 @@ def _measure(args: argparse.Namespace) -> dict:
         jax.block_until_ready(local["tr"].eval_step(local["state"].params, local["data"]))
     times: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
     times.update({"local_forward": []} if forward else {})
+    cpu: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
     for _ in range(args.reps):
         for key, run in {"local": local, **runs}.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run["state"], met = run["tr"].train_step(run["state"], run["data"])
             jax.block_until_ready(met)
             times[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
             run["loss"].append(_loss(met))
         if not forward:
             continue
@@ -180,6 +187,7 @@ def _measure(args: argparse.Namespace) -> dict:
         times["local_forward"].append(time.perf_counter() - t0)
     return {
         "times": times,
+        "cpu": cpu,
         "losses": {k: r["loss"] for k, r in runs.items()},
         "devices": [str(d) for d in jax.devices()],
         "config": dataclasses.asdict(config),
@@ -236,10 +244,21 @@ def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
         analytic = (p - 1) / (m + p - 1)
         work = t_ref if schedule == "gpipe" else t_ref + 2 * t_fwd
         idle = 1 - work / med[key]
+        waiting = _waiting(raw, key)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_loss))
         worst = max(worst, diff)
         rows.append(
-            (schedule, m, med[key], med[key] / med["reference"], work, idle, analytic, diff)
+            (
+                schedule,
+                m,
+                med[key],
+                med[key] / med["reference"],
+                work,
+                idle,
+                waiting,
+                analytic,
+                diff,
+            )
         )
         figures.append(
             {
@@ -254,6 +273,7 @@ def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
                 # second would leave the ratio 1% from its own figures.
                 "step_s": round(med[key], 6),
                 "busy_work_s": round(work, 6),
+                "waiting_share": round(waiting, 4),
             }
         )
     figures.append(
@@ -270,6 +290,14 @@ def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
     return figures, rows
 
 
+def _waiting(raw: dict, key: str) -> float:
+    """The share of a step process 0 spent off the CPU (median over the steps): waiting on its
+    neighbour's collectives. What its stage computes in the bubble (GPipe's ticks on a stale
+    buffer, the forward pass of 1F1B) is on the CPU, so this is not the idle share."""
+    pairs = zip(raw["cpu"][key], raw["times"][key])
+    return 1 - statistics.median(c / t for c, t in pairs)
+
+
 def _print(raw: dict, rows: list[tuple]) -> None:
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
     fwd = med.get("local_forward")
@@ -280,12 +308,12 @@ def _print(raw: dict, rows: list[tuple]) -> None:
     )
     print(
         f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'x data=2':>8} {'busy ms':>8} {'idle':>7}"
-        f" {'analytic':>8} {'loss rel diff':>13}"
+        f" {'waiting':>7} {'analytic':>8} {'loss rel diff':>13}"
     )
-    for schedule, m, t, x, work, idle, analytic, diff in rows:
+    for schedule, m, t, x, work, idle, waiting, analytic, diff in rows:
         print(
             f"{schedule:>8} {m:>3} {1e3 * t:>9.1f} {x:>8.2f} {1e3 * work:>8.1f} {idle:>7.1%}"
-            f" {analytic:>8.1%} {diff:>13.2e}"
+            f" {waiting:>7.1%} {analytic:>8.1%} {diff:>13.2e}"
         )
 
 
@@ -354,8 +382,10 @@ def _record(args: argparse.Namespace, raw: dict, cores: list[int], wall: float) 
             "load_average_after": list(os.getloadavg()),
             "wall_s": round(wall, 1),
             "xla_flags": WORKER_XLA_FLAGS,
+            "worker_env": WORKER_ENV,
         },
         "seconds": raw["times"],
+        "cpu_seconds": raw["cpu"],
         "losses": raw["losses"],
         "figures": figures,
     }

@@ -73,12 +73,15 @@ def test_idle_shares_from_given_times():
             "1f1b_m4": [1.8, 1.8, 1.8],  # busy 1.0 + 2 x 0.1 = 1.2: idle 1/3
         },
         "losses": {"reference": [2.0, 1.5], "gpipe_m4": [2.0, 1.5], "1f1b_m4": [2.0, 1.5003]},
+        # Process CPU time: off the CPU 10% (median of 0.1, 0.1, 0.0) and 30% of the steps.
+        "cpu": {"gpipe_m4": [1.125, 1.17, 1.2], "1f1b_m4": [1.26, 1.26, 1.26]},
     }
     figures, rows = pipeline_bubble._figures(raw)
     gpipe, onefb, loss = figures
     assert gpipe["name"] == "gpipe_idle_share_stage2_m4"
     assert gpipe["value"] == pytest.approx(0.2) and gpipe["reference"] == 0.2 and gpipe["met"]
     assert onefb["busy_work_s"] == pytest.approx(1.2)
+    assert gpipe["waiting_share"] == pytest.approx(0.1) and onefb["waiting_share"] == 0.3
     assert onefb["value"] == pytest.approx(1 / 3, abs=1e-4) and not onefb["met"]
     assert loss["value"] == pytest.approx(2e-4) and not loss["met"]
     assert [r[0] for r in rows] == ["gpipe", "1f1b"]
