@@ -13,16 +13,19 @@ rounds (each round one step of every layout, so host load drifts alike over all 
 - the busy work of a stage, `t_ref`: the unpipelined step on each process's own device and
   half the batch (L/2 layers on every row = L layers on half the rows), with no collective (the
   data=2 step also pays its gradient all-reduce over gloo, which a pipeline does not), and
-  its forward pass alone (the eval step), `t_fwd`;
+  the stack's forward alone, `t_fwd`: twice the difference between the eval step's forward
+  and that of the same model with half the layers (the embedding, logits and loss cancel);
+- per layout, the share of the step process 0 spent off its CPU (`1 - process CPU time /
+  wall`): its waits on the other stage, measured directly (work in the bubble is on the CPU);
 - GPipe (stage=2) for each microbatch count `m`: each stage runs `m + p - 1` ticks forward and
   backward on `1/m` of the batch, computing (on a stale buffer) in the bubble too, so the step
   takes `(m + p - 1) / m` times `t_ref`; idle share `1 - t_ref / t_pipe` against the
   analytic `(p - 1) / (m + p - 1)`;
 - 1F1B (stage=2) for each `m`: t5lite's 1F1B (model/schedules.py) runs the stack forward
   three times (the forward pass, the schedule's F, the recompute in B), so its busy work is
-  the reference's plus two stack forwards: `W = t_ref + 2 t_fwd` (t_fwd also counts the
-  embedding and logits, run once: W is slightly over; without the measurement, backward = 2
-  forwards would give `W = 5/3 t_ref`). Idle share `1 - W / t_pipe`, against the same analytic
+  the reference's plus two stack forwards: `W = t_ref + 2 t_fwd` (without the measurement,
+  backward = 2 forwards would give `W = 5/3 t_ref`). Idle share `1 - W / t_pipe`, against the
+  same analytic
   fraction: its forward pass idles `p - 1` of `T = m + p - 1` ticks, and its schedule's `2T`
   half-ticks (at p=2, every pair of half-ticks between two permutes holds one F and one B on
   each stage in the steady state) idle as much.
@@ -167,10 +170,16 @@ def _measure(args: argparse.Namespace) -> dict:
         runs[_key(schedule, m)] = {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
     local = _local_reference(config, host, jax.process_index())
     forward = "1f1b" in args.schedules  # its busy work counts the stack's forwards
+    # The forward pass of the same model with half the layers: the difference is the stack's
+    # forward alone (the embedding, logits and loss cancel).
+    evals = {"local_forward": local}
     if forward:
-        jax.block_until_ready(local["tr"].eval_step(local["state"].params, local["data"]))
+        shallow = dataclasses.replace(config, num_layers=config.num_layers // 2)
+        evals["local_forward_half"] = _local_reference(shallow, host, jax.process_index())
+        for run in evals.values():
+            jax.block_until_ready(run["tr"].eval_step(run["state"].params, run["data"]))
     times: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
-    times.update({"local_forward": []} if forward else {})
+    times.update({k: [] for k in evals} if forward else {})
     cpu: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
     for _ in range(args.reps):
         for key, run in {"local": local, **runs}.items():
@@ -182,9 +191,10 @@ def _measure(args: argparse.Namespace) -> dict:
             run["loss"].append(_loss(met))
         if not forward:
             continue
-        t0 = time.perf_counter()
-        jax.block_until_ready(local["tr"].eval_step(local["state"].params, local["data"]))
-        times["local_forward"].append(time.perf_counter() - t0)
+        for key, run in evals.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run["tr"].eval_step(run["state"].params, run["data"]))
+            times[key].append(time.perf_counter() - t0)
     return {
         "times": times,
         "cpu": cpu,
@@ -233,7 +243,9 @@ def _worker(args: argparse.Namespace) -> None:
 def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
     """Idle shares against the analytic bubble, and the losses against the reference's."""
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
-    t_ref, t_fwd = med["local"], med.get("local_forward", 0.0)
+    t_ref = med["local"]
+    # The stack's forward (L layers on half the batch = a stage's L/2 on all of it).
+    t_fwd = 2 * max(0.0, med.get("local_forward", 0.0) - med.get("local_forward_half", 0.0))
     ref_loss = raw["losses"]["reference"]
     figures, rows, worst = [], [], 0.0
     for key, losses in raw["losses"].items():
@@ -300,11 +312,11 @@ def _waiting(raw: dict, key: str) -> float:
 
 def _print(raw: dict, rows: list[tuple]) -> None:
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
-    fwd = med.get("local_forward")
+    fwd = 2 * (med["local_forward"] - med["local_forward_half"]) if "local_forward" in med else 0
     print(
         f"unpipelined (data=2): {1e3 * med['reference']:.1f} ms/step; on one process's device"
         f" and half the batch (the busy work): {1e3 * med['local']:.1f} ms"
-        + (f", its forward alone {1e3 * fwd:.1f} ms" if fwd else "")
+        + (f", its stack's forward alone {1e3 * fwd:.1f} ms" if fwd else "")
     )
     print(
         f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'x data=2':>8} {'busy ms':>8} {'idle':>7}"

@@ -68,7 +68,8 @@ def test_idle_shares_from_given_times():
         "times": {
             "reference": [1.6, 1.5, 1.7],  # data=2, gloo all-reduces: not the busy work
             "local": [1.0, 0.9, 1.1],
-            "local_forward": [0.1, 0.1, 0.1],
+            "local_forward": [0.1, 0.1, 0.1],  # the stack's forward: 2 x (0.1 - 0.05)
+            "local_forward_half": [0.05, 0.05, 0.05],
             "gpipe_m4": [1.25, 1.3, 1.2],  # median 1.25 = 5/4 t_ref: the analytic bubble
             "1f1b_m4": [1.8, 1.8, 1.8],  # busy 1.0 + 2 x 0.1 = 1.2: idle 1/3
         },
