@@ -31,8 +31,8 @@ ahead of time (docs/performance.md has the programs and how close the model come
   matmuls (d_model 32 to 512 ahead of time).
 - Where the stages cross slices (a multi-slice topology), each collective between them is a
   DCN send/recv pair with its own slots and code (`_dcn_transfers`: the stage hand-offs
-  counted, the all-reduces a fitted mean), and fp32 FSDP gathers over a whole slice become
-  collective matmuls as bf16 ones do within a slice.
+  counted, the all-reduces a fitted mean), and FSDP gathers over a whole slice become
+  collective matmuls: the attention projections' fp32 ones too, the MLP's bf16 ones too.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ _TEST_TILES = 2
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
 _GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 # The all-reduces between slices where the stages cross them: the loss's scalars, the
-# finiteness flags and the unstacked parameters' gradients, which XLA:TPU combines into 4 to 11
-# transfers by layout (fitted: their mean over eleven two-slice programs, docs/performance.md).
+# finiteness flags and the unstacked parameters' gradients, which XLA:TPU combines into 4 to 13
+# transfers by layout (fitted: their mean, 8.3, over 17 two-slice programs, docs/performance.md).
 _DCN_ALL_REDUCES = 8
 _KIB = 2**10
 # The VMEM XLA:TPU reserves for its kernels' scoped buffers (`xla_tpu` scoped VMEM's default),
@@ -173,16 +173,18 @@ def _schedule_counts(
     # The weights as the layers read them: a bf16 policy's gathers feed the einsums directly.
     bf16 = fsdp and np.dtype(cfg.policy.params).itemsize == 2
     transfers, whole_slice = _dcn_transfers(trainer, f, len(stacks))
-    # Across slices XLA:TPU makes collective matmuls of fp32 gathers too where the FSDP ways
-    # are a whole slice (observed: data=4 on 2xv5e:2x2, not data=2 model=2).
-    matmuls = fsdp and (bf16 or whole_slice)
+    # Across slices, where the FSDP ways are a whole slice, XLA:TPU makes collective matmuls of
+    # the attention projections' fp32 gathers too, and of the MLP's kernels' bf16 ones
+    # (observed on 2xv5e:2x2 at data=4; at data=2 model=2 fp32 gathers stay all-gathers).
+    mlp = sum(n // f.stages * (len(cfg.mlp_activations) + 1) for n, _, _ in stacks)
+    matmuls = kernels * (bf16 or whole_slice) + mlp * (bf16 and whole_slice)
     one_f_one_b = f.schedule == "1f1b"
     return (
         1,
         blocks * tensor,
         len(stacks) * fsdp,
         layers * one_f_one_b,
-        _collective_matmuls(kernels, f.schedule) if matmuls and not grown else 0,
+        _collective_matmuls(matmuls, f.schedule) if fsdp and not grown else 0,
         len(stacks) * fsdp * one_f_one_b,
         transfers,
     ), (
@@ -218,10 +220,11 @@ def _dcn_transfers(trainer: Trainer, f: pipeline.PipelineFigures, stacks: int) -
 
 def _collective_matmuls(kernels: int, schedule: str) -> int:
     """The collective matmuls (windowed einsums) XLA:TPU makes of a bf16 stage's attention
-    projections under FSDP (`kernels` of them): each gather that feeds its einsum directly
-    becomes a loop of collective-permutes over the FSDP ways, each step's partial einsum its own
-    kernel. GPipe gathers a projection once a step, 1F1B three times (as the compiled steps
-    count them: its forward and backward, compiled apart, gather again)."""
+    projections under FSDP (`kernels` of them; across slices more, `_schedule_counts`): each
+    gather that feeds its einsum directly becomes a loop of collective-permutes over the FSDP
+    ways, each step's partial einsum its own kernel. GPipe gathers a projection once a step,
+    1F1B three times (as the compiled steps count them: its forward and backward, compiled
+    apart, gather again)."""
     return kernels * _GATHERING_PASSES[schedule]
 
 
