@@ -80,7 +80,7 @@ _TEST_TILES = 2
 _GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
 # The all-reduces between slices where the stages cross them: the loss's scalars, the
 # finiteness flags and the unstacked parameters' gradients, which XLA:TPU combines into 4 to 13
-# transfers by layout (fitted: their mean, 8.3, over 17 two-slice programs, docs/performance.md).
+# transfers by layout (fitted: their mean, 8.5, over 19 two-slice programs, docs/performance.md).
 _DCN_ALL_REDUCES = 8
 _KIB = 2**10
 # The VMEM XLA:TPU reserves for its kernels' scoped buffers (`xla_tpu` scoped VMEM's default),
