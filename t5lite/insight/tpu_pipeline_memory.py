@@ -29,6 +29,10 @@ ahead of time (docs/performance.md has the programs and how close the model come
   (`_GROWN_CODE`), 1F1B's loop-carried values stay in HBM (`_CARRIED`), under FSDP part of the
   gathered weights too (`_GATHERED_HELD`), and the gathers stay all-gathers: no collective
   matmuls (d_model 32 to 512 ahead of time).
+- Where the stages cross slices (a multi-slice topology), each collective between them is a
+  DCN send/recv pair with its own slots and code (`_dcn_transfers`: the stage hand-offs
+  counted, the all-reduces a fitted mean), and FSDP gathers over a whole slice become
+  collective matmuls: the attention projections' fp32 ones too, the MLP's bf16 ones too.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import hardware, memory, pipeline, tpu_memory
+from t5lite.insight.hlo import axes_along, device_slices
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -53,9 +58,11 @@ from t5lite.trainer import Trainer
 # 1F1B; a collective matmul (a ring of permutes and its partial einsums: the heap slots of its
 # permutes' buffers, doubled by the reserve); a stack under FSDP and 1F1B, which gathers the
 # stage's weights in each F and again in each B). A block: an attention or an MLP (tpu_memory's
-# unit). The slots' FSDP stack term is negative: it is what the 1F1B term leaves of it.
-_SCHEDULE_CODE = (1535, 173, 1090, 227, 64, 357)
-_SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078)
+# unit). The slots' FSDP stack term is negative: it is what the 1F1B term leaves of it. Last,
+# a DCN transfer between slices (`_dcn_transfers`; fitted on three two-slice LMs: 78 to
+# 88 KiB each over the one-slice step).
+_SCHEDULE_CODE = (1535, 173, 1090, 227, 64, 357, 14)
+_SCHEDULE_SLOTS = (-114, 88, -268, 407, 192, 1078, 70)
 # Beyond test size (`_weight_growth`): code (KiB) a doubling of the weights' tiles adds, by
 # what the compiled step holds: a block of one layer of each stack; a stack under FSDP; a layer
 # of the stage's under 1F1B; a stack under FSDP and 1F1B (fitted on the d_model 128 programs,
@@ -71,6 +78,10 @@ _CARRIED = ("gradients", "stack_buffers")
 _TEST_TILES = 2
 # How many times a step gathers a stage's weight, by schedule (`_collective_matmuls`).
 _GATHERING_PASSES = {"gpipe": 1, "1f1b": 3}
+# The all-reduces between slices where the stages cross them: the loss's scalars, the
+# finiteness flags and the unstacked parameters' gradients, which XLA:TPU combines into 4 to 13
+# transfers by layout (fitted: their mean, 8.5, over 19 two-slice programs, docs/performance.md).
+_DCN_ALL_REDUCES = 8
 _KIB = 2**10
 # The VMEM XLA:TPU reserves for its kernels' scoped buffers (`xla_tpu` scoped VMEM's default),
 # which memory-space assignment does not hand out: GPipe's values get the rest.
@@ -143,9 +154,10 @@ def _schedule_counts(
     """The schedule terms' counts (`_SCHEDULE_CODE`): 1, the stage's blocks under tensor
     parallelism, the stacks under FSDP, the stage's layers under 1F1B, the collective
     matmuls (`_collective_matmuls`; none where the weights have `grown` beyond the test
-    size's tiles: the gathers stay all-gathers), the stacks under FSDP and 1F1B; and the
-    grown code's (`_GROWN_CODE`): the blocks of one layer of each stack, the stacks under
-    FSDP, the stage's layers under 1F1B, the stacks under FSDP and 1F1B."""
+    size's tiles: the gathers stay all-gathers), the stacks under FSDP and 1F1B, the DCN
+    transfers between slices (`_dcn_transfers`); and the grown code's (`_GROWN_CODE`): the
+    blocks of one layer of each stack, the stacks under FSDP, the stage's layers under 1F1B,
+    the stacks under FSDP and 1F1B."""
     cfg = trainer.model.network_config
     part = trainer.partitioner
     if isinstance(cfg, T5Config):
@@ -160,14 +172,21 @@ def _schedule_counts(
     fsdp = _layers_split_over_batch(trainer)
     # The weights as the layers read them: a bf16 policy's gathers feed the einsums directly.
     bf16 = fsdp and np.dtype(cfg.policy.params).itemsize == 2
+    transfers, whole_slice = _dcn_transfers(trainer, f, len(stacks))
+    # Across slices, where the FSDP ways are a whole slice, XLA:TPU makes collective matmuls of
+    # the attention projections' fp32 gathers too, and of the MLP's kernels' bf16 ones
+    # (observed on 2xv5e:2x2 at data=4; at data=2 model=2 fp32 gathers stay all-gathers).
+    mlp = sum(n // f.stages * (len(cfg.mlp_activations) + 1) for n, _, _ in stacks)
+    matmuls = kernels * (bf16 or whole_slice) + mlp * (bf16 and whole_slice)
     one_f_one_b = f.schedule == "1f1b"
     return (
         1,
         blocks * tensor,
         len(stacks) * fsdp,
         layers * one_f_one_b,
-        _collective_matmuls(kernels, f.schedule) if bf16 and not grown else 0,
+        _collective_matmuls(matmuls, f.schedule) if fsdp and not grown else 0,
         len(stacks) * fsdp * one_f_one_b,
+        transfers,
     ), (
         sum(per for _, per, _ in stacks),
         len(stacks) * fsdp,
@@ -176,12 +195,36 @@ def _schedule_counts(
     )
 
 
+def _dcn_transfers(trainer: Trainer, f: pipeline.PipelineFigures, stacks: int) -> tuple[int, bool]:
+    """The DCN transfers (send/recv pairs) of a step whose stages cross slices, and whether its
+    batch's mesh axes are a whole slice; (0, False) within one slice. Each stack hands its
+    activations on and their cotangents back, and its stack buffers (GPipe's two, 1F1B's one);
+    an embedding table split over the other mesh axes goes to the last stage and its gradient
+    back; then the all-reduces (`_DCN_ALL_REDUCES`). Only the stage axis crossing is counted."""
+    mesh = trainer.partitioner.mesh
+    slices = device_slices(mesh.devices)
+    if STAGE not in axes_along(mesh, slices):
+        return 0, False
+    table = False
+    for s, names in zip(
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+    ):
+        axes = {t for e in s.spec for t in mesh_axes_of(e)} - {STAGE}
+        table |= "vocab" in tuple(names) and "layers" not in tuple(names) and bool(axes)
+    hand_offs = stacks * (2 + (2 if f.schedule == "gpipe" else 1)) + 2 * table
+    batch_axes = set(mesh_axes_of(trainer.partitioner.data_partition_spec[0])) - {STAGE}
+    ways = math.prod(mesh.shape[a] for a in batch_axes)
+    return hand_offs + _DCN_ALL_REDUCES, ways == int(np.sum(slices == slices.flat[0]))
+
+
 def _collective_matmuls(kernels: int, schedule: str) -> int:
     """The collective matmuls (windowed einsums) XLA:TPU makes of a bf16 stage's attention
-    projections under FSDP (`kernels` of them): each gather that feeds its einsum directly
-    becomes a loop of collective-permutes over the FSDP ways, each step's partial einsum its own
-    kernel. GPipe gathers a projection once a step, 1F1B three times (as the compiled steps
-    count them: its forward and backward, compiled apart, gather again)."""
+    projections under FSDP (`kernels` of them; across slices more, `_schedule_counts`): each
+    gather that feeds its einsum directly becomes a loop of collective-permutes over the FSDP
+    ways, each step's partial einsum its own kernel. GPipe gathers a projection once a step,
+    1F1B three times (as the compiled steps count them: its forward and backward, compiled
+    apart, gather again)."""
     return kernels * _GATHERING_PASSES[schedule]
 
 
