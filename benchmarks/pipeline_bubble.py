@@ -69,10 +69,6 @@ WORKER_XLA_FLAGS = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thr
 # The smoke checks that the benchmark runs and the losses agree, not the times: cheap code
 # generation (as `inspect` compiles) keeps its compiles short.
 SMOKE_FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# glibc keeps a step's freed buffers instead of returning them to the kernel: otherwise every
-# step re-faults its temporaries (a profile counted ~52 thousand page faults and 70-115 ms of
-# system time in a 265 ms busy-work step), time no XLA op accounts for. Same for every layout.
-WORKER_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
 def _free_port() -> int:
@@ -94,7 +90,6 @@ def _launch(args: argparse.Namespace, raw: Path) -> tuple[list[int], float]:
     env.update(
         JAX_PLATFORMS="cpu", XLA_FLAGS=WORKER_XLA_FLAGS + (SMOKE_FLAGS if args.smoke else "")
     )
-    env.update(WORKER_ENV)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = _free_port()
     common = [sys.executable, __file__, "--reps", str(args.reps), "--schedules", *args.schedules]
@@ -394,7 +389,6 @@ def _record(args: argparse.Namespace, raw: dict, cores: list[int], wall: float) 
             "load_average_after": list(os.getloadavg()),
             "wall_s": round(wall, 1),
             "xla_flags": WORKER_XLA_FLAGS,
-            "worker_env": WORKER_ENV,
         },
         "seconds": raw["times"],
         "cpu_seconds": raw["cpu"],
