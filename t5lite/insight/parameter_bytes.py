@@ -143,16 +143,26 @@ def gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
         yield path, names, unreduced, reduced, layers
 
 
+def param_specs(trainer: Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
+    """Each parameter's sharding and logical axis names, in the parameters' leaf order."""
+    yield from zip(
+        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+        (
+            tuple(n)
+            for n in jax.tree_util.tree_leaves(
+                trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
+            )
+        ),
+    )
+
+
 def params_split_over_batch(trainer: Trainer) -> bool:
     """Whether any parameter is split over the batch's mesh axes (FSDP, fully sharded: gathered
     where used), experts' own dimension aside."""
     batch_axes = set(mesh_axes_of(trainer.partitioner.data_partition_spec[0]))
     return any(
         batch_axes & set(mesh_axes_of(e))
-        for s, names in zip(
-            jax.tree_util.tree_leaves(trainer.state_shardings.params),
-            jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-        )
+        for s, names in param_specs(trainer)
         for e, n in zip(s.spec, names)
         if n != "expert"
     )

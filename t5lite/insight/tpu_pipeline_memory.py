@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import hardware, memory, pipeline, tpu_memory
 from t5lite.insight.hlo import axes_along, device_slices
+from t5lite.insight.parameter_bytes import param_specs
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -206,12 +207,9 @@ def _dcn_transfers(trainer: Trainer, f: pipeline.PipelineFigures, stacks: int) -
     if STAGE not in axes_along(mesh, slices):
         return 0, False
     table = False
-    for s, names in zip(
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-    ):
+    for s, names in param_specs(trainer):
         axes = {t for e in s.spec for t in mesh_axes_of(e)} - {STAGE}
-        table |= "vocab" in tuple(names) and "layers" not in tuple(names) and bool(axes)
+        table |= "vocab" in names and "layers" not in names and bool(axes)
     hand_offs = stacks * (2 + (2 if f.schedule == "gpipe" else 1)) + 2 * table
     batch_axes = set(mesh_axes_of(trainer.partitioner.data_partition_spec[0])) - {STAGE}
     ways = math.prod(mesh.shape[a] for a in batch_axes)
@@ -264,12 +262,9 @@ def _layers_split_over_batch(trainer: Trainer) -> bool:
     tick gathers the stage's weights)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0])) - {STAGE}
-    for s, names in zip(
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-    ):
+    for s, names in param_specs(trainer):
         axes = {t for e, n in zip(s.spec, names) if n != "layers" for t in mesh_axes_of(e)}
-        if "layers" in tuple(names) and axes & batch_axes:
+        if "layers" in names and axes & batch_axes:
             return True
     return False
 
