@@ -26,17 +26,19 @@ def tree_bytes_per_device(tree: Any, min_itemsize: int = 0) -> int:
     return total
 
 
+def sharded_batch(trainer: Trainer) -> Any:
+    """The batch's abstract arrays, each with its sharding."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        trainer.batch_abstract,
+        trainer.batch_shardings,
+    )
+
+
 def state_and_batch(trainer: Trainer) -> tuple[int, int]:
     """Exact bytes per device of the train state and of the batch (their shardings)."""
     state = tree_bytes_per_device(trainer.abstract_state())
-    batch = tree_bytes_per_device(
-        jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            trainer.batch_abstract,
-            trainer.batch_shardings,
-        )
-    )
-    return state, batch
+    return state, tree_bytes_per_device(sharded_batch(trainer))
 
 
 def gathered_layer_bytes(trainer: Trainer) -> int:

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import hardware, memory, pipeline, tpu_memory
 from t5lite.insight.hlo import axes_along, device_slices
-from t5lite.insight.parameter_bytes import param_specs
+from t5lite.insight.parameter_bytes import param_specs, sharded_batch
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -277,13 +277,7 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
     if f is None or pm is None:
         return None
     state = _tiled_tree_bytes(trainer.abstract_state())
-    batch = _tiled_tree_bytes(
-        jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            trainer.batch_abstract,
-            trainer.batch_shardings,
-        )
-    )
+    batch = _tiled_tree_bytes(sharded_batch(trainer))
     kind = trainer.partitioner.mesh.devices.flat[0].device_kind
     vmem = _values_budget(kind, f.schedule)
     weights, growth = _stage_weights(trainer, f.stages)
