@@ -235,12 +235,17 @@ def _worker(args: argparse.Namespace) -> None:
         Path(args.raw).write_text(json.dumps(raw))
 
 
+def _stack_forward(med: dict) -> float:
+    """The stack's forward (L layers on half the batch = a stage's L/2 on all of it): twice the
+    difference of the medians of the two eval forwards; 0 when they were not timed."""
+    return 2 * max(0.0, med.get("local_forward", 0.0) - med.get("local_forward_half", 0.0))
+
+
 def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
     """Idle shares against the analytic bubble, and the losses against the reference's."""
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
     t_ref = med["local"]
-    # The stack's forward (L layers on half the batch = a stage's L/2 on all of it).
-    t_fwd = 2 * max(0.0, med.get("local_forward", 0.0) - med.get("local_forward_half", 0.0))
+    t_fwd = _stack_forward(med)
     ref_loss = raw["losses"]["reference"]
     figures, rows, worst = [], [], 0.0
     for key, losses in raw["losses"].items():
@@ -307,7 +312,7 @@ def _waiting(raw: dict, key: str) -> float:
 
 def _print(raw: dict, rows: list[tuple]) -> None:
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
-    fwd = 2 * (med["local_forward"] - med["local_forward_half"]) if "local_forward" in med else 0
+    fwd = _stack_forward(med)
     print(
         f"unpipelined (data=2): {1e3 * med['reference']:.1f} ms/step; on one process's device"
         f" and half the batch (the busy work): {1e3 * med['local']:.1f} ms"
