@@ -10,7 +10,9 @@ is the reference the others' ratios are taken against.
 
 Per implementation: median step time over the timed steps (each step synced), tokens/s, MFU
 (model FLOPs of the step, `t5lite.insight.flops.batch_train_flops`, over the step time and the
-chip's dense bf16 peak from `t5lite.insight.hardware`), the device's peak memory in use
+chip's dense bf16 peak from `t5lite.insight.hardware`); the same three for as many steps run back
+to back and synced once (`loop`: the host dispatches the next step while the device runs one,
+as a training loop does; the batches sit on the device for both), the device's peak memory in use
 (`memory_stats()['peak_bytes_in_use']`, where the backend reports it) and the compiled step's
 memory (arguments + outputs + temporaries - aliased), and the first step's loss (the
 implementations compute the same function, so their losses agree to bf16 rounding).
@@ -121,8 +123,9 @@ def _child(args: argparse.Namespace) -> dict:
     partitioner = partitioning.Partitioner(mesh=mesh)
     opt = optimizers.AdamW(1e-4, 0.9, 0.95, 1e-8, weight_decay=0.1, clip_norm=1.0)
     model = models.DecoderOnlyModel(network_config=cfg, optimizer=opt)
+    # One random row per example, unpacked: the attention mask is causal alone.
     tr = trainer.Trainer(
-        model, partitioner, batch_size=args.batch, lengths={"targets": args.length}
+        model, partitioner, batch_size=args.batch, lengths={"targets": args.length}, packed=False
     )
 
     rng = np.random.default_rng(0)
@@ -141,20 +144,29 @@ def _child(args: argparse.Namespace) -> dict:
 
     state = tr.init_state()
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
+    placed = [tr.global_batch(b) for b in batches]  # on the device once, as a loader's prefetch
     t0 = time.perf_counter()
-    step = tr.train_step.lower(state, tr.global_batch(batches[0])).compile()
+    step = tr.train_step.lower(state, placed[0]).compile()
     compile_s = time.perf_counter() - t0
     mem = step.memory_analysis()
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
-        state, metrics = step(state, tr.global_batch(batches[i % 2]))
+        state, metrics = step(state, placed[i % 2])
         jax.block_until_ready((state, metrics))
         elapsed = time.perf_counter() - start
         losses.append(float(metrics["loss_sum"] / metrics["weight_sum"]))
         if i >= args.warmup:
             times.append(elapsed)
     step_s = statistics.median(times)
+    # The same steps back to back, synced once at the end: the host dispatches step i + 1 while
+    # the device runs step i, as a training loop does (the synced step above also waits for the
+    # host to dispatch it).
+    start = time.perf_counter()
+    for i in range(args.steps):
+        state, metrics = step(state, placed[i % 2])
+    jax.block_until_ready((state, metrics))
+    loop_s = (time.perf_counter() - start) / args.steps
     profile = None
     if args.profile:
         from _step_profile import profile_steps
@@ -162,7 +174,7 @@ def _child(args: argparse.Namespace) -> dict:
         held = [state]
 
         def one_step():
-            held[0], m = step(held[0], tr.global_batch(batches[0]))
+            held[0], m = step(held[0], placed[0])
             return held[0], m
 
         profile = profile_steps(one_step)
@@ -181,6 +193,9 @@ def _child(args: argparse.Namespace) -> dict:
         "model_tflop_per_step": step_flops / 1e12,
         "model_tflops": step_flops / step_s / 1e12,
         "mfu": step_flops / step_s / peak if peak else None,
+        "loop_step_ms": 1e3 * loop_s,
+        "loop_tokens_per_s": tokens / loop_s,
+        "loop_mfu": step_flops / loop_s / peak if peak else None,
         "peak_flops": peak,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "first_loss": losses[0],
@@ -421,9 +436,11 @@ def main(argv: list[str] | None = None) -> dict:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         peak = r["peak_bytes_in_use"]
         peak_s = f"{peak / 2**30:.2f} GiB" if peak else "n/a"
+        loop_mfu = f"{100 * r['loop_mfu']:.1f}%" if r["loop_mfu"] is not None else "n/a"
         print(
             f"  {label:>6}: {r['step_ms']:9.1f} ms/step  {r['tokens_per_s']:10.0f} tokens/s  "
-            f"MFU {mfu:>6}  peak {peak_s}  compile {r['compile_s']} s  "
+            f"MFU {mfu:>6}  (loop {r['loop_step_ms']:.1f} ms/step, MFU {loop_mfu})  "
+            f"peak {peak_s}  compile {r['compile_s']} s  "
             f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}",
             flush=True,
         )
@@ -448,18 +465,19 @@ def main(argv: list[str] | None = None) -> dict:
                 "met": None,
             }
         )
-        if r["mfu"] is not None:
-            figures.append(
-                {
-                    "name": f"{r['label']} MFU",
-                    "value": r["mfu"],
-                    "unit": "fraction",
-                    "reference": None,
-                    "ratio": None,
-                    "goal": f">= {GOAL_MFU}",
-                    "met": r["mfu"] >= GOAL_MFU,
-                }
-            )
+        for key, name in (("mfu", "MFU"), ("loop_mfu", "MFU, steps back to back")):
+            if r[key] is not None:
+                figures.append(
+                    {
+                        "name": f"{r['label']} {name}",
+                        "value": r[key],
+                        "unit": "fraction",
+                        "reference": None,
+                        "ratio": None,
+                        "goal": f">= {GOAL_MFU}",
+                        "met": r[key] >= GOAL_MFU,
+                    }
+                )
     record = {
         "benchmark": "accelerator",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -61,6 +61,18 @@ class TrainState:
     opt_state: PyTree
 
 
+UNPACKED_DROPS = ("_segment_ids", "_positions")
+"""The features an unpacked batch does without (one example per row: padding says it all)."""
+
+
+def _dummy_batch(
+    model: BaseModel, batch_size: int, lengths: Mapping[str, int], packed: bool
+) -> dict[str, np.ndarray]:
+    """The model's features for the Trainer's batches, less `UNPACKED_DROPS` when unpacked."""
+    dummy = model.dummy_batch(batch_size, lengths)
+    return dummy if packed else {k: v for k, v in dummy.items() if not k.endswith(UNPACKED_DROPS)}
+
+
 class Trainer:
     """Builds the partitioned init / train / eval functions for one model on one mesh.
 
@@ -77,6 +89,10 @@ class Trainer:
         shares it. Without clipping it is a pass of its own over every gradient, and the
         gradients it reads can no longer be fused into the optimizer update: measured on CPU
         for T5.1.1-small, +0.92 GB of memory traffic per step (+9%, ~2.5% of the step time).
+      packed: whether a row may hold several examples (seqio's `pack`). False: the model
+        reads no segment ids or positions, so a row's only mask is its padding, which fused
+        attention takes as row lengths; a packed batch's segments are an [L, L] mask that
+        cuDNN reads in every block (twice the attention time on an H200, docs/performance.md).
     """
 
     def __init__(
@@ -89,6 +105,7 @@ class Trainer:
         num_microbatches: int = 1,
         seed: int = 0,
         log_grad_norm: bool | None = None,
+        packed: bool = True,
     ):
         if num_microbatches < 1 or batch_size % num_microbatches:
             raise ValueError(
@@ -108,7 +125,7 @@ class Trainer:
         self.log_grad_norm = log_grad_norm
         self._compiled: dict[Any, Any] = {}  # predict/score functions, built on demand
 
-        dummy = model.dummy_batch(batch_size, self.lengths)
+        dummy = _dummy_batch(model, batch_size, self.lengths, packed)
         self.batch_abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.items()}
         boxed = _abstract_init(model, tuple(sorted(self.batch_abstract.items())), seed)
         self.params_axes = logical_axes_of(boxed)["params"]

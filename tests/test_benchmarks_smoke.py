@@ -177,6 +177,22 @@ def test_accelerator_topology_smoke_is_labelled_an_estimate(tmp_path):
     assert fig["value"] == r["estimated_mfu"] and 0 < fig["value"] < 1
 
 
+def test_accelerator_times_steps_synced_and_back_to_back(tmp_path):
+    """Each implementation's steps are timed one by one (synced) and as a loop synced once."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "accelerator.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke",
+           "--attention", "xla", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    tokens = 2 * 64  # the smoke preset's batch x length
+    for prefix in ("", "loop_"):
+        ms = r[f"{prefix}step_ms"]
+        assert ms > 0 and r[f"{prefix}tokens_per_s"] == pytest.approx(1e3 * tokens / ms)
+    assert f"(loop {r['loop_step_ms']:.1f} ms/step" in proc.stdout
+
+
 def test_accelerator_refuses_an_unknown_remat_policy_in_one_line():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--remat", "full,nope"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -136,6 +136,7 @@ def train(
             num_microbatches=num_microbatches,
             seed=seed,
             log_grad_norm=log.grad_norm,
+            packed=data.pack,
         )
         is_chief = jax.process_index() == 0
         writer = mw.MetricsWriter(
