@@ -73,6 +73,18 @@ def _dummy_batch(
     return dummy if packed else {k: v for k, v in dummy.items() if not k.endswith(UNPACKED_DROPS)}
 
 
+def _check_unpacked(batch: Mapping[str, np.ndarray]) -> None:
+    """An unpacked Trainer drops segment ids: refuse a batch whose rows hold several examples,
+    which would then attend to each other."""
+    for name, ids in batch.items():
+        if name.endswith("_segment_ids") and np.size(ids) and int(np.max(ids)) > 1:
+            raise ValueError(
+                f"{name} packs up to {int(np.max(ids))} examples a row, but this Trainer was "
+                f"built with packed=False, which reads no segment ids: build it with "
+                f"packed=True (DataConfig.pack)"
+            )
+
+
 class Trainer:
     """Builds the partitioned init / train / eval functions for one model on one mesh.
 
@@ -92,7 +104,8 @@ class Trainer:
       packed: whether a row may hold several examples (seqio's `pack`). False: the model
         reads no segment ids or positions, so a row's only mask is its padding, which fused
         attention takes as row lengths; a packed batch's segments are an [L, L] mask that
-        cuDNN reads in every block (twice the attention time on an H200, docs/performance.md).
+        cuDNN reads in every block (1.5x the attention time on an H200, docs/performance.md).
+        Unpacked, `global_batch` refuses rows that hold several examples.
     """
 
     def __init__(
@@ -125,6 +138,7 @@ class Trainer:
         self.log_grad_norm = log_grad_norm
         self._compiled: dict[Any, Any] = {}  # predict/score functions, built on demand
 
+        self.packed = packed
         dummy = _dummy_batch(model, batch_size, self.lengths, packed)
         self.batch_abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.items()}
         boxed = _abstract_init(model, tuple(sorted(self.batch_abstract.items())), seed)
@@ -325,6 +339,8 @@ class Trainer:
 
     def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, Array]:
         """This process's numpy batch -> global arrays with the batch sharding."""
+        if not self.packed:
+            _check_unpacked(local_batch)
         # Features a converter does not produce (e.g. no packing) default to what they mean.
         local = complete_features(local_batch, list(self.batch_abstract))
         local = {k: local[k] for k in self.batch_abstract}

@@ -2,9 +2,10 @@
 
 Its padding is then the only mask beside causality, and cuDNN gets it as row lengths with
 `is_causal` (no [L, L] array); with segment ids (completed as `tokens != 0` for an unpacked
-batch) the same rows reach cuDNN as a whole mask, which its kernels read in every block (twice
+batch) the same rows reach cuDNN as a whole mask, which its kernels read in every block (1.5x
 the attention time of the 1B decoder's step on an H200, docs/performance.md). Both give the same
-loss and gradients on an unpacked batch (fp32, `xla` attention: atol 1e-6).
+loss and gradients on an unpacked batch (fp32, `xla` attention: atol 1e-6); a batch that packs
+several examples a row is refused by an unpacked Trainer in one line.
 """
 
 from __future__ import annotations
@@ -90,3 +91,16 @@ def test_cudnn_gets_row_lengths_only_from_an_unpacked_trainer(monkeypatch, packe
     with tr.partitioner.context():
         tr.model.loss_fn(params, batch, None)
     assert calls == [want, want]
+
+
+def test_an_unpacked_trainer_refuses_a_packed_batch():
+    batch = _batch()
+    batch["decoder_segment_ids"] = np.array([[1] * 8 + [2] * 8, [1] * 11 + [0] * 5])
+    with pytest.raises(ValueError) as err:
+        _trainer(False).global_batch(batch)
+    assert str(err.value) == (
+        "decoder_segment_ids packs up to 2 examples a row, but this Trainer was built with "
+        "packed=False, which reads no segment ids: build it with packed=True (DataConfig.pack)"
+    )
+    batch["decoder_segment_ids"] = (batch["decoder_target_tokens"] > 0).astype(np.int32)
+    assert "decoder_segment_ids" not in _trainer(False).global_batch(batch)  # one a row: fine
