@@ -33,6 +33,9 @@ rounds (each round one step of every layout, so host load drifts alike over all 
 Every pipelined step's loss is checked against the reference's step for step (same init, same
 data, Adam updates): the largest relative difference is a figure whose goal is <= 1e-4.
 
+The workers run with one glibc arena that keeps freed memory (`HOST_MALLOC`): else every step
+maps its large temporary buffers afresh and faults them in (`--system_malloc` to see it).
+
   python benchmarks/pipeline_bubble.py [--smoke] [--reps N] [--microbatches 2 4 8] [--out PATH]
 """
 
@@ -66,6 +69,16 @@ TOLERANCE = 0.05  # measured idle share within this of the analytic fraction (ab
 # One thread of compute a process: XLA:CPU's Eigen pool off, so a process's matmuls do not
 # spread over threads the pinned core must time-slice anyway.
 WORKER_XLA_FLAGS = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
+# glibc serves an allocation above 64 MiB from a thread's own arena with a fresh mmap (an arena
+# holds at most 64 MiB), unmapped when freed: XLA:CPU's temporary buffer of a step (199 MiB for
+# the reference here) is then faulted in page by page every step, ~51,000 minor faults and about
+# a third of the step in the kernel. One arena (the main one, grown by brk) that keeps what is
+# freed takes them away; `--system_malloc` measures without (docs/performance.md).
+HOST_MALLOC = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**40),
+}
 # The smoke checks that the benchmark runs and the losses agree, not the times: cheap code
 # generation (as `inspect` compiles) keeps its compiles short.
 SMOKE_FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -91,6 +104,8 @@ def _launch(args: argparse.Namespace, raw: Path) -> tuple[list[int], float]:
         JAX_PLATFORMS="cpu", XLA_FLAGS=WORKER_XLA_FLAGS + (SMOKE_FLAGS if args.smoke else "")
     )
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if not args.system_malloc:
+        env.update(HOST_MALLOC)
     port = _free_port()
     common = [sys.executable, __file__, "--reps", str(args.reps), "--schedules", *args.schedules]
     common += ["--microbatches", *map(str, args.microbatches), "--batch", str(args.batch)] + (
@@ -339,6 +354,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument(
         "--timeout", type=int, default=600, help="seconds before the workers are killed"
     )
+    ap.add_argument(
+        "--system_malloc",
+        action="store_true",
+        help="leave glibc's allocator as it is (each step's large buffers mmapped afresh)",
+    )
     ap.add_argument("--out", default="benchmarks/results/pipeline_bubble.json")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -391,6 +411,7 @@ def _record(args: argparse.Namespace, raw: dict, cores: list[int], wall: float) 
             "batch": raw["batch"],
             "length": raw["length"],
             "config": raw["config"],
+            "malloc": "system" if args.system_malloc else HOST_MALLOC,
             "load_average_after": list(os.getloadavg()),
             "wall_s": round(wall, 1),
             "xla_flags": WORKER_XLA_FLAGS,

@@ -50,6 +50,8 @@ def test_smoke_two_processes_equal_losses_and_record(tmp_path):
     assert losses["met"] and losses["value"] <= pipeline_bubble.LOSS_RTOL
     assert len(record["seconds"]["reference"]) == record["settings"]["reps"]
     assert len(record["seconds"]["local"]) == record["settings"]["reps"]
+    # The workers' glibc keeps freed memory in one arena (each step's buffers not re-faulted).
+    assert record["settings"]["malloc"] == pipeline_bubble.HOST_MALLOC
 
 
 def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
