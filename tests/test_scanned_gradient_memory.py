@@ -1,13 +1,15 @@
 """A scanned FSDP model's gradients, as XLA holds them: the layer scan reduce-scatters each
 layer's into the parameters' sharding as it goes, so only the layer in hand is whole over the
 batch's axes (insight/memory.py `_gradient_bytes`). Counted whole, Llama-2-7B's unpipelined
-FSDP layouts were predicted 1.35-1.98x their compiled figure (docs/pipeline.md)."""
+FSDP layouts were predicted 1.35-1.98x their compiled figure (docs/pipeline.md). Its gathered
+weights likewise: the layer loop gathers the layer in hand's (`gathered_layer_bytes`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from t5lite.insight import memory
+from t5lite.insight import accuracy, memory
+from t5lite.insight.parameter_bytes import gathered_layer_bytes
 from t5lite.insight.report import compile_train_step
 from t5lite.model.models import DecoderOnlyModel
 from t5lite.model.network import DecoderOnlyConfig
@@ -61,9 +63,6 @@ def test_scanned_fsdp_gathers_one_layer_of_the_largest_stack():
     # (parameter_bytes.gathered_layer_bytes); reading `layers_N` paths only, a scanned stack
     # once counted 0, and TPU predictions lost the FSDP gathers' code (v5e, T5 FSDP `full`
     # bf16: 0.920 of compiled, 1.025 counted).
-    from t5lite.insight import accuracy
-    from t5lite.insight.parameter_bytes import gathered_layer_bytes
-
     tr = _trainer("fsdp")
     layer = 4 * D * D + 3 * D * F
     # Kernels gathered over data, still split over model; the norm scales whole.
