@@ -49,7 +49,8 @@ def gathered_layer_bytes(trainer: Trainer) -> int:
     weights in its body and frees them there, and the stacks' loops run one after another
     (XLA:TPU's buffer assignments of the test-size scanned FSDP programs, v5e and v5p, `none`
     and `full`: each kernel gathered just before its dot, one or two live at once in one
-    reused buffer, never the next layer's or the stack's)."""
+    reused buffer, never the next layer's or the stack's). In the parameters' dtype, as the
+    unrolled TPU terms were fitted (XLA:TPU gathers its dots' bf16 operands, fp32 policy too)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
     unrolled = 0
