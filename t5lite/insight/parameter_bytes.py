@@ -42,19 +42,26 @@ def state_and_batch(trainer: Trainer) -> tuple[int, int]:
 
 
 def gathered_layer_bytes(trainer: Trainer) -> int:
-    """Bytes per device of every layer's weights gathered over the batch's mesh axes (FSDP),
-    0 where no layer weight is split over them."""
+    """Bytes per device of the layers' weights gathered over the batch's mesh axes (FSDP:
+    `collectives.zero3` gathers each kernel inside its layer), 0 where no layer weight is split
+    over them: every unrolled layer's (`layers_N` paths), and of scanned stacks (a `layers`
+    dimension) one layer's, the largest stack's. A layer loop gathers the layer in hand's
+    weights in its body and frees them there, and the stacks' loops run one after another
+    (XLA:TPU's buffer assignments of the test-size scanned FSDP programs, v5e and v5p, `none`
+    and `full`: each kernel gathered just before its dot, one or two live at once in one
+    reused buffer, never the next layer's or the stack's). In the parameters' dtype, as the
+    unrolled TPU terms were fitted (XLA:TPU gathers its dots' bf16 operands, fp32 policy too)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    total = 0
-    for (path, x), s, names in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+    unrolled = 0
+    one_layer: dict[str, int] = {}  # a scanned stack's one layer, by stack
+    for (path, x), (s, names) in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params), param_specs(trainer)
     ):
         # Experts split over the batch's axes are not gathered: their tokens come to them.
         axes = [t for e, n in zip(s.spec, names) if n != "expert" for t in mesh_axes_of(e)]
-        if "layers_" not in jax.tree_util.keystr(path) or not batch_axes & set(axes):
+        scanned = "layers" in names
+        if not (scanned or "layers_" in jax.tree_util.keystr(path)) or not batch_axes & set(axes):
             continue
         split = math.prod(
             part.mesh.shape[t]
@@ -62,8 +69,13 @@ def gathered_layer_bytes(trainer: Trainer) -> int:
             for t in mesh_axes_of(e)
             if t not in batch_axes or n == "expert"
         )
-        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
-    return total
+        size = math.prod(x.shape) * np.dtype(x.dtype).itemsize // split
+        if scanned:
+            stack = jax.tree_util.keystr(path[:1])
+            one_layer[stack] = one_layer.get(stack, 0) + size // x.shape[names.index("layers")]
+        else:
+            unrolled += size
+    return unrolled + max(one_layer.values(), default=0)
 
 
 def embedding_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> tuple[int, int]:

@@ -16,7 +16,8 @@ The TPU compiler differs from XLA:CPU's (activation_memory.py) in the ways that 
   and their cotangent. Gradients accumulate as the backward frees the saved values. Under
   remat the peak is inside the backward: the scheduler overlaps the stacks' backward passes, so
   one recomputed layer of each stack is live beside every layer's saved inputs, and under FSDP
-  every layer's weights gathered again for the recomputation (live-range dumps, `full`).
+  every layer's weights gathered again for the recomputation (live-range dumps, `full`; a
+  scanned stack's loop gathers the layer in hand's only: `gathered_layer_bytes`).
 - Memory-space assignment moves the peak's values into the core's VMEM (on chip, not counted
   in HBM) while they fit, the loss's logits and cotangent first: up to a budget of a quarter of
   VMEM (`VMEM_SHARE`, `vmem_budget`; a megacore keeps more in HBM: `backward`), which holds
@@ -181,8 +182,10 @@ def backward(
     """The backward's peak temporaries in HBM by kind, and its terms: the larger of two moments,
     each beyond what VMEM holds (`vmem`: the budget, bytes): the loss gradient (every layer's
     saved values and the loss's buffers) and, under `full`, inside the backward (the saved
-    values, one recomputed layer of each stack and (FSDP) every layer's gathered weights; the
-    loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar slots.
+    values, one recomputed layer of each stack and (FSDP) the gathered weights, `gathered`:
+    every unrolled layer's, a scanned stack's one layer (`parameter_bytes.gathered_layer_bytes`);
+    the loss's buffers are gone by then); and each of the `arrays` parameter arrays' scalar
+    slots.
     On a megacore `device_kind` (v5p) the logits, the attentions' fp32 logits and the MLPs'
     pre-activations stay in HBM (`_pinned`) and the rest has a whole core's budget; so do,
     where FSDP gathers the weights (`gathered`), the parameters' shards cast to the compute
