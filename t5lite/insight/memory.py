@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import moe_memory, tpu_memory, tpu_moe_memory
 from t5lite.insight.activation_memory import (
@@ -25,6 +24,7 @@ from t5lite.insight.parameter_bytes import (
     gathered_layer_bytes,
     gradient_bytes,
     gradient_leaves,
+    param_specs,
     params_split_over_batch,
     state_and_batch,
     tree_bytes_per_device,
@@ -408,12 +408,7 @@ def _predict_tpu(trainer: Trainer, layers: list, logits: int) -> PredictedMemory
     narrow = activation_itemsize(cfg, "tpu")
     casts = tree_bytes_per_device(params) * narrow // master if master > narrow else 0
     steps = sum(a["ring_steps"] * (1 if cfg.scan_layers else n) for n, a in layers)
-    stacked = sum(
-        "layers" in tuple(names)
-        for names in jax.tree_util.tree_leaves(
-            trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
-        )
-    )
+    stacked = sum("layers" in names for _, names in param_specs(trainer))
     encoder_decoder = hasattr(cfg, "num_encoder_layers")
     held = tpu_memory.held_logits(layers, logits, encoder_decoder, params_split_over_batch(trainer))
     backward, terms = tpu_memory.backward(

@@ -139,10 +139,8 @@ def gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
     the batch's axes) and reduced (in the parameters' sharding), and its `layers` size (or 1)."""
     part = trainer.partitioner
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0]))
-    for (path, x), s, names in zip(
-        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
+    for (path, x), (s, names) in zip(
+        jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params), param_specs(trainer)
     ):
         # An expert kernel's `expert` dimension keeps its split even over the batch's axes: its
         # tokens come to it (the dispatch's all-to-all), its gradient is local.

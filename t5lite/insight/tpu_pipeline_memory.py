@@ -43,7 +43,6 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from t5lite.insight import hardware, memory, pipeline, tpu_memory
 from t5lite.insight.hlo import axes_along, device_slices
@@ -235,12 +234,9 @@ def _stage_weights(trainer: Trainer, stages: int) -> tuple[int, float]:
     mesh = part.mesh
     batch_axes = set(mesh_axes_of(part.data_partition_spec[0])) - {STAGE}
     total, tiles, arrays = 0, 0, 0
-    for x, names, s in zip(
-        jax.tree_util.tree_leaves(trainer.state_abstract.params),
-        jax.tree_util.tree_leaves(trainer.params_axes, is_leaf=lambda n: isinstance(n, P)),
-        jax.tree_util.tree_leaves(trainer.state_shardings.params),
+    for x, (s, names) in zip(
+        jax.tree_util.tree_leaves(trainer.state_abstract.params), param_specs(trainer)
     ):
-        names = tuple(names)
         if "layers" not in names:
             continue
         spec = tuple(s.spec) + (None,) * (len(x.shape) - len(s.spec))
@@ -304,12 +300,7 @@ def tpu_pipeline_memory(trainer: Trainer) -> TpuPipelineMemory | None:
         left -= moved
     params = trainer.state_abstract.params
     arrays = len(jax.tree_util.tree_leaves(params))
-    stacked = sum(
-        "layers" in tuple(names)
-        for names in jax.tree_util.tree_leaves(
-            trainer.params_axes, is_leaf=lambda n: isinstance(n, P)
-        )
-    )
+    stacked = sum("layers" in names for _, names in param_specs(trainer))
     counts, grown = _schedule_counts(trainer, f, growth > 0)
     slots = arrays * tpu_memory.ARRAY_SLOTS + stacked * tpu_memory.LOOP_SLOTS
     slots += _KIB * sum(c * n for c, n in zip(_SCHEDULE_SLOTS, counts))
