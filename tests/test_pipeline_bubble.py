@@ -50,6 +50,7 @@ def test_smoke_two_processes_equal_losses_and_record(tmp_path):
     assert losses["met"] and losses["value"] <= pipeline_bubble.LOSS_RTOL
     assert len(record["seconds"]["reference"]) == record["settings"]["reps"]
     assert len(record["seconds"]["local"]) == record["settings"]["reps"]
+    assert 0 <= bubble["kernel_share"] < 1
     # The workers' glibc keeps freed memory in one arena (each step's buffers not re-faulted).
     assert record["settings"]["malloc"] == pipeline_bubble.HOST_MALLOC
 
@@ -78,6 +79,8 @@ def test_idle_shares_from_given_times():
         "losses": {"reference": [2.0, 1.5], "gpipe_m4": [2.0, 1.5], "1f1b_m4": [2.0, 1.5003]},
         # Process CPU time: off the CPU 10% (median of 0.1, 0.1, 0.0) and 30% of the steps.
         "cpu": {"gpipe_m4": [1.125, 1.17, 1.2], "1f1b_m4": [1.26, 1.26, 1.26]},
+        # Of it in the kernel (gloo's transfers): 8% (median of 0.1/1.25, 0.13/1.3, 0.06/1.2).
+        "kernel": {"gpipe_m4": [0.1, 0.13, 0.06], "1f1b_m4": [0.18, 0.18, 0.18]},
     }
     figures, rows = pipeline_bubble._figures(raw)
     gpipe, onefb, loss = figures
@@ -85,6 +88,7 @@ def test_idle_shares_from_given_times():
     assert gpipe["value"] == pytest.approx(0.2) and gpipe["reference"] == 0.2 and gpipe["met"]
     assert onefb["busy_work_s"] == pytest.approx(1.2)
     assert gpipe["waiting_share"] == pytest.approx(0.1) and onefb["waiting_share"] == 0.3
+    assert gpipe["kernel_share"] == pytest.approx(0.08) and onefb["kernel_share"] == 0.1
     assert onefb["value"] == pytest.approx(1 / 3, abs=1e-4) and not onefb["met"]
     assert loss["value"] == pytest.approx(2e-4) and not loss["met"]
     assert [r[0] for r in rows] == ["gpipe", "1f1b"]
