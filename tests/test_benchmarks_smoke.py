@@ -148,6 +148,17 @@ def test_moe_smoke(tmp_path):
     assert "data=4 x model=2" in record["machine"]
 
 
+def _accelerator_smoke(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """benchmarks/accelerator.py --smoke with `args`: its output and its record."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "accelerator.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke", *args,
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
 @pytest.mark.skipif(
     not __import__("t5lite.insight.topology", fromlist=["x"]).libtpu_available(),
     reason='libtpu not installed (pip install -e ".[tpu]")',
@@ -156,14 +167,8 @@ def test_accelerator_topology_smoke_is_labelled_an_estimate(tmp_path):
     """`--topology` compiles the step for a TPU slice and reports a roofline estimate: the
     time is the larger of FLOPs / peak and bytes / HBM bandwidth of v5e (197 TFLOP/s, 819 GB/s
     in t5lite.insight.hardware), checked here from the record's own compiled figures."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = tmp_path / "accelerator.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke",
-           "--topology", "v5e:2x2", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, record = _accelerator_smoke(tmp_path, "--topology", "v5e:2x2")
     assert "ESTIMATE from the compiled cost analysis" in proc.stdout
-    record = json.loads(out.read_text())
     (r,) = record["results"]
     assert r["estimate"] is True and r["devices"] == 4 and "estimate" in record["machine"]
     from t5lite.insight.hardware import TPU_CHIPS
@@ -179,13 +184,8 @@ def test_accelerator_topology_smoke_is_labelled_an_estimate(tmp_path):
 
 def test_accelerator_times_steps_synced_and_back_to_back(tmp_path):
     """Each implementation's steps are timed one by one (synced) and as a loop synced once."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = tmp_path / "accelerator.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke",
-           "--attention", "xla", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (r,) = json.loads(out.read_text())["results"]
+    proc, record = _accelerator_smoke(tmp_path, "--attention", "xla")
+    (r,) = record["results"]
     tokens = 2 * 64  # the smoke preset's batch x length
     for prefix in ("", "loop_"):
         ms = r[f"{prefix}step_ms"]
