@@ -7,30 +7,26 @@ owns one CPU device and one core (`os.sched_setaffinity`, XLA:CPU's Eigen pool o
 parallel, and a stage waiting on its neighbour is idle time.
 
 On the same 2 processes and the same global batch and model it times, median of `--reps`
-rounds (each round one step of every layout, so host load drifts alike over all of them):
+rounds (each round one step of every layout, so host load drifts alike over all of them; both
+processes start each step together, at a barrier outside the timing):
 
 - the unpipelined step (data=2), against which the losses are checked;
-- the busy work of a stage, `t_ref`: the unpipelined step on each process's own device and
-  half the batch (L/2 layers on every row = L layers on half the rows), with no collective (the
-  data=2 step also pays its gradient all-reduce over gloo, which a pipeline does not), and
-  the stack's forward alone, `t_fwd`: twice the difference between the eval step's forward
-  and that of the same model with half the layers (the embedding, logits and loss cancel);
-- per layout, the share of the step process 0 spent off its CPU (`1 - process CPU time /
-  wall`): its waits on the other stage, measured directly (work in the bubble is on the CPU);
-  and the share it spent in the kernel (`os.times().system`): gloo's TCP transfers between
-  the stages, which the analytic bubble counts as free;
-- GPipe (stage=2) for each microbatch count `m`: each stage runs `m + p - 1` ticks forward and
-  backward on `1/m` of the batch, computing (on a stale buffer) in the bubble too, so the step
-  takes `(m + p - 1) / m` times `t_ref`; idle share `1 - t_ref / t_pipe` against the
-  analytic `(p - 1) / (m + p - 1)`;
-- 1F1B (stage=2) for each `m`: t5lite's 1F1B (model/schedules.py) runs the stack forward
-  three times (the forward pass, the schedule's F, the recompute in B), so its busy work is
-  the reference's plus two stack forwards: `W = t_ref + 2 t_fwd` (without the measurement,
-  backward = 2 forwards would give `W = 5/3 t_ref`). Idle share `1 - W / t_pipe`, against the
-  same analytic
-  fraction: its forward pass idles `p - 1` of `T = m + p - 1` ticks, and its schedule's `2T`
-  half-ticks (at p=2, every pair of half-ticks between two permutes holds one F and one B on
-  each stage in the steady state) idle as much.
+- per pipelined layout (GPipe or 1F1B, stage=2, `m` microbatches):
+  - the step, and the share of it process 0 spent off its CPU (`1 - process CPU time /
+    wall`: blocked on the other stage) and in the kernel (`os.times().system`: mostly gloo's
+    TCP transfers);
+  - the stage's busy work `W`: its program alone, the stage's model (L/2 layers, and the
+    embedding, logits and loss every stage computes whole) pipelined with the same schedule
+    and `m` over a `stage` axis of one device, this process's: the same ticks and code
+    without the bubble and the transfers (the data=2 step is no stage's work: it runs all
+    layers scanned, whose backward costs XLA:CPU more per row than a tick's, and it pays
+    gloo gradient all-reduces);
+  - the transfers `t_x`: the same two programs again with the model's twin, whose layers cost
+    next to nothing (one head of 8, an MLP of 8) but whose activations, hand-offs and
+    collectives are the model's: its pipelined step less its stage alone;
+  - the bubble `1 - W / (t_pipe - t_x)` against the analytic `(p - 1) / (m + p - 1)` (GPipe
+    computes its bubble ticks on a stale buffer; 1F1B idles in them), and the idle share with
+    the transfers, `1 - W / t_pipe`, beside it.
 
 Every pipelined step's loss is checked against the reference's step for step (same init, same
 data, Adam updates): the largest relative difference is a figure whose goal is <= 1e-4.
@@ -157,10 +153,18 @@ def _loss(metrics: dict) -> float:
     return float(metrics["loss_sum"]) / max(float(metrics["loss_denominator"]), 1.0)
 
 
+def _twin(config):
+    """The same model with layers that cost next to nothing (one head of 8, an MLP of 8): the
+    same embedding, logits, loss and activations between the stages, so its pipelined step
+    makes the same transfers as the model's."""
+    return dataclasses.replace(config, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8)
+
+
 def _measure(args: argparse.Namespace) -> dict:
     """In each worker: compile every layout, then time `reps` rounds of one step each."""
     import jax
     import numpy as np
+    from jax.experimental import multihost_utils
     from pipeline import CONFIG, _trainer
 
     smoke_cfg = dataclasses.replace(
@@ -176,26 +180,24 @@ def _measure(args: argparse.Namespace) -> dict:
     }
     runs = {}
     for schedule, p, m in _layouts(args.schedules, args.microbatches):
-        tr = _trainer(p, m, batch, length, "gpipe" if p == 1 else schedule, config)
-        data = tr.global_batch_from_full(host)
-        state, met = tr.train_step(tr.init_state(), data)  # compiles
-        runs[_key(schedule, m)] = {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
-    local = _local_reference(config, host, jax.process_index())
-    forward = "1f1b" in args.schedules  # its busy work counts the stack's forwards
-    # The forward pass of the same model with half the layers: the difference is the stack's
-    # forward alone (the embedding, logits and loss cancel).
-    evals = {"local_forward": local}
-    if forward:
-        shallow = dataclasses.replace(config, num_layers=config.num_layers // 2)
-        evals["local_forward_half"] = _local_reference(shallow, host, jax.process_index())
-        for run in evals.values():
-            jax.block_until_ready(run["tr"].eval_step(run["state"].params, run["data"]))
-    times: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
-    times.update({k: [] for k in evals} if forward else {})
-    cpu: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
-    kernel: dict[str, list[float]] = {k: [] for k in ("local", *runs)}
+        key = _key(schedule, m)
+        for twin in (False, True) if p > 1 else (False,):
+            cfg = _twin(config) if twin else config
+            tr = _trainer(p, m, batch, length, "gpipe" if p == 1 else schedule, cfg)
+            data = tr.global_batch_from_full(host)
+            state, met = tr.train_step(tr.init_state(), data)  # compiles
+            name = ("twin_" if twin else "") + key
+            runs[name] = {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
+            if p > 1:
+                runs[f"alone_{name}"] = _stage_alone(cfg, schedule, m, host)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    kernel: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.reps):
-        for key, run in {"local": local, **runs}.items():
+        for key, run in runs.items():
+            # Both processes start the step together: else a step of process 0 would count
+            # process 1 finishing the layout before (a stage alone has no collective to wait on).
+            multihost_utils.sync_global_devices(key)
             t0, c0, k0 = time.perf_counter(), time.process_time(), os.times().system
             run["state"], met = run["tr"].train_step(run["state"], run["data"])
             jax.block_until_ready(met)
@@ -203,17 +205,13 @@ def _measure(args: argparse.Namespace) -> dict:
             cpu[key].append(time.process_time() - c0)
             kernel[key].append(os.times().system - k0)
             run["loss"].append(_loss(met))
-        if not forward:
-            continue
-        for key, run in evals.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run["tr"].eval_step(run["state"].params, run["data"]))
-            times[key].append(time.perf_counter() - t0)
     return {
         "times": times,
         "cpu": cpu,
         "kernel": kernel,
-        "losses": {k: r["loss"] for k, r in runs.items()},
+        "losses": {
+            k: runs[k]["loss"] for k in runs if k.startswith(("reference", "gpipe", "1f1b"))
+        },
         "devices": [str(d) for d in jax.devices()],
         "config": dataclasses.asdict(config),
         "batch": batch,
@@ -221,27 +219,37 @@ def _measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _local_reference(config, host: dict, index: int) -> dict:
-    """The unpipelined step on this process's device alone, on its half of the batch: the
-    work a stage does in a pipelined step (L/2 layers on every row = L layers on half the
-    rows), without the data=2 reference's gradient all-reduce over gloo."""
+def _stage_alone(config, schedule: str, m: int, host: dict) -> dict:
+    """A stage's busy work: the stage's model (its L/p layers, and the embedding, logits and
+    loss every stage computes whole) pipelined over a `stage` axis of one device, this
+    process's (`pipeline.one_stage`): the same schedule, `m` microbatches and tick code as the
+    stage's, without the other stages, so without bubble or transfers."""
     import jax
-    from pipeline import _trainer
 
     from t5lite import partitioning
+    from t5lite.model import optimizers, pipeline
+    from t5lite.model.models import DecoderOnlyModel
+    from t5lite.trainer import Trainer
 
-    rows = len(host["decoder_input_tokens"]) // PROCESSES
-    half = {k: v[index * rows : (index + 1) * rows] for k, v in host.items()}
-    tr = _trainer(1, 1, rows, half["decoder_input_tokens"].shape[1], "gpipe", config)
-    mesh = partitioning.create_mesh(1, devices=jax.local_devices())
-    tr = type(tr)(
-        tr.model,
-        partitioning.Partitioner(mesh, logical_axis_rules=tr.partitioner.rules),
-        batch_size=rows,
-        lengths=tr.lengths,
+    cfg = dataclasses.replace(
+        config,
+        num_layers=config.num_layers // PROCESSES,
+        pipeline_microbatches=m,
+        pipeline_schedule=schedule,
     )
-    data = tr.global_batch(half)  # the mesh is this process's device: its rows are all
-    state, met = tr.train_step(tr.init_state(), data)  # compiles
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh((1, 1, 1), ("stage", "data", "model"), auto, devices=jax.local_devices())
+    rules = partitioning.pipeline_rules("megatron")  # as benchmarks/pipeline.py's stages
+    rows, length = host["decoder_input_tokens"].shape
+    tr = Trainer(
+        DecoderOnlyModel(cfg, optimizer=optimizers.AdamW(1e-3)),
+        partitioning.Partitioner(mesh, logical_axis_rules=rules),
+        batch_size=rows,
+        lengths={"targets": length},
+    )
+    data = tr.global_batch(host)  # the mesh is this process's device: every row is its own
+    with pipeline.one_stage():
+        state, met = tr.train_step(tr.init_state(), data)  # compiles
     return {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
 
 
@@ -255,17 +263,9 @@ def _worker(args: argparse.Namespace) -> None:
         Path(args.raw).write_text(json.dumps(raw))
 
 
-def _stack_forward(med: dict) -> float:
-    """The stack's forward (L layers on half the batch = a stage's L/2 on all of it): twice the
-    difference of the medians of the two eval forwards; 0 when they were not timed."""
-    return 2 * max(0.0, med.get("local_forward", 0.0) - med.get("local_forward_half", 0.0))
-
-
 def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
-    """Idle shares against the analytic bubble, and the losses against the reference's."""
+    """Bubbles against the analytic fraction, and the losses against the reference's."""
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
-    t_ref = med["local"]
-    t_fwd = _stack_forward(med)
     ref_loss = raw["losses"]["reference"]
     figures, rows, worst = [], [], 0.0
     for key, losses in raw["losses"].items():
@@ -274,38 +274,35 @@ def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
         schedule, m = key.split("_m")[0], int(key.split("_m")[1])
         p = PROCESSES
         analytic = (p - 1) / (m + p - 1)
-        work = t_ref if schedule == "gpipe" else t_ref + 2 * t_fwd
+        work = med[f"alone_{key}"]
+        # The transfers: the twin's pipelined step less the twin's stage alone.
+        transfers = max(0.0, med[f"twin_{key}"] - med[f"alone_twin_{key}"])
         idle = 1 - work / med[key]
+        bubble = 1 - work / (med[key] - transfers)
         waiting, kernel = _waiting(raw, key), _kernel(raw, key)
+        # GPipe computes its bubble (stale ticks): in user CPU time it is the analytic share
+        # of the stage's own, transfers or not. 1F1B idles in it, off the CPU.
+        computed = 1 - _user(raw, f"alone_{key}") / _user(raw, key) if schedule == "gpipe" else None
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_loss))
         worst = max(worst, diff)
-        rows.append(
-            (
-                schedule,
-                m,
-                med[key],
-                med[key] / med["reference"],
-                work,
-                idle,
-                waiting,
-                kernel,
-                analytic,
-                diff,
-            )
-        )
+        row = (schedule, m, med[key], work, transfers, idle, bubble, computed, waiting, kernel)
+        rows.append((*row, analytic, diff))
         figures.append(
             {
                 "name": f"{schedule}_idle_share_stage{p}_m{m}",
-                "value": round(idle, 4),
-                "unit": "fraction of the step",
+                "value": round(bubble, 4),
+                "unit": "fraction of the step less its transfers",
                 "reference": round(analytic, 4),
-                "ratio": round(med[key] / work, 4),
+                "ratio": round((med[key] - transfers) / work, 4),
                 "goal": f"|value - reference| <= {TOLERANCE}",
-                "met": bool(abs(idle - analytic) <= TOLERANCE),
+                "met": bool(abs(bubble - analytic) <= TOLERANCE),
                 # Microseconds: a smoke run's steps take milliseconds, where 4 decimals of a
                 # second would leave the ratio 1% from its own figures.
                 "step_s": round(med[key], 6),
                 "busy_work_s": round(work, 6),
+                "transfers_s": round(transfers, 6),
+                "idle_share_with_transfers": round(idle, 4),
+                "bubble_in_user_cpu_time": None if computed is None else round(computed, 4),
                 "waiting_share": round(waiting, 4),
                 "kernel_share": round(kernel, 4),
             }
@@ -332,6 +329,11 @@ def _waiting(raw: dict, key: str) -> float:
     return 1 - statistics.median(c / t for c, t in pairs)
 
 
+def _user(raw: dict, key: str) -> float:
+    """Process 0's user CPU time a step (median): its computation (gloo's copies included)."""
+    return statistics.median(c - k for c, k in zip(raw["cpu"][key], raw["kernel"][key]))
+
+
 def _kernel(raw: dict, key: str) -> float:
     """The share of a step process 0 spent in the kernel (median over the steps): on CPU, gloo's
     TCP transfers of the collectives (the busy work, which has none, spends about 0)."""
@@ -340,20 +342,18 @@ def _kernel(raw: dict, key: str) -> float:
 
 def _print(raw: dict, rows: list[tuple]) -> None:
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
-    fwd = _stack_forward(med)
+    print(f"unpipelined (data=2): {1e3 * med['reference']:.1f} ms/step")
     print(
-        f"unpipelined (data=2): {1e3 * med['reference']:.1f} ms/step; on one process's device"
-        f" and half the batch (the busy work): {1e3 * med['local']:.1f} ms"
-        + (f", its stack's forward alone {1e3 * fwd:.1f} ms" if fwd else "")
+        f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'busy ms':>8} {'transfers':>9} {'idle':>7}"
+        f" {'bubble':>7} {'user CPU':>8} {'analytic':>8} {'waiting':>7} {'kernel':>7}"
+        f" {'loss rel diff':>13}"
     )
-    print(
-        f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'x data=2':>8} {'busy ms':>8} {'idle':>7}"
-        f" {'waiting':>7} {'kernel':>7} {'analytic':>8} {'loss rel diff':>13}"
-    )
-    for schedule, m, t, x, work, idle, waiting, kernel, analytic, diff in rows:
+    for schedule, m, t, work, xfer, idle, bubble, computed, waiting, kernel, analytic, diff in rows:
+        cpu = "-" if computed is None else f"{computed:.1%}"
         print(
-            f"{schedule:>8} {m:>3} {1e3 * t:>9.1f} {x:>8.2f} {1e3 * work:>8.1f} {idle:>7.1%}"
-            f" {waiting:>7.1%} {kernel:>7.1%} {analytic:>8.1%} {diff:>13.2e}"
+            f"{schedule:>8} {m:>3} {1e3 * t:>9.1f} {1e3 * work:>8.1f} {1e3 * xfer:>9.1f}"
+            f" {idle:>7.1%} {bubble:>7.1%} {cpu:>8} {analytic:>8.1%} {waiting:>7.1%}"
+            f" {kernel:>7.1%} {diff:>13.2e}"
         )
 
 
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, GPipe m=2, 2 repetitions")
     ap.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=None)
-    ap.add_argument("--reps", type=int, default=5, help="timed rounds (median)")
+    ap.add_argument("--reps", type=int, default=11, help="timed rounds (median)")
     ap.add_argument("--microbatches", type=int, nargs="+", default=None, help="default 2 4 8")
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch (rows of 64 tokens)")
     ap.add_argument(
@@ -431,6 +431,7 @@ def _record(args: argparse.Namespace, raw: dict, cores: list[int], wall: float) 
         },
         "seconds": raw["times"],
         "cpu_seconds": raw["cpu"],
+        "kernel_seconds": raw["kernel"],
         "losses": raw["losses"],
         "figures": figures,
     }

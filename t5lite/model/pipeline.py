@@ -39,9 +39,11 @@ stage to all).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -92,6 +94,22 @@ def stage_axes() -> tuple[str, ...]:
     return axes if size > 1 else ()
 
 
+_ONE_STAGE = contextvars.ContextVar("one_stage", default=False)
+
+
+@contextlib.contextmanager
+def one_stage() -> Iterator[None]:
+    """Within it, a `stage` axis of one device runs the pipeline's schedule too (elsewhere a
+    pipeline needs two stages or more): a stage's program alone, its ticks and code without a
+    bubble or a transfer, which benchmarks/pipeline_bubble.py times as a stage's busy work.
+    It acts where a step is traced: jit keeps a step's first trace, so first call it within."""
+    token = _ONE_STAGE.set(True)
+    try:
+        yield
+    finally:
+        _ONE_STAGE.reset(token)
+
+
 def select(num_layers: int, where: str) -> Choice:
     """`pipeline` (collectives.Strategy) when the rules split a scanned stack's `layers` over
     devices, else `partitioner` (the stack is scanned; GSPMD lays out each layer).
@@ -101,7 +119,7 @@ def select(num_layers: int, where: str) -> Choice:
       where: the config field that counts them, for messages.
     """
     axes, stages = _split_over("layers")
-    if stages <= 1:
+    if stages <= 1 and not (axes and _ONE_STAGE.get()):
         return Choice(Strategy.PARTITIONER)
     if constraints.layout_installed():
         raise ValueError(f"pipeline stages ({axes}) need Partitioner.shard_mode='auto'")
