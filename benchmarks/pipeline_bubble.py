@@ -15,18 +15,22 @@ processes start each step together, at a barrier outside the timing):
   - the step, and the share of it process 0 spent off its CPU (`1 - process CPU time /
     wall`: blocked on the other stage) and in the kernel (`os.times().system`: mostly gloo's
     TCP transfers);
-  - the stage's busy work `W`: its program alone, the stage's model (L/2 layers, and the
-    embedding, logits and loss every stage computes whole) pipelined with the same schedule
-    and `m` over a `stage` axis of one device, this process's: the same ticks and code
+  - the stage's program alone: the stage's model (L/2 layers, and the embedding, logits and
+    loss every stage computes whole) pipelined with the same schedule and `m` over a `stage`
+    axis of one device, this process's (`pipeline.one_stage()`): the same ticks and code
     without the bubble and the transfers (the data=2 step is no stage's work: it runs all
     layers scanned, whose backward costs XLA:CPU more per row than a tick's, and it pays
-    gloo gradient all-reduces);
-  - the transfers `t_x`: the same two programs again with the model's twin, whose layers cost
-    next to nothing (one head of 8, an MLP of 8) but whose activations, hand-offs and
-    collectives are the model's: its pipelined step less its stage alone;
-  - the bubble `1 - W / (t_pipe - t_x)` against the analytic `(p - 1) / (m + p - 1)` (GPipe
-    computes its bubble ticks on a stale buffer; 1F1B idles in them), and the idle share with
-    the transfers, `1 - W / t_pipe`, beside it.
+    gloo gradient all-reduces). 1F1B's drops its schedule's F, whose output goes nowhere at
+    one stage: its eval forward less the twin's is added back;
+  - the same two programs with the model's twin, whose layers cost next to nothing (one head
+    of 8, an MLP of 8) but whose activations, hand-offs, collectives, embedding, logits,
+    loss and optimizer are the model's;
+  - the bubble of the pipelined layers: `1 - W / S`, `W` the stage's program alone less its
+    twin's (the stage's layers alone), `S` the step less the twin's step (the same layers
+    pipelined), against the analytic `(p - 1) / (m + p - 1)`. Everything that is not the
+    stage's layers (the transfers, the unpipelined embedding, logits and loss, the optimizer,
+    the ticks' bookkeeping) cancels. GPipe computes its bubble (stale ticks), so it shows in
+    user CPU time too; the idle share of the whole step, transfers in, is beside it.
 
 Every pipelined step's loss is checked against the reference's step for step (same init, same
 data, Adam updates): the largest relative difference is a figure whose goal is <= 1e-4.
@@ -190,7 +194,10 @@ def _measure(args: argparse.Namespace) -> dict:
             runs[name] = {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
             if p > 1:
                 runs[f"alone_{name}"] = _stage_alone(cfg, schedule, m, host)
-    times: dict[str, list[float]] = {k: [] for k in runs}
+    # 1F1B's stage alone loses its schedule's F (at one stage its output goes nowhere, and
+    # XLA drops it): the stage's forward, its eval forward less the twin's, is added back.
+    forwards = [k for k in runs if k.startswith("alone_") and "1f1b" in k]
+    times: dict[str, list[float]] = {k: [] for k in (*runs, *(f"forward_{k}" for k in forwards))}
     cpu: dict[str, list[float]] = {k: [] for k in runs}
     kernel: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.reps):
@@ -205,6 +212,11 @@ def _measure(args: argparse.Namespace) -> dict:
             cpu[key].append(time.process_time() - c0)
             kernel[key].append(os.times().system - k0)
             run["loss"].append(_loss(met))
+        for key in forwards:
+            run = runs[key]
+            t0 = time.perf_counter()
+            jax.block_until_ready(run["tr"].eval_step(run["state"].params, run["data"]))
+            times[f"forward_{key}"].append(time.perf_counter() - t0)
     return {
         "times": times,
         "cpu": cpu,
@@ -250,6 +262,7 @@ def _stage_alone(config, schedule: str, m: int, host: dict) -> dict:
     data = tr.global_batch(host)  # the mesh is this process's device: every row is its own
     with pipeline.one_stage():
         state, met = tr.train_step(tr.init_state(), data)  # compiles
+        jax.block_until_ready(tr.eval_step(state.params, data))  # its forward pass too
     return {"tr": tr, "data": data, "state": state, "loss": [_loss(met)]}
 
 
@@ -274,32 +287,49 @@ def _figures(raw: dict) -> tuple[list[dict], list[tuple]]:
         schedule, m = key.split("_m")[0], int(key.split("_m")[1])
         p = PROCESSES
         analytic = (p - 1) / (m + p - 1)
-        work = med[f"alone_{key}"]
-        # The transfers: the twin's pipelined step less the twin's stage alone.
-        transfers = max(0.0, med[f"twin_{key}"] - med[f"alone_twin_{key}"])
-        idle = 1 - work / med[key]
-        bubble = 1 - work / (med[key] - transfers)
+        # The stage's layers alone (its program less its twin's: the embedding, logits, loss,
+        # optimizer and tick bookkeeping cancel), pipelined and not; the rest is neither
+        # pipelined nor the bubble's.
+        work = med[f"alone_{key}"] - med[f"alone_twin_{key}"]
+        if schedule == "1f1b":
+            forward = med[f"forward_alone_{key}"] - med[f"forward_alone_twin_{key}"]
+            work += forward
+            # At p = 2 the last stage's schedule F feeds nothing (no permute on odd half-ticks;
+            # the loss came from the forward pass) and XLA drops it: the schedule's first and
+            # last pairs of half-ticks lose a microbatch's forward each (docs/pipeline.md).
+            # The stage time is then T/m W - 2 F/m, whose idle share is the schedule's own.
+            T = m + p - 1
+            analytic = 1 - work / (T / m * work - 2 * forward / m)
+        staged = med[key] - med[f"twin_{key}"]
+        transfers = med[f"twin_{key}"] - med[f"alone_twin_{key}"]
+        idle = 1 - med[f"alone_{key}"] / med[key]
+        bubble = 1 - work / staged
         waiting, kernel = _waiting(raw, key), _kernel(raw, key)
         # GPipe computes its bubble (stale ticks): in user CPU time it is the analytic share
         # of the stage's own, transfers or not. 1F1B idles in it, off the CPU.
-        computed = 1 - _user(raw, f"alone_{key}") / _user(raw, key) if schedule == "gpipe" else None
+        computed = None
+        if schedule == "gpipe":
+            user_work = _user(raw, f"alone_{key}") - _user(raw, f"alone_twin_{key}")
+            computed = 1 - user_work / (_user(raw, key) - _user(raw, f"twin_{key}"))
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_loss))
         worst = max(worst, diff)
-        row = (schedule, m, med[key], work, transfers, idle, bubble, computed, waiting, kernel)
-        rows.append((*row, analytic, diff))
+        row = (schedule, m, med[key], work, staged, transfers, idle, bubble, computed, waiting)
+        rows.append((*row, kernel, analytic, diff))
         figures.append(
             {
                 "name": f"{schedule}_idle_share_stage{p}_m{m}",
                 "value": round(bubble, 4),
-                "unit": "fraction of the step less its transfers",
+                "unit": "fraction of the stage's layers' time",
                 "reference": round(analytic, 4),
-                "ratio": round((med[key] - transfers) / work, 4),
+                "textbook_reference": round((p - 1) / (m + p - 1), 4),
+                "ratio": round(staged / work, 4),
                 "goal": f"|value - reference| <= {TOLERANCE}",
                 "met": bool(abs(bubble - analytic) <= TOLERANCE),
                 # Microseconds: a smoke run's steps take milliseconds, where 4 decimals of a
                 # second would leave the ratio 1% from its own figures.
                 "step_s": round(med[key], 6),
                 "busy_work_s": round(work, 6),
+                "pipelined_layers_s": round(staged, 6),
                 "transfers_s": round(transfers, 6),
                 "idle_share_with_transfers": round(idle, 4),
                 "bubble_in_user_cpu_time": None if computed is None else round(computed, 4),
@@ -344,14 +374,17 @@ def _print(raw: dict, rows: list[tuple]) -> None:
     med = {k: statistics.median(v) for k, v in raw["times"].items()}
     print(f"unpipelined (data=2): {1e3 * med['reference']:.1f} ms/step")
     print(
-        f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'busy ms':>8} {'transfers':>9} {'idle':>7}"
-        f" {'bubble':>7} {'user CPU':>8} {'analytic':>8} {'waiting':>7} {'kernel':>7}"
+        f"{'schedule':>8} {'m':>3} {'ms/step':>9} {'layers':>7} {'staged':>7} {'transfers':>9}"
+        f" {'idle':>7} {'bubble':>7} {'user CPU':>8} {'analytic':>8} {'waiting':>7} {'kernel':>7}"
         f" {'loss rel diff':>13}"
     )
-    for schedule, m, t, work, xfer, idle, bubble, computed, waiting, kernel, analytic, diff in rows:
+    for row in rows:
+        schedule, m, t, work, staged, xfer, idle, bubble, computed, waiting = row[:10]
+        kernel, analytic, diff = row[10:]
         cpu = "-" if computed is None else f"{computed:.1%}"
         print(
-            f"{schedule:>8} {m:>3} {1e3 * t:>9.1f} {1e3 * work:>8.1f} {1e3 * xfer:>9.1f}"
+            f"{schedule:>8} {m:>3} {1e3 * t:>9.1f} {1e3 * work:>7.1f} {1e3 * staged:>7.1f}"
+            f" {1e3 * xfer:>9.1f}"
             f" {idle:>7.1%} {bubble:>7.1%} {cpu:>8} {analytic:>8.1%} {waiting:>7.1%}"
             f" {kernel:>7.1%} {diff:>13.2e}"
         )

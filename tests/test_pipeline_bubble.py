@@ -42,8 +42,8 @@ def test_smoke_two_processes_equal_losses_and_record(tmp_path):
     bubble, losses = record["figures"]
     # GPipe, p = 2, m = 2: (p - 1) / (m + p - 1) = 1/3.
     assert bubble["reference"] == round(1 / 3, 4)
-    net = bubble["step_s"] - bubble["transfers_s"]
-    assert bubble["ratio"] == pytest.approx(net / bubble["busy_work_s"], rel=1e-2)
+    staged = bubble["pipelined_layers_s"]
+    assert bubble["ratio"] == pytest.approx(staged / bubble["busy_work_s"], rel=1e-2)
     # The pipelined steps' losses (step 1, then one a repetition) equal the unpipelined ones.
     ref, pipe = record["losses"]["reference"], record["losses"]["gpipe_m2"]
     assert len(ref) == len(pipe) == 1 + record["settings"]["reps"]
@@ -67,32 +67,40 @@ def test_too_few_microbatches_is_one_line_before_launching(tmp_path):
 
 
 def test_idle_shares_from_given_times():
-    """The bubble is 1 - W / (t - t_x): W the stage's program alone (a stage axis of one
-    device), t_x the layer-free twin's pipelined step less its stage alone."""
+    """The bubble is 1 - W / S: W the stage's layers alone (its program on a stage axis of one
+    device less the layer-free twin's), S the same pipelined (the step less the twin's step);
+    1F1B's W adds the forward its program alone drops."""
     raw = {
         "times": {
             "reference": [1.6, 1.5, 1.7],  # data=2, gloo all-reduces: not the busy work
-            "gpipe_m4": [1.45, 1.5, 1.4],  # median 1.45 = 5/4 W + 0.2 of transfers
-            "alone_gpipe_m4": [1.0, 0.9, 1.1],
-            "twin_gpipe_m4": [0.4, 0.4, 0.4],  # transfers 0.4 - 0.2
-            "alone_twin_gpipe_m4": [0.2, 0.2, 0.2],
-            "1f1b_m4": [2.0, 2.0, 2.0],  # W 1.2, transfers 0.2: 1 - 1.2 / 1.8 = 1/3
-            "alone_1f1b_m4": [1.2, 1.2, 1.2],
-            "twin_1f1b_m4": [0.45, 0.45, 0.45],
-            "alone_twin_1f1b_m4": [0.25, 0.25, 0.25],
+            "gpipe_m4": [1.45, 1.5, 1.4],  # S = 1.45 - 0.2 = 1.25 = 5/4 W: the analytic 1/5
+            "alone_gpipe_m4": [1.1, 1.0, 1.2],  # W = 1.1 - 0.1 = 1.0
+            "twin_gpipe_m4": [0.2, 0.2, 0.2],  # transfers 0.2 - 0.1
+            "alone_twin_gpipe_m4": [0.1, 0.1, 0.1],
+            "1f1b_m4": [2.0, 2.0, 2.0],  # S = 1.8; W = 1.0 + 0.2 (the forward): 1 - 1.2 / 1.8
+            "alone_1f1b_m4": [1.1, 1.1, 1.1],
+            "twin_1f1b_m4": [0.2, 0.2, 0.2],
+            "alone_twin_1f1b_m4": [0.1, 0.1, 0.1],
+            "forward_alone_1f1b_m4": [0.3, 0.3, 0.3],
+            "forward_alone_twin_1f1b_m4": [0.1, 0.1, 0.1],
         },
         "losses": {"reference": [2.0, 1.5], "gpipe_m4": [2.0, 1.5], "1f1b_m4": [2.0, 1.5003]},
-        # Process CPU time: GPipe's user time (CPU less kernel) 1.25 = 5/4 its stage's alone;
-        # off the CPU 6.4% (median of 0.084/1.45, 0.12/1.5, 0.09/1.4) and 30% of the steps.
+        # Process CPU time less kernel time (user): GPipe's layers 1.25 (1.366 - 0.116, less the
+        # twin's 0.05 - 0.05) = 5/4 its stage's alone (1.1 - 0.1); off the CPU 6.4% (median of
+        # 0.084/1.45, 0.12/1.5, 0.09/1.4) and 30% of the steps.
         "cpu": {
             "gpipe_m4": [1.366, 1.38, 1.31],
-            "alone_gpipe_m4": [1.0, 0.9, 1.1],
+            "twin_gpipe_m4": [0.05, 0.05, 0.05],
+            "alone_gpipe_m4": [1.1, 1.0, 1.2],
+            "alone_twin_gpipe_m4": [0.1, 0.1, 0.1],
             "1f1b_m4": [1.4, 1.4, 1.4],
         },
         # Of it in the kernel: 8% (median of 0.116/1.45, 0.13/1.5, 0.06/1.4).
         "kernel": {
             "gpipe_m4": [0.116, 0.13, 0.06],
+            "twin_gpipe_m4": [0.05, 0.05, 0.05],
             "alone_gpipe_m4": [0.0, 0.0, 0.0],
+            "alone_twin_gpipe_m4": [0.0, 0.0, 0.0],
             "1f1b_m4": [0.2, 0.2, 0.2],
         },
     }
@@ -100,16 +108,18 @@ def test_idle_shares_from_given_times():
     gpipe, onefb, loss = figures
     assert gpipe["name"] == "gpipe_idle_share_stage2_m4"
     assert gpipe["value"] == pytest.approx(0.2) and gpipe["reference"] == 0.2 and gpipe["met"]
-    assert gpipe["transfers_s"] == pytest.approx(0.2) and gpipe["busy_work_s"] == 1.0
-    assert gpipe["idle_share_with_transfers"] == pytest.approx(1 - 1 / 1.45, abs=1e-4)
+    assert gpipe["transfers_s"] == pytest.approx(0.1) and gpipe["busy_work_s"] == 1.0
+    assert gpipe["pipelined_layers_s"] == pytest.approx(1.25)
+    assert gpipe["idle_share_with_transfers"] == pytest.approx(1 - 1.1 / 1.45, abs=1e-4)
     assert onefb["busy_work_s"] == pytest.approx(1.2)
     assert gpipe["bubble_in_user_cpu_time"] == pytest.approx(0.2)
     assert onefb["bubble_in_user_cpu_time"] is None  # 1F1B idles off the CPU
-    assert (
-        gpipe["waiting_share"] == pytest.approx(0.09 / 1.4, abs=1e-4)
-        and onefb["waiting_share"] == 0.3
-    )
+    assert gpipe["waiting_share"] == pytest.approx(0.09 / 1.4, abs=1e-4)
+    assert onefb["waiting_share"] == 0.3
     assert gpipe["kernel_share"] == pytest.approx(0.08) and onefb["kernel_share"] == 0.1
     assert onefb["value"] == pytest.approx(1 / 3, abs=1e-4) and not onefb["met"]
+    # 1F1B at p = 2: its last stage drops its schedule's F, so the stage takes 5/4 W - 2 F / 4.
+    assert onefb["reference"] == pytest.approx(1 - 1.2 / (1.5 - 0.1), abs=1e-4)
+    assert onefb["textbook_reference"] == gpipe["textbook_reference"] == 0.2
     assert loss["value"] == pytest.approx(2e-4) and not loss["met"]
     assert [r[0] for r in rows] == ["gpipe", "1f1b"]
