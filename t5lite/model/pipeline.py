@@ -102,7 +102,9 @@ def one_stage() -> Iterator[None]:
     """Within it, a `stage` axis of one device runs the pipeline's schedule too (elsewhere a
     pipeline needs two stages or more): a stage's program alone, its ticks and code without a
     bubble or a transfer, which benchmarks/pipeline_bubble.py times as a stage's busy work.
-    It acts where a step is traced: jit keeps a step's first trace, so first call it within."""
+    It acts where a step is traced: jit keeps a step's first trace, so first call it within.
+    Meant for a mesh of one device: with other axes over several devices XLA's partitioner
+    rejects the manual axis of size one (an all-reduce outside manual mode, 8 fake devices)."""
     token = _ONE_STAGE.set(True)
     try:
         yield
