@@ -482,7 +482,7 @@ def analytic_communication(trainer: Trainer, report: ShardingReport) -> Analytic
     """Per-device communication the layout implies, before any compiler gets to it."""
     part = trainer.partitioner
     mesh_shape = dict(part.mesh.shape)
-    batch_axes = tuple(t for t in mesh_axes_of(part.data_partition_spec[0]) if mesh_shape[t] > 1)
+    batch_axes = tuple(t for t in part.batch_axes if mesh_shape[t] > 1)
     expected, choices = [], []
     if batch_axes:
         expected, choices = _parameter_collectives(trainer, report, mesh_shape, batch_axes)

@@ -133,7 +133,7 @@ def expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
     dimensions' axes that do not carry the batch (parameter_bytes.gradient_bytes)."""
     spec, _ = resolve_logical_axes(("expert", "embed", "expert_mlp"), partitioner.rules)
     mesh = partitioner.mesh.shape
-    batch = set(mesh_axes_of(partitioner.data_partition_spec[0]))
+    batch = set(partitioner.batch_axes)
     expert = set(mesh_axes_of(spec[0]))
     axes = [t for e in spec for t in mesh_axes_of(e) if t in mesh]
     split = math.prod(mesh[t] for t in axes if t not in batch or t in expert)
@@ -149,7 +149,7 @@ def local_expert_gradient_bytes(partitioner: Partitioner, cfg: Any) -> int:
     XLA:CPU's buffer assignment, unscanned T5 on data parallel), else 0."""
     spec, _ = resolve_logical_axes(("expert",), partitioner.rules)
     mesh = partitioner.mesh.shape
-    batch = {t for t in mesh_axes_of(partitioner.data_partition_spec[0]) if mesh.get(t, 1) > 1}
+    batch = {t for t in partitioner.batch_axes if mesh.get(t, 1) > 1}
     local = batch <= set(mesh_axes_of(spec[0]))
     return expert_gradient_bytes(partitioner, cfg) if local and cfg.num_experts else 0
 

@@ -157,7 +157,7 @@ def gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
 
 def batch_axes_of(trainer: Trainer) -> set[str]:
     """The mesh axes the batch is split over (the data layout's first dimension)."""
-    return set(mesh_axes_of(trainer.partitioner.data_partition_spec[0]))
+    return set(trainer.partitioner.batch_axes)
 
 
 def param_specs(trainer: Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:

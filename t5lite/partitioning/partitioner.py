@@ -417,8 +417,13 @@ class Partitioner:
         return spec
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (the data layout's first dimension)."""
+        return tuple(mesh_axes_of(self.data_partition_spec[0]))
+
+    @property
     def data_parallel_size(self) -> int:
-        return math.prod(self.mesh.shape[t] for t in mesh_axes_of(self.data_partition_spec[0]))
+        return math.prod(self.mesh.shape[t] for t in self.batch_axes)
 
     def _check_batch(self, batch_size: int) -> None:
         if batch_size % self.data_parallel_size:
