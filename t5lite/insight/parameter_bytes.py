@@ -52,7 +52,7 @@ def gathered_layer_bytes(trainer: Trainer) -> int:
     reused buffer, never the next layer's or the stack's). In the parameters' dtype, as the
     unrolled TPU terms were fitted (XLA:TPU gathers its dots' bf16 operands, fp32 policy too)."""
     part = trainer.partitioner
-    batch_axes = batch_axes_of(trainer)
+    batch_axes = set(part.batch_axes)
     unrolled = 0
     one_layer: dict[str, int] = {}  # a scanned stack's one layer, by stack
     for (path, x), (s, names) in zip(
@@ -81,7 +81,7 @@ def gathered_layer_bytes(trainer: Trainer) -> int:
 def embedding_gradient_bytes(trainer: Trainer, min_itemsize: int = 0) -> tuple[int, int]:
     """(unreduced, reduced) bytes per device of the token embedding's gradient."""
     part = trainer.partitioner
-    batch_axes = batch_axes_of(trainer)
+    batch_axes = set(part.batch_axes)
     for (path, x), s in zip(
         jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params),
         jax.tree_util.tree_leaves(trainer.state_shardings.params),
@@ -138,7 +138,7 @@ def gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
     """Each parameter's path, logical names, gradient bytes per device unreduced (whole over
     the batch's axes) and reduced (in the parameters' sharding), and its `layers` size (or 1)."""
     part = trainer.partitioner
-    batch_axes = batch_axes_of(trainer)
+    batch_axes = set(part.batch_axes)
     for (path, x), (s, names) in zip(
         jax.tree_util.tree_leaves_with_path(trainer.state_abstract.params), param_specs(trainer)
     ):
@@ -153,11 +153,6 @@ def gradient_leaves(trainer: Trainer, min_itemsize: int) -> Iterator[tuple]:
         reduced = size // math.prod(part.mesh.shape[t] for t in unsplit)
         layers = x.shape[names.index("layers")] if "layers" in names else 1
         yield path, names, unreduced, reduced, layers
-
-
-def batch_axes_of(trainer: Trainer) -> set[str]:
-    """The mesh axes the batch is split over (the data layout's first dimension)."""
-    return set(trainer.partitioner.batch_axes)
 
 
 def param_specs(trainer: Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
@@ -176,7 +171,7 @@ def param_specs(trainer: Trainer) -> Iterator[tuple[Any, tuple[str, ...]]]:
 def params_split_over_batch(trainer: Trainer) -> bool:
     """Whether any parameter is split over the batch's mesh axes (FSDP, fully sharded: gathered
     where used), experts' own dimension aside."""
-    batch_axes = batch_axes_of(trainer)
+    batch_axes = set(trainer.partitioner.batch_axes)
     return any(
         batch_axes & set(mesh_axes_of(e))
         for s, names in param_specs(trainer)

@@ -46,7 +46,7 @@ import numpy as np
 
 from t5lite.insight import hardware, memory, pipeline, tpu_memory
 from t5lite.insight.hlo import axes_along, device_slices
-from t5lite.insight.parameter_bytes import batch_axes_of, param_specs, sharded_batch
+from t5lite.insight.parameter_bytes import param_specs, sharded_batch
 from t5lite.insight.sharded_bytes import bytes_per_device
 from t5lite.insight.sharding import format_bytes
 from t5lite.model.config import T5Config
@@ -210,7 +210,7 @@ def _dcn_transfers(trainer: Trainer, f: pipeline.PipelineFigures, stacks: int) -
         axes = {t for e in s.spec for t in mesh_axes_of(e)} - {STAGE}
         table |= "vocab" in names and "layers" not in names and bool(axes)
     hand_offs = stacks * (2 + (2 if f.schedule == "gpipe" else 1)) + 2 * table
-    batch_axes = batch_axes_of(trainer) - {STAGE}
+    batch_axes = set(trainer.partitioner.batch_axes) - {STAGE}
     ways = math.prod(mesh.shape[a] for a in batch_axes)
     return hand_offs + _DCN_ALL_REDUCES, ways == int(np.sum(slices == slices.flat[0]))
 
@@ -232,7 +232,7 @@ def _stage_weights(trainer: Trainer, stages: int) -> tuple[int, float]:
     each stack) over `_TEST_TILES`, 0 at or under it."""
     part = trainer.partitioner
     mesh = part.mesh
-    batch_axes = batch_axes_of(trainer) - {STAGE}
+    batch_axes = set(part.batch_axes) - {STAGE}
     total, tiles, arrays = 0, 0, 0
     for x, (s, names) in zip(
         jax.tree_util.tree_leaves(trainer.state_abstract.params), param_specs(trainer)
@@ -256,7 +256,7 @@ def _stage_weights(trainer: Trainer, stages: int) -> tuple[int, float]:
 def _layers_split_over_batch(trainer: Trainer) -> bool:
     """Whether the rules split a stacked layer weight over the batch's mesh axes (FSDP: each
     tick gathers the stage's weights)."""
-    batch_axes = batch_axes_of(trainer) - {STAGE}
+    batch_axes = set(trainer.partitioner.batch_axes) - {STAGE}
     for s, names in param_specs(trainer):
         axes = {t for e, n in zip(s.spec, names) if n != "layers" for t in mesh_axes_of(e)}
         if "layers" in names and axes & batch_axes:
